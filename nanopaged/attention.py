@@ -1,0 +1,163 @@
+"""Paged attention: store each new token's K/V in its cache slot, then attend through block tables.
+
+The KV cache of one layer is two tensors of shape (num_blocks, block_size, num_kv_heads,
+head_dim). Token `p` of a sequence lives in block `block_table[p // block_size]` at offset
+`p % block_size`; its flat *slot* is `block * block_size + offset`. Three backends compute the
+same function: plain PyTorch (the CPU path and the reference), Triton, and flash-attn.
+"""
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class AttentionMetadata:
+    """What attention needs to know about one step's batch, built by the model runner.
+
+    Prefill steps run a ragged batch of query tokens: sequence i owns queries
+    `cu_seqlens_q[i]:cu_seqlens_q[i+1]`, which are its last tokens among `context_lens[i]`.
+    Decode steps run one query per sequence. Padding rows (CUDA-graph batches) have slot -1
+    and context length 0.
+    """
+    is_prefill: bool
+    slot_mapping: torch.Tensor            # (num_tokens,) int64 cache slot of each new token
+    context_lens: torch.Tensor            # (num_seqs,) int32 tokens in the cache after this step
+    block_tables: torch.Tensor | None     # (num_seqs, max_blocks) int32, -1 past the end
+    max_seqlen_k: int
+    cu_seqlens_q: torch.Tensor | None = None  # (num_seqs + 1,) int32, prefill only
+    cu_seqlens_k: torch.Tensor | None = None
+    max_seqlen_q: int = 1
+
+
+def store_kvcache_torch(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                        v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """k, v: (T, nkv, hs) written to their slots; slot -1 (padding) is skipped."""
+    valid = slot_mapping >= 0
+    slots = slot_mapping[valid]
+    k_cache.view(-1, *k.shape[1:])[slots] = k[valid]
+    v_cache.view(-1, *v.shape[1:])[slots] = v[valid]
+
+
+def _gather_context(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
+    """The first `length` cached tokens of one sequence: (length, nkv, hs)."""
+    block_size = cache.shape[1]
+    pos = torch.arange(length, device=cache.device)
+    slots = block_table[pos // block_size].long() * block_size + pos % block_size
+    return cache.view(-1, *cache.shape[2:])[slots]
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+            scale: float) -> torch.Tensor:
+    """q: (..., nq, hs), k/v: (..., L, nkv, hs), mask: (..., nq, L) -> (..., nq, nh, hs).
+
+    Query heads share key heads in groups (GQA); computed in float32 as a reference."""
+    *batch, num_q, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[-2]
+    group = num_heads // num_kv_heads
+    q = q.float().reshape(*batch, num_q, num_kv_heads, group, head_dim)
+    scores = torch.einsum("...qhgd,...khd->...hgqk", q, k.float()) * scale
+    scores = scores.masked_fill(~mask.unsqueeze(-3).unsqueeze(-3), float("-inf"))
+    probs = scores.softmax(dim=-1)
+    out = torch.einsum("...hgqk,...khd->...qhgd", probs, v.float())
+    return out.reshape(*batch, num_q, num_heads, head_dim)
+
+
+def prefill_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Causal attention of each sequence's new queries over its whole cached context."""
+    out = torch.empty_like(q)
+    cu_seqlens_q = meta.cu_seqlens_q.tolist()
+    for i, context_len in enumerate(meta.context_lens.tolist()):
+        start, end = cu_seqlens_q[i], cu_seqlens_q[i + 1]
+        k = _gather_context(k_cache, meta.block_tables[i], context_len)
+        v = _gather_context(v_cache, meta.block_tables[i], context_len)
+        q_pos = torch.arange(context_len - (end - start), context_len, device=q.device)
+        mask = torch.arange(context_len, device=q.device)[None, :] <= q_pos[:, None]
+        out[start:end] = _attend(q[start:end], k, v, mask, scale).to(q.dtype)
+    return out
+
+
+def decode_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """One query per sequence over its cached context, the batch padded to the longest."""
+    block_size = k_cache.shape[1]
+    length = meta.max_seqlen_k
+    pos = torch.arange(length, device=q.device)
+    block_ids = meta.block_tables[:, pos // block_size].long().clamp(min=0)
+    slots = block_ids * block_size + pos % block_size                 # (B, L)
+    k = k_cache.view(-1, *k_cache.shape[2:])[slots]                   # (B, L, nkv, hs)
+    v = v_cache.view(-1, *v_cache.shape[2:])[slots]
+    mask = (pos[None, :] < meta.context_lens[:, None]).unsqueeze(1)   # (B, 1, L)
+    return _attend(q.unsqueeze(1), k, v, mask, scale).squeeze(1).to(q.dtype)
+
+
+def prefill_flash(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    from flash_attn import flash_attn_varlen_func
+    return flash_attn_varlen_func(q, k_cache, v_cache, cu_seqlens_q=meta.cu_seqlens_q,
+                                  cu_seqlens_k=meta.cu_seqlens_k, max_seqlen_q=meta.max_seqlen_q,
+                                  max_seqlen_k=meta.max_seqlen_k, softmax_scale=scale,
+                                  causal=True, block_table=meta.block_tables)
+
+
+def decode_flash(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    from flash_attn import flash_attn_with_kvcache
+    return flash_attn_with_kvcache(q.unsqueeze(1), k_cache, v_cache,
+                                   cache_seqlens=meta.context_lens, block_table=meta.block_tables,
+                                   softmax_scale=scale, causal=True).squeeze(1)
+
+
+def attention_no_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       cu_seqlens_q: torch.Tensor, scale: float) -> torch.Tensor:
+    """Plain causal prefill with no KV cache: the model runner's memory-profiling forward."""
+    out = torch.empty_like(q)
+    group = q.shape[1] // k.shape[1]
+    bounds = cu_seqlens_q.tolist()
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        # (T, nh, hs) -> (nh, T, hs)
+        qi, ki, vi = (x[start:end].transpose(0, 1) for x in (q, k, v))
+        oi = F.scaled_dot_product_attention(qi, ki.repeat_interleave(group, 0),
+                                            vi.repeat_interleave(group, 0),
+                                            is_causal=True, scale=scale)
+        out[start:end] = oi.transpose(0, 1)
+    return out
+
+
+def get_backend(name: str):
+    """(store_kvcache, prefill, decode) functions for a backend name."""
+    if name == "torch":
+        return store_kvcache_torch, prefill_torch, decode_torch
+    from nanopaged import triton_attention
+    if name == "triton":
+        return (triton_attention.store_kvcache, triton_attention.prefill_paged,
+                triton_attention.decode_paged)
+    return triton_attention.store_kvcache, prefill_flash, decode_flash
+
+
+class Attention(nn.Module):
+    """Multi-head attention over the paged KV cache of one layer.
+
+    `k_cache` and `v_cache` are views into the engine's single KV tensor, set by the model runner
+    once it has sized the pool; before that (the memory-profiling forward) attention runs
+    without a cache.
+    """
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, backend: str):
+        super().__init__()
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = head_dim ** -0.5
+        self.store_kvcache, self.prefill, self.decode = get_backend(backend)
+        self.k_cache: torch.Tensor | None = None
+        self.v_cache: torch.Tensor | None = None
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        # q: (T, nh, hs), k/v: (T, nkv, hs)
+        if self.k_cache is None:
+            return attention_no_cache(q, k, v, meta.cu_seqlens_q, self.scale)
+        self.store_kvcache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        attend = self.prefill if meta.is_prefill else self.decode
+        return attend(q, self.k_cache, self.v_cache, meta, self.scale)

@@ -1,0 +1,123 @@
+"""Engine configuration: every knob of `LLM(model, **kwargs)`, validated once."""
+import os
+from dataclasses import dataclass
+
+import torch
+from transformers import AutoConfig, PretrainedConfig
+
+SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen2ForCausalLM", "LlamaForCausalLM")
+ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash")
+FLASH_BLOCK_SIZE_MULTIPLE = 256  # flash-attn's paged KV needs pages of a multiple of 256 tokens
+
+
+def flash_attn_available() -> bool:
+    try:
+        import flash_attn  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@dataclass
+class Config:
+    """Everything the engine needs to know, resolved from `LLM(model, **kwargs)`.
+
+    `None` means "choose for me": `device` picks cuda when available, `dtype` the checkpoint's
+    dtype on GPU and float32 on CPU, `attention_backend` "auto" picks flash-attn, then Triton
+    (both CUDA only), then plain PyTorch, and `kvcache_block_size` 256 with flash-attn and 16
+    otherwise. `num_kvcache_blocks` forces the size of the KV pool instead of sizing it from
+    free memory.
+    """
+    model: str
+    device: str | None = None
+    dtype: str | torch.dtype | None = None
+    max_num_batched_tokens: int = 16384
+    max_num_seqs: int = 512
+    max_model_len: int = 4096
+    gpu_memory_utilization: float = 0.9
+    kvcache_block_size: int | None = None
+    num_kvcache_blocks: int | None = None
+    enforce_eager: bool = False
+    tensor_parallel_size: int = 1
+    attention_backend: str = "auto"
+    hf_config: PretrainedConfig | None = None
+
+    def __post_init__(self) -> None:
+        if not os.path.isdir(self.model):
+            raise ValueError(f"model path {self.model!r} is not a directory holding a checkpoint")
+        self.hf_config = AutoConfig.from_pretrained(self.model)
+        architectures = getattr(self.hf_config, "architectures", None) or []
+        if not any(a in SUPPORTED_ARCHITECTURES for a in architectures):
+            raise ValueError(f"unsupported architecture {architectures}; nanopaged supports "
+                             f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+        self._resolve_device_and_dtype()
+        self._resolve_attention_backend()
+        self._validate_sizes()
+
+    def _resolve_device_and_dtype(self) -> None:
+        if self.device is None:
+            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        if self.device not in ("cuda", "cpu"):
+            raise ValueError(f"device must be 'cuda' or 'cpu', got {self.device!r}")
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device='cuda' was asked for but torch sees no CUDA GPU")
+        if self.dtype is None:
+            checkpoint_dtype = getattr(self.hf_config, "dtype", None) or torch.float32
+            self.dtype = checkpoint_dtype if self.device == "cuda" else torch.float32
+        if isinstance(self.dtype, str):
+            if self.dtype not in ("float32", "float16", "bfloat16"):
+                raise ValueError(f"dtype must be float32, float16 or bfloat16, got {self.dtype!r}")
+            self.dtype = getattr(torch, self.dtype)
+        if self.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            raise ValueError(f"dtype must be float32, float16 or bfloat16, got {self.dtype}")
+
+    def _resolve_attention_backend(self) -> None:
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, "
+                             f"got {self.attention_backend!r}")
+        on_gpu = self.device == "cuda"
+        if self.attention_backend == "auto":
+            if on_gpu and self.dtype != torch.float32 and flash_attn_available():
+                self.attention_backend = "flash"
+            elif on_gpu and triton_available():
+                self.attention_backend = "triton"
+            else:
+                self.attention_backend = "torch"
+        elif self.attention_backend in ("flash", "triton") and not on_gpu:
+            raise ValueError(f"attention_backend={self.attention_backend!r} needs a CUDA GPU")
+        elif self.attention_backend == "flash" and not flash_attn_available():
+            raise ValueError("attention_backend='flash' but flash_attn is not importable")
+        elif self.attention_backend == "flash" and self.dtype == torch.float32:
+            raise ValueError("attention_backend='flash' needs dtype float16 or bfloat16")
+        elif self.attention_backend == "triton" and not triton_available():
+            raise ValueError("attention_backend='triton' but triton is not importable")
+
+    def _validate_sizes(self) -> None:
+        if self.kvcache_block_size is None:
+            self.kvcache_block_size = 256 if self.attention_backend == "flash" else 16
+        if self.kvcache_block_size < 1:
+            raise ValueError(f"kvcache_block_size must be >= 1, got {self.kvcache_block_size}")
+        if (self.attention_backend == "flash"
+                and self.kvcache_block_size % FLASH_BLOCK_SIZE_MULTIPLE != 0):
+            raise ValueError(f"kvcache_block_size={self.kvcache_block_size} does not work with "
+                             f"flash-attn, whose paged KV needs a multiple of "
+                             f"{FLASH_BLOCK_SIZE_MULTIPLE}; use attention_backend='triton'")
+        for field in ("max_num_batched_tokens", "max_num_seqs", "max_model_len"):
+            if getattr(self, field) < 1:
+                raise ValueError(f"{field} must be >= 1, got {getattr(self, field)}")
+        self.max_model_len = min(self.max_model_len, self.hf_config.max_position_embeddings)
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], "
+                             f"got {self.gpu_memory_utilization}")
+        if self.num_kvcache_blocks is not None and self.num_kvcache_blocks < 1:
+            raise ValueError(f"num_kvcache_blocks must be >= 1, got {self.num_kvcache_blocks}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")

@@ -1,0 +1,202 @@
+"""The building blocks of the decoder, each sharded over tensor-parallel ranks when there are several.
+
+A column-parallel linear splits its output features across ranks, a row-parallel one its input
+features (then sums the partial outputs with an all-reduce). With one rank both are plain
+linears. Every parameter carries a `weight_loader(param, loaded_weight, shard_id)` that copies
+this rank's slice of a checkpoint tensor into it.
+"""
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+
+def tp_rank_and_size() -> tuple[int, int]:
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _shard(loaded: torch.Tensor, dim: int, rank: int, size: int) -> torch.Tensor:
+    shard_size = loaded.shape[dim] // size
+    return loaded.narrow(dim, rank * shard_size, shard_size)
+
+
+class LinearBase(nn.Module):
+    def __init__(self, in_features: int, out_features: int, bias: bool):
+        super().__init__()
+        self.tp_rank, self.tp_size = tp_rank_and_size()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+        self.bias = None
+        if bias:
+            self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
+            self.bias.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        param.data.copy_(loaded)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class ColumnParallelLinear(LinearBase):
+    """Output features split across ranks; no communication."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+        _, tp_size = tp_rank_and_size()
+        super().__init__(in_features, out_features // tp_size, bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        param.data.copy_(_shard(loaded, 0, self.tp_rank, self.tp_size))
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel linears stored as one (gate and up projections): one matmul."""
+
+    def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False):
+        self.output_sizes = output_sizes
+        super().__init__(in_features, sum(output_sizes), bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int) -> None:
+        offset = sum(self.output_sizes[:shard_id]) // self.tp_size
+        size = self.output_sizes[shard_id] // self.tp_size
+        param.data.narrow(0, offset, size).copy_(_shard(loaded, 0, self.tp_rank, self.tp_size))
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """The q, k and v projections as one linear; each rank holds its own heads of all three."""
+
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int,
+                 bias: bool = False):
+        self.head_dim = head_dim
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        super().__init__(hidden_size, (num_heads + 2 * num_kv_heads) * head_dim, bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str) -> None:
+        q_size = self.num_heads * self.head_dim // self.tp_size
+        kv_size = self.num_kv_heads * self.head_dim // self.tp_size
+        offset, size = {"q": (0, q_size), "k": (q_size, kv_size),
+                        "v": (q_size + kv_size, kv_size)}[shard_id]
+        param.data.narrow(0, offset, size).copy_(_shard(loaded, 0, self.tp_rank, self.tp_size))
+
+
+class RowParallelLinear(LinearBase):
+    """Input features split across ranks; partial outputs are summed with an all-reduce."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+        _, tp_size = tp_rank_and_size()
+        super().__init__(in_features // tp_size, out_features, bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        if param.dim() == 1:  # the bias is added once, on rank 0 only
+            param.data.copy_(loaded if self.tp_rank == 0 else torch.zeros_like(loaded))
+        else:
+            param.data.copy_(_shard(loaded, 1, self.tp_rank, self.tp_size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight, self.bias)
+        if self.tp_size > 1:
+            dist.all_reduce(y)
+        return y
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Each rank holds a contiguous slice of the vocabulary; an all-reduce assembles the rows."""
+
+    def __init__(self, vocab_size: int, hidden_size: int):
+        super().__init__()
+        self.tp_rank, self.tp_size = tp_rank_and_size()
+        self.vocab_per_rank = vocab_size // self.tp_size
+        self.vocab_start = self.tp_rank * self.vocab_per_rank
+        self.weight = nn.Parameter(torch.empty(self.vocab_per_rank, hidden_size),
+                                   requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        param.data.copy_(_shard(loaded, 0, self.tp_rank, self.tp_size))
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.embedding(input_ids, self.weight)
+        local_ids = input_ids - self.vocab_start
+        on_this_rank = (local_ids >= 0) & (local_ids < self.vocab_per_rank)
+        y = F.embedding(local_ids.clamp(0, self.vocab_per_rank - 1), self.weight)
+        y = y * on_this_rank.unsqueeze(-1).to(y.dtype)
+        dist.all_reduce(y)
+        return y
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """Projects hidden states to logits over the whole vocabulary (gathered across ranks)."""
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(hidden, self.weight)
+        if self.tp_size == 1:
+            return logits
+        shards = [torch.empty_like(logits) for _ in range(self.tp_size)]
+        dist.all_gather(shards, logits)
+        return torch.cat(shards, dim=-1)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # normalise in float32 as transformers does, then scale in the model's dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotary position embedding in the rotate-half layout of Qwen and Llama checkpoints."""
+
+    def __init__(self, head_dim: int, max_position: int, rope_parameters: dict):
+        super().__init__()
+        inv_freq = 1.0 / (rope_parameters["rope_theta"]
+                          ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+        rope_type = rope_parameters.get("rope_type", "default")
+        if rope_type == "llama3":
+            inv_freq = _llama3_inv_freq(inv_freq, rope_parameters)
+        elif rope_type != "default":
+            raise ValueError(f"unsupported rope_type {rope_type!r}; nanopaged supports "
+                             f"'default' and 'llama3'")
+        freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
+        self.register_buffer("cos", freqs.cos(), persistent=False)  # (max_position, head_dim/2)
+        self.register_buffer("sin", freqs.sin(), persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        # q: (T, nh, hs), k: (T, nkv, hs)
+        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
+        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, params: dict) -> torch.Tensor:
+    """Llama 3's frequency scaling: long wavelengths slowed by `factor`, short ones kept,
+    the band between blended smoothly."""
+    factor, low, high = params["factor"], params["low_freq_factor"], params["high_freq_factor"]
+    old_len = params["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return torch.where(is_medium, blended, scaled)

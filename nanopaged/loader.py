@@ -1,0 +1,64 @@
+"""Loads (sharded) safetensors checkpoints into the model's packed layout."""
+import glob
+import os
+
+from safetensors import safe_open
+from torch import nn
+
+# Checkpoint tensors the model has no parameter for, by design.
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def load_weights(model: nn.Module, path: str) -> None:
+    """Copies every tensor of the checkpoint at `path` into `model`.
+
+    q/k/v and gate/up projections are packed into one parameter each (`model.packed_modules`).
+    A checkpoint tensor with no parameter, or a parameter no tensor filled, is an error naming it.
+    """
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        raise ValueError(f"no *.safetensors files in {path!r}")
+    params = dict(model.named_parameters(remove_duplicate=False))
+    tied = getattr(model, "tie_word_embeddings", False)
+    unfilled = set(params) - ({"lm_head.weight"} if tied else set())
+    for file in files:
+        with safe_open(file, "pt", "cpu") as f:
+            for name in f.keys():
+                if name.endswith(IGNORED_SUFFIXES) or (tied and name == "lm_head.weight"):
+                    continue
+                param_name, shard_id = _packed_name(model, name)
+                if param_name not in params:
+                    raise ValueError(f"unexpected weight {name!r} in {file}")
+                param = params[param_name]
+                loader = getattr(param, "weight_loader", None)
+                if loader is None:
+                    param.data.copy_(f.get_tensor(name))
+                elif shard_id is None:
+                    loader(param, f.get_tensor(name))
+                else:
+                    loader(param, f.get_tensor(name), shard_id)
+                unfilled.discard(param_name)
+                if shard_id is not None:
+                    param.loaded_shards = getattr(param, "loaded_shards", set()) | {shard_id}
+    missing = sorted(unfilled | _incomplete_packs(params))
+    if missing:
+        raise ValueError(f"checkpoint {path!r} is missing weights: {', '.join(missing)}")
+
+
+def _packed_name(model: nn.Module, name: str) -> tuple[str, str | int | None]:
+    for fragment, (packed, shard_id) in model.packed_modules.items():
+        if f".{fragment}." in name:
+            return name.replace(fragment, packed), shard_id
+    return name, None
+
+
+def _incomplete_packs(params: dict[str, nn.Parameter]) -> set[str]:
+    """Packed parameters some of whose parts (say v_proj) the checkpoint lacked."""
+    incomplete = set()
+    for name, param in params.items():
+        if hasattr(param, "loaded_shards"):
+            expected = {"q", "k", "v"} if "qkv_proj" in name else {0, 1}
+            if param.loaded_shards != expected:
+                incomplete.add(f"{name} (parts {sorted(map(str, expected - param.loaded_shards))})")
+            del param.loaded_shards
+    return incomplete

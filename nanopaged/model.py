@@ -1,0 +1,125 @@
+"""One decoder for Qwen3, Qwen2 and Llama checkpoints; they differ only in two details.
+
+Qwen3 normalises q and k per head (RMSNorm) before the rotary embedding; Qwen2 has biases on
+the q/k/v projections; Llama has neither (unless its config asks for biases).
+"""
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+
+from nanopaged.attention import Attention, AttentionMetadata
+from nanopaged.layers import (MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear,
+                              RMSNorm, RotaryEmbedding, RowParallelLinear, VocabParallelEmbedding,
+                              silu_and_mul, tp_rank_and_size)
+
+
+def rope_parameters(config: PretrainedConfig) -> dict:
+    params = getattr(config, "rope_parameters", None)
+    if params:
+        return dict(params)
+    return dict(getattr(config, "rope_scaling", None) or {}, rope_theta=config.rope_theta)
+
+
+class DecoderAttention(nn.Module):
+    def __init__(self, config: PretrainedConfig, backend: str):
+        super().__init__()
+        _, tp_size = tp_rank_and_size()
+        arch = config.architectures[0]
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.num_heads = config.num_attention_heads // tp_size
+        self.num_kv_heads = config.num_key_value_heads // tp_size
+        qkv_bias = arch == "Qwen2ForCausalLM" or getattr(config, "attention_bias", False)
+        o_bias = arch != "Qwen2ForCausalLM" and getattr(config, "attention_bias", False)
+        self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim,
+                                          config.num_attention_heads, config.num_key_value_heads,
+                                          bias=qkv_bias)
+        self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim,
+                                        config.hidden_size, bias=o_bias)
+        self.qk_norm = arch == "Qwen3ForCausalLM"
+        if self.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(self.head_dim, config.max_position_embeddings,
+                                          rope_parameters(config))
+        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, backend)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q, k, v = self.qkv_proj(hidden).split([q_size, kv_size, kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)    # (T, nh, hs)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)  # (T, nkv, hs)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary_emb(positions, q, k)
+        out = self.attn(q, k, v, meta)
+        return self.o_proj(out.flatten(1))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: PretrainedConfig):
+        super().__init__()
+        bias = getattr(config, "mlp_bias", False)
+        self.gate_up_proj = MergedColumnParallelLinear(
+            config.hidden_size, [config.intermediate_size] * 2, bias=bias)
+        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: PretrainedConfig, backend: str):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = DecoderAttention(config, backend)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), meta)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, config: PretrainedConfig, backend: str):
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, backend)
+                                    for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)  # (T, C)
+        for layer in self.layers:
+            hidden = layer(positions, hidden, meta)
+        return self.norm(hidden)
+
+
+class CausalLM(nn.Module):
+    """The decoder plus the LM head; `forward` returns hidden states, `compute_logits` the
+    logits of the rows that sample."""
+
+    # checkpoint name fragment -> (packed parameter fragment, shard id)
+    packed_modules = {
+        "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, config: PretrainedConfig, backend: str):
+        super().__init__()
+        self.model = DecoderModel(config, backend)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
+        self.tie_word_embeddings = getattr(config, "tie_word_embeddings", False)
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        return self.model(input_ids, positions, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()

@@ -1,0 +1,65 @@
+"""Writes a random-weight checkpoint (config, safetensors, tokenizer) for offline runs and tests.
+
+No model hub is needed: the model comes from `transformers` with random weights, and the
+tokenizer is a small byte-level BPE trained here with the `tokenizers` library.
+"""
+import os
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, PreTrainedTokenizerFast
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                 "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+CORPUS = """Paged attention stores the key and value cache in fixed-size blocks, like pages of
+virtual memory. A block table maps each sequence's logical blocks to physical blocks, so
+sequences that share a prefix can share its blocks. The scheduler admits waiting requests,
+prefills their prompts, then decodes one token per running sequence per step. When the pool of
+blocks runs out, the newest sequence is preempted and recomputed later. Introduce yourself.
+List all prime numbers within 100. Write a short poem about the sea. Explain how a hash chain
+identifies a prefix of tokens."""
+
+# Qwen3-0.6B's published shape, for benchmarks with random weights.
+QWEN3_0_6B = dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_size=1024,
+                  intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+                  num_key_value_heads=8, head_dim=128, vocab_size=151936,
+                  max_position_embeddings=40960, rms_norm_eps=1e-6, tie_word_embeddings=True,
+                  rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
+
+# A model small enough to run anywhere in seconds.
+TINY_QWEN3 = dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_size=64,
+                  intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, vocab_size=512,
+                  max_position_embeddings=2048, rms_norm_eps=1e-6, tie_word_embeddings=True,
+                  rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+
+
+def build_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
+    """A byte-level BPE tokenizer trained on a paragraph: encodes any text, offline."""
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator([CORPUS], trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|im_end|>",
+                                   pad_token="<|endoftext|>", chat_template=CHAT_TEMPLATE)
+
+
+def write_random_checkpoint(path: str, shape: dict, seed: int = 0,
+                            dtype: torch.dtype = torch.float32,
+                            initializer_range: float = 0.02) -> str:
+    """Writes a checkpoint of the given config with random weights into `path`; returns it."""
+    os.makedirs(path, exist_ok=True)
+    tokenizer = build_tokenizer(min(shape["vocab_size"], 1000))
+    config = AutoConfig.for_model(**shape, initializer_range=initializer_range,
+                                  eos_token_id=tokenizer.eos_token_id,
+                                  bos_token_id=None, pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.generation_config = GenerationConfig(eos_token_id=tokenizer.eos_token_id,
+                                               pad_token_id=tokenizer.pad_token_id)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path

@@ -1,0 +1,61 @@
+"""Turns the logits of the sampling rows into next tokens: greedy, temperature, top-k, top-p."""
+import torch
+
+from nanopaged.sequence import Sequence
+
+
+class Sampler:
+    """Samples one token per row of logits, each row with its own request's settings.
+
+    Sampling uses the exponential race: argmax(p / E) with E ~ Exp(1) draws from p. A seeded
+    request draws its noise from its own generator, so its samples do not depend on what else
+    shares the batch.
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.generators: dict[int, torch.Generator] = {}
+
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        # logits: (B, V) float32, one row per sequence in `seqs`
+        params = [seq.sampling_params for seq in seqs]
+        greedy = logits.argmax(dim=-1)
+        if all(p.temperature == 0 for p in params):
+            return greedy
+        temperatures = torch.tensor([p.temperature or 1.0 for p in params], device=self.device)
+        logits = logits / temperatures.unsqueeze(1)
+        if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
+            logits = self._top_k_top_p(logits, params)
+        probs = logits.softmax(dim=-1)
+        noise = torch.empty_like(probs).exponential_()
+        for i, seq in enumerate(seqs):
+            if seq.sampling_params.seed is not None:
+                noise[i].exponential_(generator=self._generator(seq))
+        sampled = (probs / noise).argmax(dim=-1)
+        is_greedy = torch.tensor([p.temperature == 0 for p in params], device=self.device)
+        return torch.where(is_greedy, greedy, sampled)
+
+    def _top_k_top_p(self, logits: torch.Tensor, params) -> torch.Tensor:
+        vocab_size = logits.shape[-1]
+        top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab_size for p in params],
+                             device=self.device)
+        top_p = torch.tensor([p.top_p for p in params], device=self.device)
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        rank = torch.arange(vocab_size, device=self.device)
+        drop = rank.unsqueeze(0) >= top_k.unsqueeze(1)
+        sorted_probs = sorted_logits.softmax(dim=-1)
+        # drop a token when the tokens ranked above it already hold top_p of the mass
+        drop |= (sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_p.unsqueeze(1)
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+    def _generator(self, seq: Sequence) -> torch.Generator:
+        generator = self.generators.get(seq.seq_id)
+        if generator is None:
+            generator = torch.Generator(self.device).manual_seed(seq.sampling_params.seed)
+            self.generators[seq.seq_id] = generator
+        return generator
+
+    def release(self, seq: Sequence) -> None:
+        """Forgets a finished sequence's generator."""
+        self.generators.pop(seq.seq_id, None)
