@@ -84,8 +84,9 @@ class BlockManager:
                 del self.free_block_ids[block_id]
             block.ref_count += 1
         seq.block_table = hits + [self._take_free_block() for _ in range(seq.num_blocks - len(hits))]
-        seq.num_cached_tokens = len(hits) * self.block_size
-        seq.num_computed_tokens = seq.num_cached_tokens
+        seq.num_computed_tokens = len(hits) * self.block_size
+        if seq.num_completion_tokens == 0:  # first admission, not a recompute after preemption
+            seq.num_cached_tokens = seq.num_computed_tokens
 
     def deallocate(self, seq: Sequence) -> None:
         """Release the blocks of `seq`. Its tail blocks are freed first, so they are evicted

@@ -1,0 +1,65 @@
+"""Tiny random-weight checkpoints of each supported architecture, and transformers as the reference."""
+import functools
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from nanopaged.random_checkpoint import TINY_QWEN3, write_random_checkpoint
+
+TINY = {
+    "qwen3": TINY_QWEN3,
+    "qwen2": dict(TINY_QWEN3, architectures=["Qwen2ForCausalLM"], model_type="qwen2"),
+    "llama": dict(TINY_QWEN3, architectures=["LlamaForCausalLM"], model_type="llama",
+                  tie_word_embeddings=False,
+                  rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
+                                   "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                   "original_max_position_embeddings": 64}),
+}
+ARCHITECTURES = list(TINY)
+
+
+@functools.cache
+def checkpoint(arch: str, root: str) -> str:
+    # a wide initialisation spreads the logits, so greedy argmax has no near-ties
+    return write_random_checkpoint(f"{root}/{arch}", TINY[arch], seed=0, initializer_range=0.1)
+
+
+@pytest.fixture(scope="session")
+def checkpoint_root(tmp_path_factory) -> str:
+    return str(tmp_path_factory.mktemp("checkpoints"))
+
+
+@pytest.fixture(scope="session")
+def qwen3_path(checkpoint_root) -> str:
+    return checkpoint("qwen3", checkpoint_root)
+
+
+@pytest.fixture(scope="session")
+def model_path(checkpoint_root):
+    """model_path(arch) -> the path of that architecture's tiny checkpoint."""
+    return lambda arch: checkpoint(arch, checkpoint_root)
+
+
+@functools.cache
+def _hf_model(path: str):
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+@functools.cache
+def _hf_greedy(path: str, prompt: tuple[int, ...], max_tokens: int) -> list[int]:
+    model = _hf_model(path)
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.fixture(scope="session")
+def hf_greedy():
+    """hf_greedy(path, prompts, max_tokens) -> transformers' greedy completions, one per prompt."""
+    return lambda path, prompts, max_tokens: [_hf_greedy(path, tuple(p), max_tokens) for p in prompts]
+
+
+def random_prompts(lengths: list[int], vocab_size: int = 512, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab_size, (n,), generator=g).tolist() for n in lengths]

@@ -1,0 +1,111 @@
+"""Greedy outputs are token-for-token those of transformers, however the engine gets there."""
+import pytest
+
+from nanopaged import LLM, SamplingParams
+from conftest import ARCHITECTURES, random_prompts
+
+GREEDY = SamplingParams(temperature=0, max_tokens=24)
+PROMPTS = random_prompts([1, 5, 17, 40, 100, 3])
+
+
+def token_ids(outputs) -> list[list[int]]:
+    return [o.token_ids for o in outputs]
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_greedy_matches_transformers(arch, model_path, hf_greedy):
+    path = model_path(arch)
+    outputs = LLM(path, max_model_len=512).generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert token_ids(outputs) == hf_greedy(path, PROMPTS, GREEDY.max_tokens)
+
+
+def test_outputs_carry_text_and_finish_reason(qwen3_path, hf_greedy):
+    llm = LLM(qwen3_path, max_model_len=512)
+    [out] = llm.generate(["Paged attention stores the cache in blocks."],
+                         SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+    assert out.finish_reason in ("stop", "length")
+    assert out.text == llm.tokenizer.decode(out.token_ids, skip_special_tokens=True)
+    assert out.token_ids == hf_greedy(qwen3_path, [out.prompt_token_ids], 8)[0]
+
+
+def test_stops_at_eos_unless_ignore_eos(qwen3_path):
+    llm = LLM(qwen3_path, max_model_len=512)
+    eos = next(iter(llm.scheduler.eos_token_ids))
+    prompts = random_prompts([4] * 32, seed=1)
+    outputs = llm.generate(prompts, SamplingParams(temperature=1.0, max_tokens=300, seed=0),
+                           use_tqdm=False)
+    stopped = [o for o in outputs if o.finish_reason == "stop"]
+    assert stopped and all(o.token_ids[-1] == eos for o in stopped)
+    outputs = llm.generate(prompts, SamplingParams(temperature=1.0, max_tokens=300, seed=0,
+                                                   ignore_eos=True), use_tqdm=False)
+    assert all(o.finish_reason == "length" and len(o.token_ids) == 300 for o in outputs)
+
+
+def test_stops_at_max_model_len(qwen3_path):
+    llm = LLM(qwen3_path, max_model_len=64)
+    [out] = llm.generate([list(range(3, 53))], SamplingParams(temperature=0, max_tokens=100,
+                                                              ignore_eos=True), use_tqdm=False)
+    assert out.finish_reason == "length" and len(out.token_ids) == 64 - 50
+
+
+@pytest.mark.parametrize("block_size", [1, 16, 256])
+def test_block_sizes(block_size, qwen3_path, hf_greedy):
+    llm = LLM(qwen3_path, max_model_len=512, kvcache_block_size=block_size)
+    outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert token_ids(outputs) == hf_greedy(qwen3_path, PROMPTS, GREEDY.max_tokens)
+
+
+def test_prefix_cache_hits_give_the_same_tokens(qwen3_path, hf_greedy):
+    block_size = 16
+    shared = random_prompts([40], seed=2)[0]
+    prompts = [shared + tail for tail in random_prompts([3, 20, 9], seed=3)]
+    exact_multiple = random_prompts([2 * block_size], seed=4)[0]
+    llm = LLM(qwen3_path, max_model_len=512, kvcache_block_size=block_size)
+    first = llm.generate(prompts[:1] + [exact_multiple], GREEDY, use_tqdm=False)
+    second = llm.generate(prompts + [exact_multiple, exact_multiple], GREEDY, use_tqdm=False)
+    expected = hf_greedy(qwen3_path, prompts + [exact_multiple] * 2, GREEDY.max_tokens)
+    assert token_ids(second) == expected
+    assert first[0].token_ids == expected[0]
+    # the shared 40 tokens fill two whole blocks; an exact multiple still computes its last block
+    assert [o.num_cached_tokens for o in second] == [32, 32, 32, block_size, block_size]
+
+
+def test_identical_prompts_in_one_step_share_blocks(qwen3_path, hf_greedy):
+    prompt = random_prompts([50], seed=5)[0]
+    llm = LLM(qwen3_path, max_model_len=512, kvcache_block_size=16)
+    outputs = llm.generate([prompt] * 3, GREEDY, use_tqdm=False)
+    assert token_ids(outputs) == hf_greedy(qwen3_path, [prompt] * 3, GREEDY.max_tokens)
+    assert [o.num_cached_tokens for o in outputs] == [0, 48, 48]
+
+
+def test_preemption_gives_the_same_tokens(qwen3_path, hf_greedy):
+    prompts = random_prompts([30, 45, 12, 60, 25, 38], seed=6)
+    params = SamplingParams(temperature=0, max_tokens=40)
+    # 12 blocks of 16 tokens cannot hold six sequences of 50-100 tokens at once
+    llm = LLM(qwen3_path, max_model_len=512, kvcache_block_size=16, num_kvcache_blocks=12)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    assert llm.scheduler.num_preemptions > 0
+    assert token_ids(outputs) == hf_greedy(qwen3_path, prompts, params.max_tokens)
+    assert llm.block_manager.num_free_blocks == 12
+
+
+def test_chunked_prefill_gives_the_same_tokens(qwen3_path, hf_greedy):
+    prompts = random_prompts([100, 37, 64, 5], seed=7)
+    llm = LLM(qwen3_path, max_model_len=512, kvcache_block_size=16, max_num_batched_tokens=24)
+    outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert token_ids(outputs) == hf_greedy(qwen3_path, prompts, GREEDY.max_tokens)
+
+
+def test_max_num_seqs_limits_the_batch(qwen3_path, hf_greedy):
+    llm = LLM(qwen3_path, max_model_len=512, max_num_seqs=2)
+    outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert token_ids(outputs) == hf_greedy(qwen3_path, PROMPTS, GREEDY.max_tokens)
+
+
+def test_step_api(qwen3_path, hf_greedy):
+    llm = LLM(qwen3_path, max_model_len=512)
+    ids = [llm.add_request(p, GREEDY) for p in PROMPTS[:3]]
+    outputs = {}
+    while not llm.is_finished():
+        outputs.update({o.request_id: o for o in llm.step()})
+    assert [outputs[i].token_ids for i in ids] == hf_greedy(qwen3_path, PROMPTS[:3], GREEDY.max_tokens)
