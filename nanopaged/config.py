@@ -26,6 +26,11 @@ def triton_available() -> bool:
     return True
 
 
+def triton_interpreted() -> bool:
+    """Triton's interpreter runs kernels on CPU tensors: slow, but it lets CI test them."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
 @dataclass
 class Config:
     """Everything the engine needs to know, resolved from `LLM(model, **kwargs)`.
@@ -91,8 +96,10 @@ class Config:
                 self.attention_backend = "triton"
             else:
                 self.attention_backend = "torch"
-        elif self.attention_backend in ("flash", "triton") and not on_gpu:
-            raise ValueError(f"attention_backend={self.attention_backend!r} needs a CUDA GPU")
+        elif self.attention_backend == "triton" and not on_gpu and not triton_interpreted():
+            raise ValueError("attention_backend='triton' needs a CUDA GPU (or TRITON_INTERPRET=1)")
+        elif self.attention_backend == "flash" and not on_gpu:
+            raise ValueError("attention_backend='flash' needs a CUDA GPU")
         elif self.attention_backend == "flash" and not flash_attn_available():
             raise ValueError("attention_backend='flash' but flash_attn is not importable")
         elif self.attention_backend == "flash" and self.dtype == torch.float32:

@@ -1,8 +1,12 @@
 """Tiny random-weight checkpoints of each supported architecture, and transformers as the reference."""
 import functools
+import os
 
 import pytest
 import torch
+
+if not torch.cuda.is_available():  # run Triton kernels on CPU tensors; must precede importing triton
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 from transformers import AutoModelForCausalLM
 
 from nanopaged.random_checkpoint import TINY_QWEN3, write_random_checkpoint

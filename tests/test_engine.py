@@ -109,3 +109,12 @@ def test_step_api(qwen3_path, hf_greedy):
     while not llm.is_finished():
         outputs.update({o.request_id: o for o in llm.step()})
     assert [outputs[i].token_ids for i in ids] == hf_greedy(qwen3_path, PROMPTS[:3], GREEDY.max_tokens)
+
+
+def test_triton_backend_matches_transformers(qwen3_path, hf_greedy):
+    pytest.importorskip("triton")
+    prompts = PROMPTS[:4]
+    params = SamplingParams(temperature=0, max_tokens=8)
+    llm = LLM(qwen3_path, max_model_len=512, attention_backend="triton", kvcache_block_size=16)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    assert token_ids(outputs) == hf_greedy(qwen3_path, prompts, params.max_tokens)

@@ -1,0 +1,208 @@
+"""Triton kernels for the paged KV cache: store new K/V, decode attention, prefill attention.
+
+Each kernel finds a token's K/V through the block table, so any block size works, and each is
+checked against the plain-PyTorch functions of `attention.py` (under TRITON_INTERPRET=1 on CPU).
+"""
+import torch
+import triton
+import triton.language as tl
+
+from nanopaged.attention import AttentionMetadata
+
+@triton.jit
+def _store_kvcache_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
+                          k_stride, v_stride, ROW: tl.constexpr, ROW_PAD: tl.constexpr):
+    token = tl.program_id(0)
+    slot = tl.load(slot_mapping_ptr + token)
+    if slot >= 0:  # -1 marks a padding token
+        cols = tl.arange(0, ROW_PAD)
+        mask = cols < ROW
+        k = tl.load(k_ptr + token * k_stride + cols, mask=mask)
+        v = tl.load(v_ptr + token * v_stride + cols, mask=mask)
+        tl.store(k_cache_ptr + slot * ROW + cols, k, mask=mask)
+        tl.store(v_cache_ptr + slot * ROW + cols, v, mask=mask)
+
+
+def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  slot_mapping: torch.Tensor) -> None:
+    """k, v: (T, nkv, hs), each token's heads contiguous; one program per token."""
+    num_tokens, num_kv_heads, head_dim = k.shape
+    row = num_kv_heads * head_dim
+    assert k.stride(1) == head_dim and v.stride(1) == head_dim and k.stride(2) == 1
+    _store_kvcache_kernel[(num_tokens,)](k, v, k_cache, v_cache, slot_mapping, k.stride(0),
+                                         v.stride(0), row, triton.next_power_of_2(row))
+
+
+@triton.jit
+def _kv_tile(cache_ptr, block_table_ptr, pos, valid, kv_head,
+             NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    """K or V of the tokens at positions `pos` of one sequence, one head: (BLOCK_N, HEAD_DIM)."""
+    block = tl.load(block_table_ptr + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+    slot = block * BLOCK_SIZE + pos % BLOCK_SIZE
+    dims = tl.arange(0, HEAD_DIM)
+    offsets = (slot * NUM_KV_HEADS + kv_head)[:, None] * HEAD_DIM + dims[None, :]
+    return tl.load(cache_ptr + offsets, mask=valid[:, None], other=0.0)
+
+
+@triton.jit
+def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
+                   out_ptr, partial_ptr, lse_ptr, scale, q_stride, block_table_stride,
+                   NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+                   HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+                   NUM_SPLITS: tl.constexpr):
+    """One program: one sequence, one KV head with all the query heads that share it, and one
+    slice of the context. With several splits it writes a partial result and its log-sum-exp.
+    Softmax runs in base 2 (exp2 is cheaper): the scores are scaled by log2(e) = 1.4427."""
+    seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    context_len = tl.load(context_lens_ptr + seq)
+    split_len = tl.cdiv(tl.cdiv(context_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = split * split_len
+    end = tl.minimum(start + split_len, context_len)
+
+    group = tl.arange(0, GROUP_PAD)
+    dims = tl.arange(0, HEAD_DIM)
+    heads = kv_head * GROUP + group
+    q = tl.load(q_ptr + seq * q_stride + heads[:, None] * HEAD_DIM + dims[None, :],
+                mask=(group < GROUP)[:, None], other=0.0)                      # (G, D)
+    m = tl.full((GROUP_PAD,), float("-inf"), tl.float32)
+    l = tl.zeros((GROUP_PAD,), tl.float32)
+    acc = tl.zeros((GROUP_PAD, HEAD_DIM), tl.float32)
+    block_table_ptr = block_tables_ptr + seq * block_table_stride
+    for tile in range(start, end, BLOCK_N):
+        pos = tile + tl.arange(0, BLOCK_N)
+        valid = pos < end
+        k = _kv_tile(k_cache_ptr, block_table_ptr, pos, valid, kv_head, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE)
+        v = _kv_tile(v_cache_ptr, block_table_ptr, pos, valid, kv_head, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE)
+        s = tl.dot(q, tl.trans(k)) * (scale * 1.4426950408889634)                # (G, N)
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m - m_new)
+        l = l * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m = m_new
+
+    has_keys = l > 0
+    l = tl.where(has_keys, l, 1.0)
+    out = acc / l[:, None]
+    row_mask = (group < GROUP)[:, None]
+    if NUM_SPLITS == 1:
+        tl.store(out_ptr + seq * q_stride + heads[:, None] * HEAD_DIM + dims[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=row_mask)
+    else:
+        row = (seq * NUM_KV_HEADS * GROUP + heads) * NUM_SPLITS + split             # (G,)
+        tl.store(partial_ptr + row[:, None] * HEAD_DIM + dims[None, :], out, mask=row_mask)
+        tl.store(lse_ptr + row, tl.where(has_keys, m + tl.log2(l), float("-inf")),
+                 mask=group < GROUP)
+
+
+@triton.jit
+def _decode_reduce_kernel(partial_ptr, lse_ptr, out_ptr, HEAD_DIM: tl.constexpr,
+                          NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr):
+    """Combines the splits of one (sequence, head) row, each weighted by its softmax mass."""
+    row = tl.program_id(0)
+    splits = tl.arange(0, SPLITS_PAD)
+    dims = tl.arange(0, HEAD_DIM)
+    lse = tl.load(lse_ptr + row * NUM_SPLITS + splits, mask=splits < NUM_SPLITS, other=float("-inf"))
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)  # a padding row with no keys at all
+    weights = tl.exp2(lse - m)
+    partial = tl.load(partial_ptr + (row * NUM_SPLITS + splits)[:, None] * HEAD_DIM + dims[None, :],
+                      mask=(splits < NUM_SPLITS)[:, None], other=0.0)
+    total = tl.sum(weights, 0)
+    out = tl.sum(partial * weights[:, None], 0) / tl.where(total > 0, total, 1.0)
+    tl.store(out_ptr + row * HEAD_DIM + dims, out.to(out_ptr.dtype.element_ty))
+
+
+def _num_splits(batch_size: int, num_kv_heads: int, max_seqlen_k: int, device: torch.device) -> int:
+    """Enough context slices that the batch fills the GPU about twice over, but none shorter
+    than 256 tokens. Depends only on the batch shape, so a CUDA graph can bake it in."""
+    num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    wanted = triton.cdiv(2 * num_sms, batch_size * num_kv_heads)
+    return max(1, min(wanted, triton.cdiv(max_seqlen_k, 256)))
+
+
+def decode_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 meta: AttentionMetadata, scale: float, num_splits: int | None = None) -> torch.Tensor:
+    """q: (B, nh, hs), one query per sequence, over its cached context (split-K decoding)."""
+    batch_size, num_heads, head_dim = q.shape
+    num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
+    group = num_heads // num_kv_heads
+    if num_splits is None:
+        num_splits = _num_splits(batch_size, num_kv_heads, meta.max_seqlen_k, q.device)
+    q = q.contiguous()
+    out = torch.empty_like(q)
+    partial = lse = out  # unused with a single split
+    if num_splits > 1:
+        partial = torch.empty(batch_size, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
+        lse = torch.empty(batch_size, num_heads, num_splits, dtype=torch.float32, device=q.device)
+    _decode_kernel[(batch_size, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, meta.block_tables, meta.context_lens, out, partial, lse, scale,
+        q.stride(0), meta.block_tables.stride(0), NUM_KV_HEADS=num_kv_heads, GROUP=group,
+        GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
+        BLOCK_SIZE=block_size, BLOCK_N=64, NUM_SPLITS=num_splits, num_warps=4, num_stages=2)
+    if num_splits > 1:
+        _decode_reduce_kernel[(batch_size * num_heads,)](
+            partial, lse, out, HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
+            SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)))
+    return out
+
+
+@triton.jit
+def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, cu_seqlens_q_ptr, context_lens_ptr,
+                    block_tables_ptr, scale, q_stride, block_table_stride,
+                    NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                    BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """One program: BLOCK_M queries of one sequence and one head, attending causally over the
+    sequence's cached prefix and its new tokens, all read through the block table."""
+    tile_m, seq, head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    q_start = tl.load(cu_seqlens_q_ptr + seq)
+    q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
+    if tile_m * BLOCK_M < q_len:
+        context_len = tl.load(context_lens_ptr + seq)
+        prefix_len = context_len - q_len
+        rows = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_valid = rows < q_len
+        q_pos = prefix_len + rows
+        dims = tl.arange(0, HEAD_DIM)
+        q_offsets = (q_start + rows)[:, None] * q_stride + head * HEAD_DIM + dims[None, :]
+        q = tl.load(q_ptr + q_offsets, mask=row_valid[:, None], other=0.0)   # (M, D)
+        kv_head = head // (NUM_HEADS // NUM_KV_HEADS)
+        m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+        l = tl.zeros((BLOCK_M,), tl.float32)
+        acc = tl.zeros((BLOCK_M, HEAD_DIM), tl.float32)
+        block_table_ptr = block_tables_ptr + seq * block_table_stride
+        end = tl.minimum(context_len, prefix_len + (tile_m + 1) * BLOCK_M)  # causal horizon
+        for tile in range(0, end, BLOCK_N):
+            pos = tile + tl.arange(0, BLOCK_N)
+            valid = pos < end
+            k = _kv_tile(k_cache_ptr, block_table_ptr, pos, valid, kv_head, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE)
+            v = _kv_tile(v_cache_ptr, block_table_ptr, pos, valid, kv_head, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE)
+            s = tl.dot(q, tl.trans(k)) * (scale * 1.4426950408889634)              # (M, N)
+            s = tl.where(valid[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, 1))
+            p = tl.exp2(s - m_new[:, None])
+            alpha = tl.exp2(m - m_new)
+            l = l * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m = m_new
+        out = acc / l[:, None]
+        tl.store(out_ptr + q_offsets, out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
+
+
+def prefill_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """q: (T, nh, hs), the ragged new queries of each sequence (see AttentionMetadata)."""
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
+    num_seqs = meta.context_lens.shape[0]
+    q = q.contiguous()
+    out = torch.empty_like(q)
+    block_m = 64 if q.is_cuda else 16
+    grid = (triton.cdiv(meta.max_seqlen_q, block_m), num_seqs, num_heads)
+    _prefill_kernel[grid](q, k_cache, v_cache, out, meta.cu_seqlens_q, meta.context_lens,
+                          meta.block_tables, scale, q.stride(0), meta.block_tables.stride(0),
+                          NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
+                          BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=block_m,
+                          num_warps=4, num_stages=2)
+    return out
