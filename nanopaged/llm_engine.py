@@ -17,6 +17,14 @@ Prompt = str | list[int]
 
 
 @dataclass
+class RequestMetrics:
+    """Wall-clock times (time.perf_counter) of one request's life."""
+    arrival_time: float
+    first_token_time: float
+    finish_time: float
+
+
+@dataclass
 class RequestOutput:
     """The result of one request. `token_ids` is the completion only (with the stop token, if
     any); `num_cached_tokens` counts prompt tokens served from the prefix cache."""
@@ -27,6 +35,7 @@ class RequestOutput:
     token_ids: list[int]
     finish_reason: str
     num_cached_tokens: int
+    metrics: RequestMetrics
 
 
 class LLMEngine:
@@ -40,6 +49,7 @@ class LLMEngine:
                                           self.config.kvcache_block_size)
         self.scheduler = Scheduler(self.config, self.block_manager, self._eos_token_ids())
         self.prompts: dict[int, Prompt] = {}
+        self.times: dict[int, list[float]] = {}  # seq_id -> [arrival, first token]
 
     def _eos_token_ids(self) -> set[int]:
         eos = None
@@ -88,6 +98,7 @@ class LLMEngine:
 
     def _add(self, seq: Sequence, prompt: Prompt) -> None:
         self.prompts[seq.seq_id] = prompt
+        self.times[seq.seq_id] = [time.perf_counter(), 0.0]
         self.scheduler.add(seq)
 
     def step(self) -> list[RequestOutput]:
@@ -99,6 +110,11 @@ class LLMEngine:
         num_tokens = sum(seq.num_scheduled_tokens for seq in seqs)
         token_ids = self.model_runner.run(seqs, is_prefill)
         finished = self.scheduler.postprocess(seqs, token_ids)
+        now = time.perf_counter()
+        for seq in seqs:
+            times = self.times[seq.seq_id]
+            if seq.num_completion_tokens == 1 and not times[1]:
+                times[1] = now
         for seq in finished:
             self.model_runner.sampler.release(seq)
         return [self._output(seq) for seq in finished], is_prefill, num_tokens
@@ -109,7 +125,8 @@ class LLMEngine:
             prompt_token_ids=seq.token_ids[:seq.num_prompt_tokens],
             text=self.tokenizer.decode(seq.completion_token_ids, skip_special_tokens=True),
             token_ids=seq.completion_token_ids, finish_reason=seq.finish_reason,
-            num_cached_tokens=seq.num_cached_tokens)
+            num_cached_tokens=seq.num_cached_tokens,
+            metrics=RequestMetrics(*self.times.pop(seq.seq_id), time.perf_counter()))
 
     def is_finished(self) -> bool:
         return self.scheduler.is_finished()
@@ -149,6 +166,7 @@ class LLMEngine:
             if not self.is_finished():  # interrupted: leave nothing half-run behind
                 self.scheduler.abort_all()
                 self.prompts.clear()
+                self.times.clear()
         return [outputs[seq.seq_id] for seq in seqs]
 
 
