@@ -1,0 +1,438 @@
+"""Offline throughput of nanopaged beside the engines people would use instead.
+
+    python bench.py                                   # nano-vllm's workload, Qwen3-0.6B shape
+    python bench.py --engines nanopaged,hf,hf-static,nano-vllm,vllm --out bench.json --plot bench.png
+    python bench.py --prefix-len 512                  # every prompt shares 512 leading tokens
+    python bench.py --steps                           # decode step time per batch, prefill tok/s
+    python bench.py --tiny                            # a seconds-long run on CPU
+
+Every engine runs in its own process on the same workload, after a warm-up outside the timed
+region. The physical floor is the time a perfect engine needs to move the bytes the workload
+must move (weights once per decode step, each cached K/V once per generated token) at the
+bandwidth measured here.
+"""
+import argparse
+import importlib.util
+import json
+import multiprocessing
+import os
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "nanopaged")
+ENGINES = ("nanopaged", "hf", "hf-static", "nano-vllm", "vllm")
+
+
+@dataclass
+class Workload:
+    prompts: list[list[int]]
+    output_lens: list[int]
+    temperature: float
+
+
+def make_workload(args, vocab_size: int) -> Workload:
+    """nano-vllm's benchmark: random token ids below 10,000, lengths uniform in the ranges."""
+    g = torch.Generator().manual_seed(args.seed)
+    top = min(10000, vocab_size)
+    def uniform(low, high):
+        return torch.randint(low, high + 1, (args.num_requests,), generator=g).tolist()
+    prompt_lens, output_lens = uniform(*args.prompt_len), uniform(*args.output_len)
+    prefix = torch.randint(0, top, (args.prefix_len,), generator=g).tolist()
+    prompts = [prefix + torch.randint(0, top, (n,), generator=g).tolist() for n in prompt_lens]
+    return Workload(prompts, output_lens, args.temperature)
+
+
+def warmup_prompts(work: Workload) -> list[list[int]]:
+    """Four prompts the timed run does not contain, so the warm-up leaves no prefix-cache hits."""
+    return [p[::-1] for p in work.prompts[:4]]
+
+
+# ---- the engines, each run in a child process ----
+
+def run_nanopaged(model: str, work: Workload, args) -> dict:
+    from nanopaged import LLM, SamplingParams
+    llm = LLM(model, max_model_len=args.max_model_len, enforce_eager=args.enforce_eager,
+              **({"attention_backend": args.backend} if args.backend else {}))
+    params = [SamplingParams(temperature=work.temperature, ignore_eos=True, max_tokens=n)
+              for n in work.output_lens]
+    llm.generate(warmup_prompts(work), params[:4], use_tqdm=False)
+    elapsed, outputs = timed(lambda: llm.generate(work.prompts, params, use_tqdm=False))
+    ttft = [o.metrics.first_token_time - o.metrics.arrival_time for o in outputs]
+    tpot = [(o.metrics.finish_time - o.metrics.first_token_time) / max(1, len(o.token_ids) - 1)
+            for o in outputs]
+    prompt_tokens = sum(len(p) for p in work.prompts)
+    return dict(elapsed=elapsed, output_tokens=sum(len(o.token_ids) for o in outputs),
+                ttft_median=statistics.median(ttft), ttft_p99=percentile(ttft, 99),
+                tpot_median=statistics.median(tpot), tpot_p99=percentile(tpot, 99),
+                prefix_hit_rate=sum(o.num_cached_tokens for o in outputs) / prompt_tokens,
+                preemptions=llm.scheduler.num_preemptions, kv_blocks=llm.block_manager.num_blocks,
+                backend=llm.config.attention_backend)
+
+
+def run_nano_vllm(model: str, work: Workload, args) -> dict:
+    from nanovllm import LLM, SamplingParams
+    llm = LLM(model, enforce_eager=args.enforce_eager, max_model_len=args.max_model_len)
+    params = [SamplingParams(temperature=work.temperature, ignore_eos=True, max_tokens=n)
+              for n in work.output_lens]
+    llm.generate(warmup_prompts(work), params[:4], use_tqdm=False)
+    elapsed, outputs = timed(lambda: llm.generate(work.prompts, params, use_tqdm=False))
+    return dict(elapsed=elapsed, output_tokens=sum(len(o["token_ids"]) for o in outputs))
+
+
+def run_vllm(model: str, work: Workload, args) -> dict:
+    from vllm import LLM, SamplingParams, TokensPrompt
+    llm = LLM(model, enforce_eager=args.enforce_eager, max_model_len=args.max_model_len)
+    params = [SamplingParams(temperature=work.temperature, ignore_eos=True, max_tokens=n)
+              for n in work.output_lens]
+    prompts = [TokensPrompt(prompt_token_ids=p) for p in work.prompts]
+    llm.generate([TokensPrompt(prompt_token_ids=p) for p in warmup_prompts(work)], params[:4],
+                 use_tqdm=False)
+    elapsed, outputs = timed(lambda: llm.generate(prompts, params, use_tqdm=False))
+    return dict(elapsed=elapsed, output_tokens=sum(len(o.outputs[0].token_ids) for o in outputs))
+
+
+def _hf_model(model: str, args):
+    from transformers import AutoModelForCausalLM
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    return AutoModelForCausalLM.from_pretrained(model, dtype=dtype).to(device).eval()
+
+
+def run_hf(model: str, work: Workload, args) -> dict:
+    """transformers' continuous batching (paged attention), one request per prompt."""
+    from transformers import GenerationConfig
+    hf = _hf_model(model, args)
+    hf.set_attn_implementation(args.hf_attn)
+    config = GenerationConfig(do_sample=work.temperature > 0, temperature=work.temperature,
+                              max_new_tokens=max(work.output_lens), eos_token_id=-1)
+    manager = hf.init_continuous_batching(generation_config=config)
+    manager.start()
+    def generate(prompts, lens):
+        for i, (p, n) in enumerate(zip(prompts, lens)):
+            manager.add_request(p, request_id=f"r{len(p)}-{i}-{time.time()}", max_new_tokens=n,
+                                eos_token_id=-1)
+        results = [manager.get_result(timeout=args.timeout) for _ in prompts]
+        if None in results:
+            raise RuntimeError("transformers' continuous batching returned no result")
+        return results
+    generate(warmup_prompts(work), work.output_lens[:4])
+    elapsed, outputs = timed(lambda: generate(work.prompts, work.output_lens))
+    manager.stop(block=True)
+    return dict(elapsed=elapsed, output_tokens=sum(len(o.generated_tokens) for o in outputs),
+                attention=args.hf_attn)
+
+
+def run_hf_static(model: str, work: Workload, args) -> dict:
+    """Plain `generate` with a static cache, batches of similar output length (no early exit)."""
+    hf = _hf_model(model, args)
+    hf.generation_config.eos_token_id = None
+    order = sorted(range(len(work.prompts)), key=lambda i: work.output_lens[i])
+    batches = [order[i:i + args.hf_batch_size] for i in range(0, len(order), args.hf_batch_size)]
+    def generate(batches):
+        tokens = 0
+        for batch in batches:
+            width = max(len(work.prompts[i]) for i in batch)
+            n = max(work.output_lens[i] for i in batch)
+            ids = torch.tensor([[0] * (width - len(work.prompts[i])) + work.prompts[i] for i in batch],
+                               device=hf.device)
+            mask = (torch.arange(width, device=hf.device)[None, :]
+                    >= torch.tensor([width - len(work.prompts[i]) for i in batch], device=hf.device)[:, None])
+            hf.generate(ids, attention_mask=mask.long(), max_new_tokens=n, min_new_tokens=n,
+                        do_sample=work.temperature > 0, temperature=work.temperature,
+                        cache_implementation="static", pad_token_id=0)
+            tokens += sum(work.output_lens[i] for i in batch)  # the tokens the requests asked for
+        return tokens
+    generate([batches[0][:2]])
+    elapsed, tokens = timed(lambda: generate(batches))
+    return dict(elapsed=elapsed, output_tokens=tokens, batch_size=args.hf_batch_size)
+
+
+RUNNERS = {"nanopaged": run_nanopaged, "hf": run_hf, "hf-static": run_hf_static,
+           "nano-vllm": run_nano_vllm, "vllm": run_vllm}
+MODULES = {"nano-vllm": "nanovllm", "vllm": "vllm"}
+
+
+def timed(fn):
+    sync()
+    start = time.perf_counter()
+    result = fn()
+    sync()
+    return time.perf_counter() - start, result
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(q / 100 * (len(ordered) - 1))))]
+
+
+def _child(engine: str, model: str, work: Workload, args, queue) -> None:
+    try:
+        queue.put(RUNNERS[engine](model, work, args))
+    except Exception as error:  # report, so the other engines still run
+        queue.put({"error": f"{type(error).__name__}: {error}"})
+
+
+def run_engine(engine: str, model: str, work: Workload, args) -> dict:
+    module = MODULES.get(engine)
+    if module and importlib.util.find_spec(module) is None:
+        return {"skipped": f"{module} is not importable"}
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    process = ctx.Process(target=_child, args=(engine, model, work, args, queue))
+    process.start()
+    process.join(args.timeout)
+    if process.is_alive():
+        process.kill()
+        return {"error": f"no result within {args.timeout} s"}
+    return queue.get() if not queue.empty() else {"error": f"exit code {process.exitcode}"}
+
+
+# ---- the physical floor ----
+
+def model_shape(model: str) -> dict:
+    from transformers import AutoConfig
+    c = AutoConfig.from_pretrained(model)
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    per_layer = (c.hidden_size * (c.num_attention_heads + 2 * c.num_key_value_heads) * head_dim
+                 + c.num_attention_heads * head_dim * c.hidden_size + 3 * c.hidden_size * c.intermediate_size)
+    return dict(params=c.num_hidden_layers * per_layer + c.vocab_size * c.hidden_size,
+                vocab_size=c.vocab_size,
+                kv_elements_per_token=2 * c.num_hidden_layers * c.num_key_value_heads * head_dim,
+                attention_flops_per_pair=4 * c.num_hidden_layers * c.num_attention_heads * head_dim)
+
+
+def measure_device() -> dict:
+    """Copy bandwidth (bytes read + written) and bf16 matmul rate, measured here."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    n = 1 << 28 if device == "cuda" else 1 << 24
+    src = torch.randn(n, device=device)
+    dst = torch.empty_like(src)
+    copy_time = best_time(lambda: dst.copy_(src))
+    size = 8192 if device == "cuda" else 512
+    a = torch.randn(size, size, device=device, dtype=torch.bfloat16)
+    b = torch.randn(size, size, device=device, dtype=torch.bfloat16)
+    mm_time = best_time(lambda: a @ b)
+    name = torch.cuda.get_device_name() if device == "cuda" else "CPU"
+    return dict(device=name, bandwidth=2 * src.nbytes / copy_time, flops=2 * size ** 3 / mm_time)
+
+
+def best_time(fn, repeat: int = 10) -> float:
+    fn()
+    times = []
+    for _ in range(repeat):
+        elapsed, _ = timed(fn)
+        times.append(elapsed)
+    return statistics.median(times)
+
+
+def physical_floor(shape: dict, work: Workload, device: dict, dtype_bytes: int) -> dict:
+    """The least time any engine needs: every decode step reads the weights once (all requests
+    decode together, so there are max(output_len) steps), and each generated token reads the
+    K/V of its whole context once."""
+    weight_bytes = shape["params"] * dtype_bytes * max(work.output_lens)
+    context_pairs = sum(len(p) * n + n * (n - 1) // 2 for p, n in zip(work.prompts, work.output_lens))
+    kv_bytes = context_pairs * shape["kv_elements_per_token"] * dtype_bytes
+    tokens = sum(len(p) for p in work.prompts) + sum(work.output_lens)
+    flops = 2 * shape["params"] * tokens + shape["attention_flops_per_pair"] * context_pairs
+    seconds = max((weight_bytes + kv_bytes) / device["bandwidth"], flops / device["flops"])
+    return dict(weight_bytes=weight_bytes, kv_bytes=kv_bytes, flops=flops, seconds=seconds)
+
+
+# ---- decode steps and prefill, one backend at a time ----
+
+def step_times(model: str, args) -> list[dict]:
+    """Decode step time at several batch sizes with `--context`-token contexts, and prefill tok/s,
+    each against the bytes the step must move at the measured bandwidth."""
+    from nanopaged import LLM
+    from nanopaged.config import flash_attn_available
+    device = measure_device()
+    shape = model_shape(model)
+    on_gpu = torch.cuda.is_available()
+    backends = args.backends.split(",") if args.backends else (
+        ["torch"] + (["triton"] if on_gpu else []) + (["flash"] if on_gpu and flash_attn_available() else []))
+    rows = []
+    for backend in backends:
+        llm = LLM(model, attention_backend=backend, max_num_seqs=max(args.batch_sizes),
+                  max_model_len=max(args.context + 16, 2048), enforce_eager=args.enforce_eager)
+        runner, manager = llm.model_runner, llm.block_manager
+        runner.kv_cache.normal_()  # never time on zeros
+        dtype_bytes = runner.kv_cache.element_size()
+        for batch in args.batch_sizes:
+            seqs = _allocated_sequences(llm, batch, args.context)
+            seconds = best_time(lambda: runner.run(seqs, False), repeat=20)
+            moved = shape["params"] * dtype_bytes + batch * args.context * shape["kv_elements_per_token"] * dtype_bytes
+            rows.append(dict(backend=backend, kind=f"decode b={batch}", ms=seconds * 1e3,
+                             floor_ms=moved / device["bandwidth"] * 1e3))
+            for seq in seqs:
+                manager.deallocate(seq)
+        seqs = _allocated_sequences(llm, args.prefill_seqs, args.context, prefill=True)
+        seconds = best_time(lambda: runner.run(seqs, True), repeat=5)
+        tokens = args.prefill_seqs * args.context
+        flops = 2 * shape["params"] * tokens + shape["attention_flops_per_pair"] * args.prefill_seqs * args.context ** 2 // 2
+        rows.append(dict(backend=backend, kind=f"prefill {tokens} tok", ms=seconds * 1e3,
+                         floor_ms=flops / device["flops"] * 1e3, tok_per_s=tokens / seconds))
+        for seq in seqs:
+            manager.deallocate(seq)
+        del llm, runner
+        torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    return rows
+
+
+def _allocated_sequences(llm, count: int, context: int, prefill: bool = False):
+    from nanopaged import SamplingParams
+    from nanopaged.sequence import Sequence
+    g = torch.Generator().manual_seed(count)
+    seqs = []
+    for _ in range(count):
+        seq = Sequence(torch.randint(0, min(10000, llm.config.hf_config.vocab_size), (context,),
+                                     generator=g).tolist(),
+                       SamplingParams(temperature=0.6), llm.config.kvcache_block_size)
+        llm.block_manager.allocate(seq)
+        seq.num_computed_tokens = 0 if prefill else context - 1
+        seq.num_scheduled_tokens = context if prefill else 1
+        seqs.append(seq)
+    return seqs
+
+
+# ---- the command line ----
+
+def resolve_model(args) -> str:
+    if args.model:
+        return args.model
+    from nanopaged.random_checkpoint import QWEN3_0_6B, TINY_QWEN3, write_random_checkpoint
+    name, shape = ("random-tiny-qwen3", TINY_QWEN3) if args.tiny else ("random-qwen3-0.6b", QWEN3_0_6B)
+    path = os.path.join(CACHE_DIR, name)
+    if not os.path.exists(os.path.join(path, "model.safetensors")):
+        print(f"writing a random-weight {name} checkpoint to {path}", file=sys.stderr)
+        write_random_checkpoint(path, shape, dtype=torch.float32 if args.tiny else torch.bfloat16)
+    return path
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", help="local checkpoint (default: random weights, Qwen3-0.6B shape)")
+    p.add_argument("--engines", default="nanopaged,nano-vllm",
+                   help=f"comma-separated, from {', '.join(ENGINES)}")
+    p.add_argument("--num-requests", type=int, default=256)
+    p.add_argument("--prompt-len", type=int, nargs=2, default=[100, 1024], metavar=("MIN", "MAX"))
+    p.add_argument("--output-len", type=int, nargs=2, default=[100, 1024], metavar=("MIN", "MAX"))
+    p.add_argument("--prefix-len", type=int, default=0, help="tokens every prompt starts with")
+    p.add_argument("--temperature", type=float, default=0.6)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--backend", help="nanopaged attention backend (default: auto)")
+    p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--hf-attn", default="paged|sdpa", help="attention for the hf engine")
+    p.add_argument("--hf-batch-size", type=int, default=64, help="batch of the hf-static engine")
+    p.add_argument("--timeout", type=float, default=1800, help="seconds per engine")
+    p.add_argument("--tiny", action="store_true", help="a seconds-long run on CPU")
+    p.add_argument("--steps", action="store_true", help="time decode steps and prefill instead")
+    p.add_argument("--backends", help="with --steps: comma-separated (default: all available)")
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 64, 256])
+    p.add_argument("--context", type=int, default=1000)
+    p.add_argument("--prefill-seqs", type=int, default=16)
+    p.add_argument("--out", help="write the results as JSON here")
+    p.add_argument("--plot", help="write a PNG of the results here (needs matplotlib)")
+    args = p.parse_args(argv)
+    if args.tiny:
+        args.num_requests, args.prompt_len, args.output_len = 8, [8, 64], [8, 32]
+        args.batch_sizes, args.context, args.prefill_seqs = [1, 4], 64, 2
+        args.max_model_len = min(args.max_model_len, 512)
+    unknown = set(args.engines.split(",")) - set(ENGINES)
+    if unknown:
+        p.error(f"unknown engines {sorted(unknown)}; choose from {', '.join(ENGINES)}")
+    return args
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    model = resolve_model(args)
+    if args.steps:
+        rows = step_times(model, args)
+        print(f"{'backend':8} {'step':24} {'ms':>9} {'floor ms':>9} {'% of floor':>10}")
+        for r in rows:
+            print(f"{r['backend']:8} {r['kind']:24} {r['ms']:9.3f} {r['floor_ms']:9.3f} "
+                  f"{100 * r['floor_ms'] / r['ms']:9.1f}%"
+                  + (f"  {r['tok_per_s']:,.0f} tok/s" if "tok_per_s" in r else ""))
+        result = dict(steps=rows)
+    else:
+        result = run_throughput(model, args)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=2)
+    if args.plot:
+        plot(result, args.plot)
+    return result
+
+
+def run_throughput(model: str, args) -> dict:
+    shape = model_shape(model)
+    work = make_workload(args, shape["vocab_size"])
+    device = measure_device()
+    dtype_bytes = 4 if args.tiny else 2
+    floor = physical_floor(shape, work, device, dtype_bytes)
+    results = {}
+    for engine in args.engines.split(","):
+        print(f"running {engine} ...", file=sys.stderr)
+        results[engine] = run_engine(engine, model, work, args)
+    prompt_tokens = sum(len(p) for p in work.prompts)
+    base = results.get("nanopaged", {}).get("elapsed")
+    print(f"\n{len(work.prompts)} requests, {prompt_tokens} prompt + {sum(work.output_lens)} output tokens "
+          f"on {device['device']} ({device['bandwidth'] / 1e12:.2f} TB/s copy, "
+          f"{device['flops'] / 1e12:.0f} TFLOP/s bf16 measured)")
+    print(f"{'engine':10} {'time s':>8} {'out tok/s':>10} {'total tok/s':>11} {'vs nanopaged':>12}")
+    for engine, r in results.items():
+        if "elapsed" not in r:
+            print(f"{engine:10} {r.get('skipped') or r.get('error')}")
+            continue
+        r["output_tok_per_s"] = r["output_tokens"] / r["elapsed"]
+        r["total_tok_per_s"] = (r["output_tokens"] + prompt_tokens) / r["elapsed"]
+        ratio = f"{base / r['elapsed']:.2f}x" if base else "-"
+        print(f"{engine:10} {r['elapsed']:8.2f} {r['output_tok_per_s']:10,.0f} {r['total_tok_per_s']:11,.0f} {ratio:>12}")
+    nano = results.get("nanopaged", {})
+    if "elapsed" in nano:
+        print(f"\nnanopaged ({nano['backend']}): TTFT median {nano['ttft_median']:.3f} s, p99 {nano['ttft_p99']:.3f} s; "
+              f"TPOT median {1e3 * nano['tpot_median']:.2f} ms, p99 {1e3 * nano['tpot_p99']:.2f} ms; "
+              f"prefix-cache hits {100 * nano['prefix_hit_rate']:.1f}%; {nano['preemptions']} preemptions; "
+              f"{nano['kv_blocks']} KV blocks")
+        print(f"physical floor {floor['seconds']:.2f} s ({floor['weight_bytes'] / 1e12:.2f} TB weights + "
+              f"{floor['kv_bytes'] / 1e12:.2f} TB KV reads, {floor['flops'] / 1e15:.2f} PFLOP): nanopaged "
+              f"runs at {100 * floor['seconds'] / nano['elapsed']:.0f}% of it")
+    return dict(device=device, workload=dict(num_requests=len(work.prompts), prompt_tokens=prompt_tokens,
+                                             output_tokens=sum(work.output_lens), prefix_len=args.prefix_len),
+                floor=floor, engines=results)
+
+
+def plot(result: dict, path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    if "steps" in result:
+        decode = [r for r in result["steps"] if r["kind"].startswith("decode")]
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for backend in sorted({r["backend"] for r in decode}):
+            rows = [r for r in decode if r["backend"] == backend]
+            batches = [int(r["kind"].split("=")[1]) for r in rows]
+            ax.plot(batches, [b / (r["ms"] / 1e3) for b, r in zip(batches, rows)], marker="o", label=backend)
+        ax.set(xlabel="batch size", ylabel="decode tok/s", xscale="log", title="decode throughput by batch size")
+        ax.legend()
+    else:
+        engines = {k: v for k, v in result["engines"].items() if "output_tok_per_s" in v}
+        fig, ax = plt.subplots(figsize=(6, 4))
+        ax.bar(list(engines), [v["output_tok_per_s"] for v in engines.values()])
+        ax.set(ylabel="output tok/s", title=f"{result['workload']['num_requests']} requests on {result['device']['device']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()
