@@ -53,10 +53,10 @@ def warmup_prompts(work: Workload) -> list[list[int]]:
 
 # ---- the engines, each run in a child process ----
 
-def run_nanopaged(model: str, work: Workload, args) -> dict:
+def run_nanopaged(model: str, work: Workload, args, backend: str = "auto") -> dict:
     from nanopaged import LLM, SamplingParams
     llm = LLM(model, max_model_len=args.max_model_len, enforce_eager=args.enforce_eager,
-              **({"attention_backend": args.backend} if args.backend else {}))
+              attention_backend=backend)
     params = [SamplingParams(temperature=work.temperature, ignore_eos=True, max_tokens=n)
               for n in work.output_lens]
     llm.generate(warmup_prompts(work), params[:4], use_tqdm=False)
@@ -175,8 +175,9 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def _child(engine: str, model: str, work: Workload, args, queue) -> None:
+    name, _, backend = engine.partition(":")
     try:
-        queue.put(RUNNERS[engine](model, work, args))
+        queue.put(RUNNERS[name](model, work, args, *([backend] if backend else [])))
     except Exception as error:  # report, so the other engines still run
         queue.put({"error": f"{type(error).__name__}: {error}"})
 
@@ -321,7 +322,8 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", help="local checkpoint (default: random weights, Qwen3-0.6B shape)")
     p.add_argument("--engines", default="nanopaged,nano-vllm",
-                   help=f"comma-separated, from {', '.join(ENGINES)}")
+                   help=f"comma-separated, from {', '.join(ENGINES)}; nanopaged:BACKEND picks an "
+                        f"attention backend (torch, triton, flash)")
     p.add_argument("--num-requests", type=int, default=256)
     p.add_argument("--prompt-len", type=int, nargs=2, default=[100, 1024], metavar=("MIN", "MAX"))
     p.add_argument("--output-len", type=int, nargs=2, default=[100, 1024], metavar=("MIN", "MAX"))
@@ -329,7 +331,6 @@ def parse_args(argv=None):
     p.add_argument("--temperature", type=float, default=0.6)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-model-len", type=int, default=4096)
-    p.add_argument("--backend", help="nanopaged attention backend (default: auto)")
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--hf-attn", default="paged|sdpa", help="attention for the hf engine")
     p.add_argument("--hf-batch-size", type=int, default=64, help="batch of the hf-static engine")
@@ -347,7 +348,7 @@ def parse_args(argv=None):
         args.num_requests, args.prompt_len, args.output_len = 8, [8, 64], [8, 32]
         args.batch_sizes, args.context, args.prefill_seqs = [1, 4], 64, 2
         args.max_model_len = min(args.max_model_len, 512)
-    unknown = set(args.engines.split(",")) - set(ENGINES)
+    unknown = {e.partition(":")[0] for e in args.engines.split(",")} - set(ENGINES)
     if unknown:
         p.error(f"unknown engines {sorted(unknown)}; choose from {', '.join(ENGINES)}")
     return args
@@ -385,7 +386,8 @@ def run_throughput(model: str, args) -> dict:
         print(f"running {engine} ...", file=sys.stderr)
         results[engine] = run_engine(engine, model, work, args)
     prompt_tokens = sum(len(p) for p in work.prompts)
-    base = results.get("nanopaged", {}).get("elapsed")
+    nanopaged = [r for e, r in results.items() if e.startswith("nanopaged") and "elapsed" in r]
+    base = nanopaged[0]["elapsed"] if nanopaged else None
     print(f"\n{len(work.prompts)} requests, {prompt_tokens} prompt + {sum(work.output_lens)} output tokens "
           f"on {device['device']} ({device['bandwidth'] / 1e12:.2f} TB/s copy, "
           f"{device['flops'] / 1e12:.0f} TFLOP/s bf16 measured)")
@@ -398,8 +400,7 @@ def run_throughput(model: str, args) -> dict:
         r["total_tok_per_s"] = (r["output_tokens"] + prompt_tokens) / r["elapsed"]
         ratio = f"{base / r['elapsed']:.2f}x" if base else "-"
         print(f"{engine:10} {r['elapsed']:8.2f} {r['output_tok_per_s']:10,.0f} {r['total_tok_per_s']:11,.0f} {ratio:>12}")
-    nano = results.get("nanopaged", {})
-    if "elapsed" in nano:
+    for nano in nanopaged:
         print(f"\nnanopaged ({nano['backend']}): TTFT median {nano['ttft_median']:.3f} s, p99 {nano['ttft_p99']:.3f} s; "
               f"TPOT median {1e3 * nano['tpot_median']:.2f} ms, p99 {1e3 * nano['tpot_p99']:.2f} ms; "
               f"prefix-cache hits {100 * nano['prefix_hit_rate']:.1f}%; {nano['preemptions']} preemptions; "

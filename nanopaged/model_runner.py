@@ -83,7 +83,8 @@ class ModelRunner:
         seq_len = min(config.max_num_batched_tokens, config.max_model_len)
         num_seqs = max(1, min(config.max_num_batched_tokens // seq_len, config.max_num_seqs))
         seqs = [_dummy_sequence(seq_len, self.block_size) for _ in range(num_seqs)]
-        self._run_model(*self._prepare_prefill(seqs))
+        input_ids, positions, meta, _ = self._prepare_prefill(seqs)
+        self._run_model(input_ids, positions, meta)
         vocab_size = self.config.hf_config.vocab_size
         logits = torch.randn(config.max_num_seqs, vocab_size, device=self.device)
         self.sampler(logits, [_dummy_sequence(1, self.block_size, temperature=1.0, top_p=0.9)

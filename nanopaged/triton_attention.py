@@ -49,7 +49,7 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_le
                    out_ptr, partial_ptr, lse_ptr, scale, q_stride, block_table_stride,
                    NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
                    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-                   NUM_SPLITS: tl.constexpr):
+                   NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr):
     """One program: one sequence, one KV head with all the query heads that share it, and one
     slice of the context. With several splits it writes a partial result and its log-sum-exp.
     Softmax runs in base 2 (exp2 is cheaper): the scores are scaled by log2(e) = 1.4427."""
@@ -73,13 +73,13 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_le
         valid = pos < end
         k = _kv_tile(k_cache_ptr, block_table_ptr, pos, valid, kv_head, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE)
         v = _kv_tile(v_cache_ptr, block_table_ptr, pos, valid, kv_head, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE)
-        s = tl.dot(q, tl.trans(k)) * (scale * 1.4426950408889634)                # (G, N)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * (scale * 1.4426950408889634)  # (G, N)
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
         p = tl.exp2(s - m_new[:, None])
         alpha = tl.exp2(m - m_new)
         l = l * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m = m_new
 
     has_keys = l > 0
@@ -114,6 +114,11 @@ def _decode_reduce_kernel(partial_ptr, lse_ptr, out_ptr, HEAD_DIM: tl.constexpr,
     tl.store(out_ptr + row * HEAD_DIM + dims, out.to(out_ptr.dtype.element_ty))
 
 
+def _precision(q: torch.Tensor) -> str:
+    """float32 runs are compared token-for-token with transformers: no TF32 shortcuts there."""
+    return "ieee" if q.dtype == torch.float32 else "tf32"
+
+
 def _num_splits(batch_size: int, num_kv_heads: int, max_seqlen_k: int, device: torch.device) -> int:
     """Enough context slices that the batch fills the GPU about twice over, but none shorter
     than 256 tokens. Depends only on the batch shape, so a CUDA graph can bake it in."""
@@ -140,7 +145,8 @@ def decode_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         q, k_cache, v_cache, meta.block_tables, meta.context_lens, out, partial, lse, scale,
         q.stride(0), meta.block_tables.stride(0), NUM_KV_HEADS=num_kv_heads, GROUP=group,
         GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
-        BLOCK_SIZE=block_size, BLOCK_N=64, NUM_SPLITS=num_splits, num_warps=4, num_stages=2)
+        BLOCK_SIZE=block_size, BLOCK_N=64, NUM_SPLITS=num_splits, PRECISION=_precision(q),
+        num_warps=4, num_stages=2)
     if num_splits > 1:
         _decode_reduce_kernel[(batch_size * num_heads,)](
             partial, lse, out, HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
@@ -152,7 +158,8 @@ def decode_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, cu_seqlens_q_ptr, context_lens_ptr,
                     block_tables_ptr, scale, q_stride, block_table_stride,
                     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                    BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                    BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    PRECISION: tl.constexpr):
     """One program: BLOCK_M queries of one sequence and one head, attending causally over the
     sequence's cached prefix and its new tokens, all read through the block table."""
     tile_m, seq, head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -178,13 +185,13 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, cu_seqlens_q_ptr, 
             valid = pos < end
             k = _kv_tile(k_cache_ptr, block_table_ptr, pos, valid, kv_head, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE)
             v = _kv_tile(v_cache_ptr, block_table_ptr, pos, valid, kv_head, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE)
-            s = tl.dot(q, tl.trans(k)) * (scale * 1.4426950408889634)              # (M, N)
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * (scale * 1.4426950408889634)  # (M, N)
             s = tl.where(valid[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
             m_new = tl.maximum(m, tl.max(s, 1))
             p = tl.exp2(s - m_new[:, None])
             alpha = tl.exp2(m - m_new)
             l = l * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             m = m_new
         out = acc / l[:, None]
         tl.store(out_ptr + q_offsets, out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
@@ -204,5 +211,5 @@ def prefill_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                           meta.block_tables, scale, q.stride(0), meta.block_tables.stride(0),
                           NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
                           BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=block_m,
-                          num_warps=4, num_stages=2)
+                          PRECISION=_precision(q), num_warps=4, num_stages=2)
     return out
