@@ -77,10 +77,17 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
-        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), meta)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
+                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (this layer's output, the residual stream before it): the next norm adds them,
+        which fuses the residual add into the norm's kernel."""
+        if residual is None:
+            hidden, residual = self.input_layernorm(hidden), hidden
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, meta)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 class DecoderModel(nn.Module):
@@ -93,10 +100,10 @@ class DecoderModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)  # (T, C)
+        hidden, residual = self.embed_tokens(input_ids), None  # (T, C)
         for layer in self.layers:
-            hidden = layer(positions, hidden, meta)
-        return self.norm(hidden)
+            hidden, residual = layer(positions, hidden, residual, meta)
+        return self.norm(hidden, residual)[0]
 
 
 class CausalLM(nn.Module):
@@ -122,4 +129,4 @@ class CausalLM(nn.Module):
         return self.model(input_ids, positions, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        return self.lm_head(hidden)

@@ -128,7 +128,9 @@ class ModelRunner:
 
     def _prepare_decode(self, seqs: list[Sequence]):
         positions = np.array([len(seq) - 1 for seq in seqs])
-        slots = [self._slots(seq, positions[i:i + 1])[0] for i, seq in enumerate(seqs)]
+        # the token being decoded lives in the last block of its sequence
+        slots = [seq.block_table[-1] * self.block_size + (len(seq) - 1) % self.block_size
+                 for seq in seqs]
         meta = AttentionMetadata(
             is_prefill=False,
             slot_mapping=self._to_device(slots, torch.int64),
@@ -137,7 +139,7 @@ class ModelRunner:
             max_seqlen_k=int(positions.max()) + 1,
         )
         input_ids = self._to_device([seq.last_token for seq in seqs], torch.int64)
-        return input_ids, self._to_device(positions, torch.int64), meta, list(range(len(seqs)))
+        return input_ids, self._to_device(positions, torch.int64), meta, slice(None)
 
     def _slots(self, seq: Sequence, positions: np.ndarray) -> np.ndarray:
         block_table = np.asarray(seq.block_table)
@@ -145,9 +147,7 @@ class ModelRunner:
 
     def _block_tables(self, seqs: list[Sequence]) -> torch.Tensor:
         width = max(len(seq.block_table) for seq in seqs)
-        table = np.full((len(seqs), width), -1, dtype=np.int32)
-        for i, seq in enumerate(seqs):
-            table[i, :len(seq.block_table)] = seq.block_table
+        table = [seq.block_table + [-1] * (width - len(seq.block_table)) for seq in seqs]
         return self._to_device(table, torch.int32)
 
     def _to_device(self, values, dtype: torch.dtype) -> torch.Tensor:
@@ -164,10 +164,10 @@ class ModelRunner:
         prepare = self._prepare_prefill if is_prefill else self._prepare_decode
         input_ids, positions, meta, logits_indices = prepare(seqs)
         hidden = self._run_model(input_ids, positions, meta)
-        if not logits_indices:
+        sampling_seqs = [seq for seq in seqs if seq.samples_this_step]
+        if not sampling_seqs:
             return []
         logits = self.model.compute_logits(hidden[logits_indices])
-        sampling_seqs = [seq for seq in seqs if seq.samples_this_step]
         return self.sampler(logits, sampling_seqs).tolist()
 
     @torch.inference_mode()

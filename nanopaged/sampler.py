@@ -1,7 +1,16 @@
 """Turns the logits of the sampling rows into next tokens: greedy, temperature, top-k, top-p."""
 import torch
 
+from nanopaged.layers import cuda_compiled
 from nanopaged.sequence import Sequence
+
+
+@cuda_compiled
+def sample(logits: torch.Tensor, temperatures: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """argmax(softmax(logits / T) / noise) per row, or argmax(logits) where T is 0."""
+    logits = logits.float()
+    probs = torch.softmax(logits / torch.where(temperatures > 0, temperatures, 1.0).unsqueeze(1), dim=-1)
+    return torch.where(temperatures > 0, (probs / noise).argmax(dim=-1), logits.argmax(dim=-1))
 
 
 class Sampler:
@@ -17,23 +26,21 @@ class Sampler:
         self.generators: dict[int, torch.Generator] = {}
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        # logits: (B, V) float32, one row per sequence in `seqs`
+        # logits: (B, V), one row per sequence in `seqs`
         params = [seq.sampling_params for seq in seqs]
-        greedy = logits.argmax(dim=-1)
         if all(p.temperature == 0 for p in params):
-            return greedy
-        temperatures = torch.tensor([p.temperature or 1.0 for p in params], device=self.device)
-        logits = logits / temperatures.unsqueeze(1)
+            return logits.argmax(dim=-1)
+        temperatures = torch.tensor([p.temperature for p in params], device=self.device)
         if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
-            logits = self._top_k_top_p(logits, params)
-        probs = logits.softmax(dim=-1)
-        noise = torch.empty_like(probs).exponential_()
+            # filter the tempered distribution; the rows are then sampled at temperature 1
+            tempered = logits.float() / torch.where(temperatures > 0, temperatures, 1.0).unsqueeze(1)
+            logits = self._top_k_top_p(tempered, params)
+            temperatures = (temperatures > 0).float()
+        noise = torch.empty(logits.shape, device=self.device).exponential_()
         for i, seq in enumerate(seqs):
             if seq.sampling_params.seed is not None:
                 noise[i].exponential_(generator=self._generator(seq))
-        sampled = (probs / noise).argmax(dim=-1)
-        is_greedy = torch.tensor([p.temperature == 0 for p in params], device=self.device)
-        return torch.where(is_greedy, greedy, sampled)
+        return sample(logits, temperatures, noise)
 
     def _top_k_top_p(self, logits: torch.Tensor, params) -> torch.Tensor:
         vocab_size = logits.shape[-1]

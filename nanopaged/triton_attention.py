@@ -49,68 +49,74 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_le
                    out_ptr, partial_ptr, lse_ptr, scale, q_stride, block_table_stride,
                    NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
                    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-                   NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr):
-    """One program: one sequence, one KV head with all the query heads that share it, and one
-    slice of the context. With several splits it writes a partial result and its log-sum-exp.
+                   SPLIT_LEN: tl.constexpr, NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr):
+    """One program: one sequence, one KV head with all the query heads that share it (read
+    once for the whole group), and the SPLIT_LEN-token slice `split` of the context. With
+    several splits it writes a partial result and its log-sum-exp for the reduce kernel.
     Softmax runs in base 2 (exp2 is cheaper): the scores are scaled by log2(e) = 1.4427."""
     seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     context_len = tl.load(context_lens_ptr + seq)
-    split_len = tl.cdiv(tl.cdiv(context_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    start = split * split_len
-    end = tl.minimum(start + split_len, context_len)
-
-    group = tl.arange(0, GROUP_PAD)
-    dims = tl.arange(0, HEAD_DIM)
-    heads = kv_head * GROUP + group
-    q = tl.load(q_ptr + seq * q_stride + heads[:, None] * HEAD_DIM + dims[None, :],
-                mask=(group < GROUP)[:, None], other=0.0)                      # (G, D)
-    m = tl.full((GROUP_PAD,), float("-inf"), tl.float32)
-    l = tl.zeros((GROUP_PAD,), tl.float32)
-    acc = tl.zeros((GROUP_PAD, HEAD_DIM), tl.float32)
-    block_table_ptr = block_tables_ptr + seq * block_table_stride
-    for tile in range(start, end, BLOCK_N):
-        pos = tile + tl.arange(0, BLOCK_N)
-        valid = pos < end
-        k = _kv_tile(k_cache_ptr, block_table_ptr, pos, valid, kv_head, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE)
-        v = _kv_tile(v_cache_ptr, block_table_ptr, pos, valid, kv_head, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * (scale * 1.4426950408889634)  # (G, N)
-        s = tl.where(valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
-        p = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m - m_new)
-        l = l * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m = m_new
-
-    has_keys = l > 0
-    l = tl.where(has_keys, l, 1.0)
-    out = acc / l[:, None]
-    row_mask = (group < GROUP)[:, None]
-    if NUM_SPLITS == 1:
-        tl.store(out_ptr + seq * q_stride + heads[:, None] * HEAD_DIM + dims[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=row_mask)
-    else:
-        row = (seq * NUM_KV_HEADS * GROUP + heads) * NUM_SPLITS + split             # (G,)
-        tl.store(partial_ptr + row[:, None] * HEAD_DIM + dims[None, :], out, mask=row_mask)
-        tl.store(lse_ptr + row, tl.where(has_keys, m + tl.log2(l), float("-inf")),
-                 mask=group < GROUP)
+    start = split * SPLIT_LEN
+    if start < context_len or NUM_SPLITS == 1:
+        end = tl.minimum(start + SPLIT_LEN, context_len)
+        group = tl.arange(0, GROUP_PAD)
+        dims = tl.arange(0, HEAD_DIM)
+        heads = kv_head * GROUP + group
+        row_mask = (group < GROUP)[:, None]
+        q = tl.load(q_ptr + seq * q_stride + heads[:, None] * HEAD_DIM + dims[None, :],
+                    mask=row_mask, other=0.0)                                      # (G, D)
+        m = tl.full((GROUP_PAD,), float("-inf"), tl.float32)
+        l = tl.zeros((GROUP_PAD,), tl.float32)
+        acc = tl.zeros((GROUP_PAD, HEAD_DIM), tl.float32)
+        block_table_ptr = block_tables_ptr + seq * block_table_stride
+        for tile in range(start, end, BLOCK_N):
+            pos = tile + tl.arange(0, BLOCK_N)
+            valid = pos < end
+            k = _kv_tile(k_cache_ptr, block_table_ptr, pos, valid, kv_head, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE)
+            v = _kv_tile(v_cache_ptr, block_table_ptr, pos, valid, kv_head, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE)
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * (scale * 1.4426950408889634)  # (G, N)
+            s = tl.where(valid[None, :], s, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, 1))
+            p = tl.exp2(s - m_new[:, None])
+            alpha = tl.exp2(m - m_new)
+            l = l * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            m = m_new
+        has_keys = l > 0  # false only for a padding row (context 0)
+        l = tl.where(has_keys, l, 1.0)
+        out = acc / l[:, None]
+        if NUM_SPLITS == 1:
+            tl.store(out_ptr + seq * q_stride + heads[:, None] * HEAD_DIM + dims[None, :],
+                     out.to(out_ptr.dtype.element_ty), mask=row_mask)
+        else:
+            row = (seq * NUM_KV_HEADS * GROUP + heads) * NUM_SPLITS + split         # (G,)
+            tl.store(partial_ptr + row[:, None] * HEAD_DIM + dims[None, :], out, mask=row_mask)
+            tl.store(lse_ptr + row, m + tl.log2(l), mask=group < GROUP)
 
 
 @triton.jit
-def _decode_reduce_kernel(partial_ptr, lse_ptr, out_ptr, HEAD_DIM: tl.constexpr,
-                          NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr):
-    """Combines the splits of one (sequence, head) row, each weighted by its softmax mass."""
+def _decode_reduce_kernel(partial_ptr, lse_ptr, out_ptr, context_lens_ptr, NUM_HEADS: tl.constexpr,
+                          HEAD_DIM: tl.constexpr, SPLIT_LEN: tl.constexpr, NUM_SPLITS: tl.constexpr):
+    """Combines the splits of one (sequence, head) row, each weighted by its softmax mass.
+
+    The splits that hold keys are folded in order, one at a time, so the result does not depend
+    on how many empty splits the grid had: eager and CUDA-graph decode agree bit for bit."""
     row = tl.program_id(0)
-    splits = tl.arange(0, SPLITS_PAD)
+    num_active = tl.cdiv(tl.load(context_lens_ptr + row // NUM_HEADS), SPLIT_LEN)
     dims = tl.arange(0, HEAD_DIM)
-    lse = tl.load(lse_ptr + row * NUM_SPLITS + splits, mask=splits < NUM_SPLITS, other=float("-inf"))
-    m = tl.max(lse, 0)
-    m = tl.where(m == float("-inf"), 0.0, m)  # a padding row with no keys at all
-    weights = tl.exp2(lse - m)
-    partial = tl.load(partial_ptr + (row * NUM_SPLITS + splits)[:, None] * HEAD_DIM + dims[None, :],
-                      mask=(splits < NUM_SPLITS)[:, None], other=0.0)
-    total = tl.sum(weights, 0)
-    out = tl.sum(partial * weights[:, None], 0) / tl.where(total > 0, total, 1.0)
+    m = tl.full((1,), float("-inf"), tl.float32)
+    l = tl.zeros((1,), tl.float32)
+    acc = tl.zeros((HEAD_DIM,), tl.float32)
+    for split in range(0, num_active):
+        lse = tl.load(lse_ptr + row * NUM_SPLITS + split + tl.zeros((1,), tl.int32))
+        partial = tl.load(partial_ptr + (row * NUM_SPLITS + split) * HEAD_DIM + dims)
+        m_new = tl.maximum(m, lse)
+        alpha = tl.exp2(m - m_new)
+        weight = tl.exp2(lse - m_new)
+        acc = acc * alpha + partial * weight
+        l = l * alpha + weight
+        m = m_new
+    out = acc / tl.where(l > 0, l, 1.0)
     tl.store(out_ptr + row * HEAD_DIM + dims, out.to(out_ptr.dtype.element_ty))
 
 
@@ -119,22 +125,25 @@ def _precision(q: torch.Tensor) -> str:
     return "ieee" if q.dtype == torch.float32 else "tf32"
 
 
-def _num_splits(batch_size: int, num_kv_heads: int, max_seqlen_k: int, device: torch.device) -> int:
-    """Enough context slices that the batch fills the GPU about twice over, but none shorter
-    than 256 tokens. Depends only on the batch shape, so a CUDA graph can bake it in."""
+def split_len(batch_size: int, num_kv_heads: int, device: torch.device) -> int:
+    """Tokens per context slice in decode: short enough that a small batch still fills the GPU
+    about twice over, 64 at least.
+
+    It depends on the batch size only through its next power of two, which is the same for a
+    batch and the CUDA-graph size it is padded to: eager and graph decode split alike."""
     num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-    wanted = triton.cdiv(2 * num_sms, batch_size * num_kv_heads)
-    return max(1, min(wanted, triton.cdiv(max_seqlen_k, 256)))
+    programs = triton.next_power_of_2(batch_size) * num_kv_heads
+    return 64 * triton.next_power_of_2(triton.cdiv(programs, 2 * num_sms))
 
 
 def decode_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 meta: AttentionMetadata, scale: float, num_splits: int | None = None) -> torch.Tensor:
+                 meta: AttentionMetadata, scale: float, split_tokens: int | None = None) -> torch.Tensor:
     """q: (B, nh, hs), one query per sequence, over its cached context (split-K decoding)."""
     batch_size, num_heads, head_dim = q.shape
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     group = num_heads // num_kv_heads
-    if num_splits is None:
-        num_splits = _num_splits(batch_size, num_kv_heads, meta.max_seqlen_k, q.device)
+    split_tokens = split_tokens or split_len(batch_size, num_kv_heads, q.device)
+    num_splits = triton.cdiv(meta.max_seqlen_k, split_tokens)
     q = q.contiguous()
     out = torch.empty_like(q)
     partial = lse = out  # unused with a single split
@@ -145,12 +154,12 @@ def decode_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         q, k_cache, v_cache, meta.block_tables, meta.context_lens, out, partial, lse, scale,
         q.stride(0), meta.block_tables.stride(0), NUM_KV_HEADS=num_kv_heads, GROUP=group,
         GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
-        BLOCK_SIZE=block_size, BLOCK_N=64, NUM_SPLITS=num_splits, PRECISION=_precision(q),
-        num_warps=4, num_stages=2)
+        BLOCK_SIZE=block_size, BLOCK_N=64, SPLIT_LEN=split_tokens, NUM_SPLITS=num_splits,
+        PRECISION=_precision(q), num_warps=4, num_stages=2)
     if num_splits > 1:
         _decode_reduce_kernel[(batch_size * num_heads,)](
-            partial, lse, out, HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
-            SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)))
+            partial, lse, out, meta.context_lens, NUM_HEADS=num_heads, HEAD_DIM=head_dim,
+            SPLIT_LEN=split_tokens, NUM_SPLITS=num_splits)
     return out
 
 

@@ -30,17 +30,31 @@ def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 @pytest.mark.parametrize("block_size", [16, 256])
 @pytest.mark.parametrize("num_heads, num_kv_heads", [(4, 4), (4, 2), (8, 1)])
-@pytest.mark.parametrize("num_splits", [1, 3])
-def test_decode_matches_reference(block_size, num_heads, num_kv_heads, num_splits):
+@pytest.mark.parametrize("split_tokens", [64, 128, 512])
+def test_decode_matches_reference(block_size, num_heads, num_kv_heads, split_tokens):
     context_lens = [1, 17, 300, 64, 129]
     k_cache, v_cache, tables = paged_cache(block_size, context_lens, num_kv_heads, seed=block_size)
     q = torch.randn(len(context_lens), num_heads, HEAD_DIM, device=DEVICE)
     meta = AttentionMetadata(is_prefill=False, slot_mapping=torch.empty(0, device=DEVICE),
                              context_lens=torch.tensor(context_lens, dtype=torch.int32, device=DEVICE),
                              block_tables=tables, max_seqlen_k=max(context_lens))
-    out = triton_attention.decode_paged(q, k_cache, v_cache, meta, 0.25, num_splits=num_splits)
+    out = triton_attention.decode_paged(q, k_cache, v_cache, meta, 0.25, split_tokens=split_tokens)
     ref = decode_torch(q, k_cache, v_cache, meta, 0.25)
     assert relative_error(out, ref) < 1e-5
+
+
+def test_decode_result_does_not_depend_on_empty_splits():
+    """A CUDA graph launches splits for max_model_len; eager only for the longest context."""
+    context_lens = [3, 200, 130]
+    k_cache, v_cache, tables = paged_cache(16, context_lens, 2, seed=4)
+    q = torch.randn(len(context_lens), 4, HEAD_DIM, device=DEVICE)
+    outs = []
+    for max_seqlen_k in (200, 1024):
+        meta = AttentionMetadata(is_prefill=False, slot_mapping=torch.empty(0, device=DEVICE),
+                                 context_lens=torch.tensor(context_lens, dtype=torch.int32, device=DEVICE),
+                                 block_tables=tables, max_seqlen_k=max_seqlen_k)
+        outs.append(triton_attention.decode_paged(q, k_cache, v_cache, meta, 0.25, split_tokens=64))
+    assert torch.equal(outs[0], outs[1])
 
 
 def test_decode_padding_rows_with_no_context_are_finite():
@@ -53,8 +67,8 @@ def test_decode_padding_rows_with_no_context_are_finite():
                               context_lens=meta.context_lens[:1], block_tables=tables[:1],
                               max_seqlen_k=20)
     ref = decode_torch(q[:1], k_cache, v_cache, first, 0.25)
-    for num_splits in (1, 2):
-        out = triton_attention.decode_paged(q, k_cache, v_cache, meta, 0.25, num_splits=num_splits)
+    for split_tokens in (64, 16):
+        out = triton_attention.decode_paged(q, k_cache, v_cache, meta, 0.25, split_tokens=split_tokens)
         assert torch.isfinite(out).all()
         assert relative_error(out[:1], ref) < 1e-5
 
