@@ -38,8 +38,10 @@ class ModelRunner:
         self.max_blocks_per_seq = -(-config.max_model_len // self.block_size)
         self.num_kvcache_blocks = self._allocate_kv_cache()
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        if self.device.type == "cuda" and not config.enforce_eager and config.attention_backend != "torch":
-            self._capture_cuda_graphs()
+        if self.device.type == "cuda":
+            self._compile_sampler()
+            if not config.enforce_eager and config.attention_backend != "torch":
+                self._capture_cuda_graphs()
 
     # ---- the KV cache ----
 
@@ -97,6 +99,13 @@ class ModelRunner:
         current = torch.cuda.memory_allocated()
         return int(total * config.gpu_memory_utilization - used - (peak - current))
 
+    def _compile_sampler(self) -> None:
+        """torch.compile specialises on batches of one: compile both kinds now, not mid-run."""
+        vocab_size = self.config.hf_config.vocab_size
+        for batch_size in (1, 2):
+            logits = torch.randn(batch_size, vocab_size, device=self.device)
+            self.sampler(logits, [_dummy_sequence(1, self.block_size, temperature=1.0)] * batch_size)
+
     # ---- inputs ----
 
     def _prepare_prefill(self, seqs: list[Sequence]):
@@ -147,7 +156,9 @@ class ModelRunner:
 
     def _block_tables(self, seqs: list[Sequence]) -> torch.Tensor:
         width = max(len(seq.block_table) for seq in seqs)
-        table = [seq.block_table + [-1] * (width - len(seq.block_table)) for seq in seqs]
+        table = np.full((len(seqs), width), -1, dtype=np.int32)
+        for row, seq in zip(table, seqs):
+            row[:len(seq.block_table)] = seq.block_table
         return self._to_device(table, torch.int32)
 
     def _to_device(self, values, dtype: torch.dtype) -> torch.Tensor:

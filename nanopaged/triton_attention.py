@@ -44,20 +44,24 @@ def _kv_tile(cache_ptr, block_table_ptr, pos, valid, kv_head,
     return tl.load(cache_ptr + offsets, mask=valid[:, None], other=0.0)
 
 
-@triton.jit
+# Integer arguments that change from step to step are not specialised on, or each new value
+# (a block table one column wider, say) would compile the kernel again in the middle of a run.
+@triton.jit(do_not_specialize=["block_table_stride", "num_splits"])
 def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
                    out_ptr, partial_ptr, lse_ptr, scale, q_stride, block_table_stride,
                    NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
                    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-                   SPLIT_LEN: tl.constexpr, NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr):
+                   num_splits, SPLIT_LEN: tl.constexpr, DIRECT: tl.constexpr,
+                   PRECISION: tl.constexpr):
     """One program: one sequence, one KV head with all the query heads that share it (read
     once for the whole group), and the SPLIT_LEN-token slice `split` of the context. With
-    several splits it writes a partial result and its log-sum-exp for the reduce kernel.
+    several splits (not DIRECT) it writes a partial result and its log-sum-exp for the reduce
+    kernel.
     Softmax runs in base 2 (exp2 is cheaper): the scores are scaled by log2(e) = 1.4427."""
     seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     context_len = tl.load(context_lens_ptr + seq)
     start = split * SPLIT_LEN
-    if start < context_len or NUM_SPLITS == 1:
+    if start < context_len or DIRECT:
         end = tl.minimum(start + SPLIT_LEN, context_len)
         group = tl.arange(0, GROUP_PAD)
         dims = tl.arange(0, HEAD_DIM)
@@ -85,18 +89,18 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_le
         has_keys = l > 0  # false only for a padding row (context 0)
         l = tl.where(has_keys, l, 1.0)
         out = acc / l[:, None]
-        if NUM_SPLITS == 1:
+        if DIRECT:
             tl.store(out_ptr + seq * q_stride + heads[:, None] * HEAD_DIM + dims[None, :],
                      out.to(out_ptr.dtype.element_ty), mask=row_mask)
         else:
-            row = (seq * NUM_KV_HEADS * GROUP + heads) * NUM_SPLITS + split         # (G,)
+            row = (seq * NUM_KV_HEADS * GROUP + heads) * num_splits + split         # (G,)
             tl.store(partial_ptr + row[:, None] * HEAD_DIM + dims[None, :], out, mask=row_mask)
             tl.store(lse_ptr + row, m + tl.log2(l), mask=group < GROUP)
 
 
-@triton.jit
-def _decode_reduce_kernel(partial_ptr, lse_ptr, out_ptr, context_lens_ptr, NUM_HEADS: tl.constexpr,
-                          HEAD_DIM: tl.constexpr, SPLIT_LEN: tl.constexpr, NUM_SPLITS: tl.constexpr):
+@triton.jit(do_not_specialize=["num_splits"])
+def _decode_reduce_kernel(partial_ptr, lse_ptr, out_ptr, context_lens_ptr, num_splits,
+                          NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, SPLIT_LEN: tl.constexpr):
     """Combines the splits of one (sequence, head) row, each weighted by its softmax mass.
 
     The splits that hold keys are folded in order, one at a time, so the result does not depend
@@ -108,8 +112,8 @@ def _decode_reduce_kernel(partial_ptr, lse_ptr, out_ptr, context_lens_ptr, NUM_H
     l = tl.zeros((1,), tl.float32)
     acc = tl.zeros((HEAD_DIM,), tl.float32)
     for split in range(0, num_active):
-        lse = tl.load(lse_ptr + row * NUM_SPLITS + split + tl.zeros((1,), tl.int32))
-        partial = tl.load(partial_ptr + (row * NUM_SPLITS + split) * HEAD_DIM + dims)
+        lse = tl.load(lse_ptr + row * num_splits + split + tl.zeros((1,), tl.int32))
+        partial = tl.load(partial_ptr + (row * num_splits + split) * HEAD_DIM + dims)
         m_new = tl.maximum(m, lse)
         alpha = tl.exp2(m - m_new)
         weight = tl.exp2(lse - m_new)
@@ -154,16 +158,16 @@ def decode_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         q, k_cache, v_cache, meta.block_tables, meta.context_lens, out, partial, lse, scale,
         q.stride(0), meta.block_tables.stride(0), NUM_KV_HEADS=num_kv_heads, GROUP=group,
         GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
-        BLOCK_SIZE=block_size, BLOCK_N=64, SPLIT_LEN=split_tokens, NUM_SPLITS=num_splits,
-        PRECISION=_precision(q), num_warps=4, num_stages=2)
+        BLOCK_SIZE=block_size, BLOCK_N=64, num_splits=num_splits, SPLIT_LEN=split_tokens,
+        DIRECT=num_splits == 1, PRECISION=_precision(q), num_warps=4, num_stages=2)
     if num_splits > 1:
         _decode_reduce_kernel[(batch_size * num_heads,)](
-            partial, lse, out, meta.context_lens, NUM_HEADS=num_heads, HEAD_DIM=head_dim,
-            SPLIT_LEN=split_tokens, NUM_SPLITS=num_splits)
+            partial, lse, out, meta.context_lens, num_splits, NUM_HEADS=num_heads,
+            HEAD_DIM=head_dim, SPLIT_LEN=split_tokens)
     return out
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["block_table_stride"])
 def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, cu_seqlens_q_ptr, context_lens_ptr,
                     block_tables_ptr, scale, q_stride, block_table_stride,
                     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
