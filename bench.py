@@ -56,11 +56,12 @@ def warmup_prompts(work: Workload) -> list[list[int]]:
 def run_nanopaged(model: str, work: Workload, args, backend: str = "auto") -> dict:
     from nanopaged import LLM, SamplingParams
     llm = LLM(model, max_model_len=args.max_model_len, enforce_eager=args.enforce_eager,
-              attention_backend=backend)
+              attention_backend=backend, tensor_parallel_size=args.tensor_parallel_size)
     params = [SamplingParams(temperature=work.temperature, ignore_eos=True, max_tokens=n)
               for n in work.output_lens]
     llm.generate(warmup_prompts(work), params[:4], use_tqdm=False)
     elapsed, outputs = timed(lambda: llm.generate(work.prompts, params, use_tqdm=False))
+    llm.close()
     ttft = [o.metrics.first_token_time - o.metrics.arrival_time for o in outputs]
     tpot = [(o.metrics.finish_time - o.metrics.first_token_time) / max(1, len(o.token_ids) - 1)
             for o in outputs]
@@ -75,7 +76,8 @@ def run_nanopaged(model: str, work: Workload, args, backend: str = "auto") -> di
 
 def run_nano_vllm(model: str, work: Workload, args) -> dict:
     from nanovllm import LLM, SamplingParams
-    llm = LLM(model, enforce_eager=args.enforce_eager, max_model_len=args.max_model_len)
+    llm = LLM(model, enforce_eager=args.enforce_eager, max_model_len=args.max_model_len,
+              tensor_parallel_size=args.tensor_parallel_size)
     params = [SamplingParams(temperature=work.temperature, ignore_eos=True, max_tokens=n)
               for n in work.output_lens]
     llm.generate(warmup_prompts(work), params[:4], use_tqdm=False)
@@ -85,7 +87,8 @@ def run_nano_vllm(model: str, work: Workload, args) -> dict:
 
 def run_vllm(model: str, work: Workload, args) -> dict:
     from vllm import LLM, SamplingParams, TokensPrompt
-    llm = LLM(model, enforce_eager=args.enforce_eager, max_model_len=args.max_model_len)
+    llm = LLM(model, enforce_eager=args.enforce_eager, max_model_len=args.max_model_len,
+              tensor_parallel_size=args.tensor_parallel_size)
     params = [SamplingParams(temperature=work.temperature, ignore_eos=True, max_tokens=n)
               for n in work.output_lens]
     prompts = [TokensPrompt(prompt_token_ids=p) for p in work.prompts]
@@ -332,6 +335,8 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="ranks for nanopaged, nano-vllm and vllm (one GPU each)")
     p.add_argument("--hf-attn", default="paged|sdpa", help="attention for the hf engine")
     p.add_argument("--hf-batch-size", type=int, default=64, help="batch of the hf-static engine")
     p.add_argument("--timeout", type=float, default=1800, help="seconds per engine")

@@ -1,5 +1,6 @@
 """Engine configuration: every knob of `LLM(model, **kwargs)`, validated once."""
 import os
+import socket
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +32,12 @@ def triton_interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 @dataclass
 class Config:
     """Everything the engine needs to know, resolved from `LLM(model, **kwargs)`.
@@ -39,7 +46,8 @@ class Config:
     dtype on GPU and float32 on CPU, `attention_backend` "auto" picks flash-attn, then Triton
     (both CUDA only), then plain PyTorch, and `kvcache_block_size` 256 with flash-attn and 16
     otherwise. `num_kvcache_blocks` forces the size of the KV pool instead of sizing it from
-    free memory.
+    free memory. `tensor_parallel_size` ranks meet on `distributed_port` of 127.0.0.1 (a free
+    port when None).
     """
     model: str
     device: str | None = None
@@ -52,6 +60,7 @@ class Config:
     num_kvcache_blocks: int | None = None
     enforce_eager: bool = False
     tensor_parallel_size: int = 1
+    distributed_port: int | None = None
     attention_backend: str = "auto"
     hf_config: PretrainedConfig | None = None
 
@@ -66,6 +75,7 @@ class Config:
         self._resolve_device_and_dtype()
         self._resolve_attention_backend()
         self._validate_sizes()
+        self._validate_tensor_parallel()
 
     def _resolve_device_and_dtype(self) -> None:
         if self.device is None:
@@ -126,5 +136,21 @@ class Config:
                              f"got {self.gpu_memory_utilization}")
         if self.num_kvcache_blocks is not None and self.num_kvcache_blocks < 1:
             raise ValueError(f"num_kvcache_blocks must be >= 1, got {self.num_kvcache_blocks}")
-        if self.tensor_parallel_size < 1:
-            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+
+    def _validate_tensor_parallel(self) -> None:
+        size = self.tensor_parallel_size
+        if size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {size}")
+        if self.device == "cuda" and size > torch.cuda.device_count():
+            raise ValueError(f"tensor_parallel_size={size} but only {torch.cuda.device_count()} "
+                             f"CUDA GPU(s) are visible")
+        for field in ("num_attention_heads", "num_key_value_heads", "vocab_size",
+                      "intermediate_size"):
+            value = getattr(self.hf_config, field)
+            if value % size:
+                raise ValueError(f"the model's {field}={value} is not divisible by "
+                                 f"tensor_parallel_size={size}")
+        if size > 1 and self.distributed_port is None:
+            self.distributed_port = free_port()
+        if self.distributed_port is not None and not 0 < self.distributed_port < 65536:
+            raise ValueError(f"distributed_port must be in [1, 65535], got {self.distributed_port}")

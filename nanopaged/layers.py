@@ -147,15 +147,16 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(VocabParallelEmbedding):
-    """Projects hidden states to logits over the whole vocabulary (gathered across ranks)."""
+    """Projects hidden states to logits over the whole vocabulary, gathered on rank 0 (which
+    samples); the other ranks return None."""
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
         logits = F.linear(hidden, self.weight)
         if self.tp_size == 1:
             return logits
-        shards = [torch.empty_like(logits) for _ in range(self.tp_size)]
-        dist.all_gather(shards, logits)
-        return torch.cat(shards, dim=-1)
+        shards = [torch.empty_like(logits) for _ in range(self.tp_size)] if self.tp_rank == 0 else None
+        dist.gather(logits, shards, dst=0)
+        return torch.cat(shards, dim=-1) if self.tp_rank == 0 else None
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -1,6 +1,7 @@
 """The engine loop: requests in, schedule a step, run it, record the tokens, outputs out."""
 import os
 import time
+import weakref
 from dataclasses import dataclass
 
 from tqdm.auto import tqdm
@@ -45,6 +46,8 @@ class LLMEngine:
         self.config = Config(model, **kwargs)
         self.tokenizer = AutoTokenizer.from_pretrained(model)
         self.model_runner = ModelRunner(self.config)
+        # tensor-parallel workers exit when the engine is closed or garbage-collected
+        self._finalizer = weakref.finalize(self, self.model_runner.close)
         self.block_manager = BlockManager(self.model_runner.num_kvcache_blocks,
                                           self.config.kvcache_block_size)
         self.scheduler = Scheduler(self.config, self.block_manager, self._eos_token_ids())
@@ -130,6 +133,16 @@ class LLMEngine:
 
     def is_finished(self) -> bool:
         return self.scheduler.is_finished()
+
+    def close(self) -> None:
+        """Stops the tensor-parallel worker processes, if any. The engine is unusable after."""
+        self._finalizer()
+
+    def __enter__(self) -> "LLMEngine":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
 
     def generate(self, prompts: list[Prompt] | Prompt,
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,

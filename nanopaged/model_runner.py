@@ -1,9 +1,11 @@
 """Runs the model: owns the weights, the KV cache, the CUDA graphs, and the sampler."""
 import os
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from nanopaged import parallel
 from nanopaged.attention import AttentionMetadata
 from nanopaged.config import Config
 from nanopaged.loader import load_weights
@@ -16,32 +18,74 @@ from nanopaged.sequence import Sequence
 CPU_KV_CACHE_FRACTION = 0.25
 
 
+@dataclass
+class StepInputs:
+    """One step's model inputs as host arrays: built by rank 0, sent as they are to the other
+    ranks. Prefill steps fill the `cu_seqlens` (a ragged batch); `logits_indices` picks the
+    rows whose next token is sampled."""
+    is_prefill: bool
+    input_ids: np.ndarray
+    positions: np.ndarray
+    slot_mapping: np.ndarray
+    context_lens: np.ndarray
+    block_tables: np.ndarray
+    logits_indices: np.ndarray
+    cu_seqlens_q: np.ndarray | None = None
+    cu_seqlens_k: np.ndarray | None = None
+    max_seqlen_q: int = 1
+
+
 class ModelRunner:
     """Turns a scheduled batch of sequences into model inputs, runs the model, and samples.
 
     Prefill steps run eagerly over a ragged batch; decode steps replay a CUDA graph captured for
-    the next larger batch size, when graphs are on.
+    the next larger batch size, when graphs are on. With tensor parallelism, the runner of
+    rank 0 starts the other ranks' runners (`run_worker`) and sends them every step's inputs.
     """
 
-    def __init__(self, config: Config):
+    def __init__(self, config: Config, rank: int = 0):
         self.config = config
+        self.rank = rank
+        self.workers = []
+        self.control_group = None
+        if config.tensor_parallel_size == 1:
+            self._build()
+            return
+        if rank == 0:
+            self.workers = parallel.start_workers(config, run_worker)
+        try:
+            with parallel.reporting_dead_workers(self.workers):
+                self.control_group = parallel.join_ranks(config, rank)
+                self._build()
+        except BaseException:
+            parallel.stop_workers(self.workers, None)
+            raise
+
+    def _build(self) -> None:
+        config = self.config
         self.block_size = config.kvcache_block_size
         self.device = torch.device(config.device)
-        hf_config = config.hf_config
         default_dtype = torch.get_default_dtype()
         torch.set_default_dtype(config.dtype)
         with self.device:
-            self.model = CausalLM(hf_config, config.attention_backend)
+            self.model = CausalLM(config.hf_config, config.attention_backend)
         torch.set_default_dtype(default_dtype)
         load_weights(self.model, config.model)
-        self.sampler = Sampler(self.device)
+        self.sampler = Sampler(self.device) if self.rank == 0 else None
         self.max_blocks_per_seq = -(-config.max_model_len // self.block_size)
-        self.num_kvcache_blocks = self._allocate_kv_cache()
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.num_kvcache_blocks = self._allocate_kv_cache()
         if self.device.type == "cuda":
-            self._compile_sampler()
+            if self.sampler:
+                self._compile_sampler()
             if not config.enforce_eager and config.attention_backend != "torch":
                 self._capture_cuda_graphs()
+
+    def close(self) -> None:
+        """Stops the other ranks' processes and leaves the process group (tensor parallelism)."""
+        if self.control_group is not None:
+            parallel.stop_workers(self.workers, self.control_group)
+            self.workers, self.control_group = [], None
 
     # ---- the KV cache ----
 
@@ -58,6 +102,8 @@ class ModelRunner:
         if num_blocks is None:
             budget = self._kv_budget_cuda() if self.device.type == "cuda" else self._kv_budget_cpu()
             num_blocks = int(budget // self._kv_bytes_per_block())
+        if self.control_group is not None:  # one block table addresses every rank's pool
+            num_blocks = parallel.min_over_ranks(num_blocks, self.control_group)
         if num_blocks < 1:
             raise ValueError("not enough memory left for even one KV-cache block; lower "
                              "max_num_batched_tokens or raise gpu_memory_utilization")
@@ -85,13 +131,13 @@ class ModelRunner:
         seq_len = min(config.max_num_batched_tokens, config.max_model_len)
         num_seqs = max(1, min(config.max_num_batched_tokens // seq_len, config.max_num_seqs))
         seqs = [_dummy_sequence(seq_len, self.block_size) for _ in range(num_seqs)]
-        input_ids, positions, meta, _ = self._prepare_prefill(seqs)
-        self._run_model(input_ids, positions, meta)
-        vocab_size = self.config.hf_config.vocab_size
-        logits = torch.randn(config.max_num_seqs, vocab_size, device=self.device)
-        self.sampler(logits, [_dummy_sequence(1, self.block_size, temperature=1.0, top_p=0.9)
-                              for _ in range(config.max_num_seqs)])
-        del logits
+        self.execute(self._prepare_prefill(seqs))
+        if self.sampler:
+            vocab_size = self.config.hf_config.vocab_size
+            logits = torch.randn(config.max_num_seqs, vocab_size, device=self.device)
+            self.sampler(logits, [_dummy_sequence(1, self.block_size, temperature=1.0, top_p=0.9)
+                                  for _ in range(config.max_num_seqs)])
+            del logits
         torch.cuda.synchronize()
         free, total = torch.cuda.mem_get_info()
         used = total - free
@@ -108,7 +154,7 @@ class ModelRunner:
 
     # ---- inputs ----
 
-    def _prepare_prefill(self, seqs: list[Sequence]):
+    def _prepare_prefill(self, seqs: list[Sequence]) -> StepInputs:
         input_ids, positions, slots, logits_indices = [], [], [], []
         cu_seqlens_q, cu_seqlens_k = [0], [0]
         for seq in seqs:
@@ -121,48 +167,39 @@ class ModelRunner:
             cu_seqlens_k.append(cu_seqlens_k[-1] + end)
             if seq.samples_this_step:
                 logits_indices.append(cu_seqlens_q[-1] - 1)
-        meta = AttentionMetadata(
-            is_prefill=True,
-            slot_mapping=self._to_device(np.concatenate(slots), torch.int64),
-            context_lens=self._to_device([s.num_computed_tokens + s.num_scheduled_tokens
-                                          for s in seqs], torch.int32),
-            block_tables=self._block_tables(seqs),
-            max_seqlen_k=max(cu_seqlens_k[i + 1] - cu_seqlens_k[i] for i in range(len(seqs))),
-            cu_seqlens_q=self._to_device(cu_seqlens_q, torch.int32),
-            cu_seqlens_k=self._to_device(cu_seqlens_k, torch.int32),
-            max_seqlen_q=max(s.num_scheduled_tokens for s in seqs),
-        )
-        return (self._to_device(np.concatenate(input_ids), torch.int64),
-                self._to_device(np.concatenate(positions), torch.int64), meta, logits_indices)
+        return StepInputs(
+            is_prefill=True, input_ids=np.concatenate(input_ids),
+            positions=np.concatenate(positions), slot_mapping=np.concatenate(slots),
+            context_lens=np.diff(cu_seqlens_k), block_tables=self._block_tables(seqs),
+            logits_indices=np.array(logits_indices, dtype=np.int64),
+            cu_seqlens_q=np.array(cu_seqlens_q), cu_seqlens_k=np.array(cu_seqlens_k),
+            max_seqlen_q=max(s.num_scheduled_tokens for s in seqs))
 
-    def _prepare_decode(self, seqs: list[Sequence]):
+    def _prepare_decode(self, seqs: list[Sequence]) -> StepInputs:
         positions = np.array([len(seq) - 1 for seq in seqs])
         # the token being decoded lives in the last block of its sequence
-        slots = [seq.block_table[-1] * self.block_size + (len(seq) - 1) % self.block_size
-                 for seq in seqs]
-        meta = AttentionMetadata(
-            is_prefill=False,
-            slot_mapping=self._to_device(slots, torch.int64),
-            context_lens=self._to_device(positions + 1, torch.int32),
-            block_tables=self._block_tables(seqs),
-            max_seqlen_k=int(positions.max()) + 1,
-        )
-        input_ids = self._to_device([seq.last_token for seq in seqs], torch.int64)
-        return input_ids, self._to_device(positions, torch.int64), meta, slice(None)
+        slots = np.array([seq.block_table[-1] * self.block_size + (len(seq) - 1) % self.block_size
+                          for seq in seqs])
+        return StepInputs(
+            is_prefill=False, input_ids=np.array([seq.last_token for seq in seqs]),
+            positions=positions, slot_mapping=slots, context_lens=positions + 1,
+            block_tables=self._block_tables(seqs), logits_indices=np.arange(len(seqs)))
 
     def _slots(self, seq: Sequence, positions: np.ndarray) -> np.ndarray:
         block_table = np.asarray(seq.block_table)
         return block_table[positions // self.block_size] * self.block_size + positions % self.block_size
 
-    def _block_tables(self, seqs: list[Sequence]) -> torch.Tensor:
+    def _block_tables(self, seqs: list[Sequence]) -> np.ndarray:
         width = max(len(seq.block_table) for seq in seqs)
         table = np.full((len(seqs), width), -1, dtype=np.int32)
         for row, seq in zip(table, seqs):
             row[:len(seq.block_table)] = seq.block_table
-        return self._to_device(table, torch.int32)
+        return table
 
-    def _to_device(self, values, dtype: torch.dtype) -> torch.Tensor:
-        tensor = torch.as_tensor(np.asarray(values), dtype=dtype)
+    def _to_device(self, values: np.ndarray | None, dtype: torch.dtype) -> torch.Tensor | None:
+        if values is None:
+            return None
+        tensor = torch.as_tensor(values, dtype=dtype)
         if self.device.type == "cuda":
             return tensor.pin_memory().to(self.device, non_blocking=True)
         return tensor
@@ -171,17 +208,44 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int]:
-        """One step: returns the next token of every sequence whose last token ran."""
-        prepare = self._prepare_prefill if is_prefill else self._prepare_decode
-        input_ids, positions, meta, logits_indices = prepare(seqs)
-        hidden = self._run_model(input_ids, positions, meta)
-        sampling_seqs = [seq for seq in seqs if seq.samples_this_step]
-        if not sampling_seqs:
+        """One step (rank 0): returns the next token of every sequence whose last token ran."""
+        inputs = self._prepare_prefill(seqs) if is_prefill else self._prepare_decode(seqs)
+        if not self.workers:
+            return self._run_and_sample(inputs, seqs)
+        with parallel.reporting_dead_workers(self.workers):
+            parallel.broadcast(inputs, self.control_group, self.workers)
+            return self._run_and_sample(inputs, seqs)
+
+    def _run_and_sample(self, inputs: StepInputs, seqs: list[Sequence]) -> list[int]:
+        logits = self.execute(inputs)
+        if logits is None:
             return []
-        logits = self.model.compute_logits(hidden[logits_indices])
-        return self.sampler(logits, sampling_seqs).tolist()
+        tokens = self.sampler(logits, [seq for seq in seqs if seq.samples_this_step])
+        if self.workers and self.device.type == "cuda":
+            parallel.wait_for_gpu(self.workers)
+        return tokens.tolist()
 
     @torch.inference_mode()
+    def execute(self, inputs: StepInputs) -> torch.Tensor | None:
+        """Runs the model over one step's inputs; returns the logits of the sampling rows
+        (on rank 0; the other ranks return None), or None when no row samples."""
+        meta = AttentionMetadata(
+            is_prefill=inputs.is_prefill,
+            slot_mapping=self._to_device(inputs.slot_mapping, torch.int64),
+            context_lens=self._to_device(inputs.context_lens, torch.int32),
+            block_tables=self._to_device(inputs.block_tables, torch.int32),
+            max_seqlen_k=int(inputs.context_lens.max()),
+            cu_seqlens_q=self._to_device(inputs.cu_seqlens_q, torch.int32),
+            cu_seqlens_k=self._to_device(inputs.cu_seqlens_k, torch.int32),
+            max_seqlen_q=inputs.max_seqlen_q)
+        hidden = self._run_model(self._to_device(inputs.input_ids, torch.int64),
+                                 self._to_device(inputs.positions, torch.int64), meta)
+        if len(inputs.logits_indices) == 0:
+            return None
+        if len(inputs.logits_indices) < hidden.shape[0]:
+            hidden = hidden[self._to_device(inputs.logits_indices, torch.int64)]
+        return self.model.compute_logits(hidden)
+
     def _run_model(self, input_ids: torch.Tensor, positions: torch.Tensor,
                    meta: AttentionMetadata) -> torch.Tensor:
         batch_size = input_ids.shape[0]
@@ -243,6 +307,16 @@ class ModelRunner:
         b["block_tables"][:batch_size, :meta.block_tables.shape[1]] = meta.block_tables
         self.graphs[graph_size].replay()
         return b["hidden"][:batch_size]
+
+
+def run_worker(config: Config, rank: int) -> None:
+    """The life of a tensor-parallel worker process: run every step rank 0 sends, until `None`."""
+    if config.device == "cpu":  # share the cores with the other ranks
+        torch.set_num_threads(max(1, torch.get_num_threads() // config.tensor_parallel_size))
+    runner = ModelRunner(config, rank)
+    while (inputs := parallel.receive(runner.control_group)) is not None:
+        runner.execute(inputs)
+    runner.close()
 
 
 def _dummy_sequence(length: int, block_size: int, **sampling) -> Sequence:

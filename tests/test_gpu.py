@@ -24,12 +24,13 @@ def gpu_path(tmp_path_factory) -> str:
                                    initializer_range=0.1)
 
 
-def run(path: str, backend: str, dtype: str, enforce_eager: bool, prompts=PROMPTS):
+def run(path: str, backend: str, dtype: str, enforce_eager: bool, prompts=PROMPTS,
+        tensor_parallel_size: int = 1):
     block_size = 256 if backend == "flash" else 16
-    llm = LLM(path, dtype=dtype, attention_backend=backend, enforce_eager=enforce_eager,
-              kvcache_block_size=block_size, max_model_len=1024, max_num_seqs=64,
-              gpu_memory_utilization=0.3)
-    return [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    with LLM(path, dtype=dtype, attention_backend=backend, enforce_eager=enforce_eager,
+             kvcache_block_size=block_size, max_model_len=1024, max_num_seqs=64,
+             gpu_memory_utilization=0.3, tensor_parallel_size=tensor_parallel_size) as llm:
+        return [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
 
 
 def hf_greedy(path: str, dtype: torch.dtype, prompts) -> list[list[int]]:
@@ -49,6 +50,14 @@ def hf_greedy(path: str, dtype: torch.dtype, prompts) -> list[list[int]]:
 def test_float32_greedy_matches_transformers(gpu_path, backend, enforce_eager):
     torch.backends.cuda.matmul.allow_tf32 = False
     assert run(gpu_path, backend, "float32", enforce_eager) == hf_greedy(gpu_path, torch.float32, PROMPTS)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+@pytest.mark.parametrize("backend", [b for b in BACKENDS if b != "flash"])
+def test_two_gpus_float32_greedy_matches_transformers(gpu_path, backend):
+    torch.backends.cuda.matmul.allow_tf32 = False
+    assert (run(gpu_path, backend, "float32", False, tensor_parallel_size=2)
+            == hf_greedy(gpu_path, torch.float32, PROMPTS))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

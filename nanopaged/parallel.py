@@ -1,0 +1,120 @@
+"""Tensor parallelism: one process per rank, joined by torch.distributed.
+
+Rank 0 lives in the caller's process: it schedules, prepares each step's inputs and samples.
+Ranks 1..N-1 are spawned worker processes holding their own shards of the weights and of the
+KV cache. Every step, rank 0 broadcasts the step's inputs on a gloo group (a pickled object,
+so of any size) and all ranks run the model; the all-reduces inside it join the shards.
+"""
+import datetime
+import multiprocessing as mp
+import multiprocessing.connection
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+
+from nanopaged.config import Config
+
+# Workers wait for rank 0's next message for as long as the caller leaves the engine idle.
+IDLE_TIMEOUT = datetime.timedelta(days=365)
+SHUTDOWN_TIMEOUT_S = 30
+
+
+class WorkerDied(RuntimeError):
+    pass
+
+
+def start_workers(config: Config, target: Callable[[Config, int], None]) -> list[mp.Process]:
+    """Spawns ranks 1..N-1, each running `target(config, rank)`."""
+    if dist.is_initialized():
+        raise RuntimeError("this process already belongs to a torch.distributed group (another "
+                           "tensor-parallel engine?); close that engine before starting one")
+    context = mp.get_context("spawn")  # CUDA cannot be used in a forked child
+    workers = [context.Process(target=target, args=(config, rank), daemon=True,
+                               name=f"nanopaged-tp{rank}")
+               for rank in range(1, config.tensor_parallel_size)]
+    for worker in workers:
+        worker.start()
+    return workers
+
+
+def join_ranks(config: Config, rank: int) -> dist.ProcessGroup:
+    """Joins this process to the others; returns the gloo group that carries rank 0's messages.
+    The model's collectives run on the default group: NCCL on GPUs, gloo on CPU."""
+    backend = "gloo"
+    if config.device == "cuda":
+        torch.cuda.set_device(rank)
+        backend = "nccl"
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{config.distributed_port}",
+                            rank=rank, world_size=config.tensor_parallel_size)
+    return dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
+
+
+def broadcast(message, group: dist.ProcessGroup, workers: list[mp.Process]) -> None:
+    check_workers(workers)
+    dist.broadcast_object_list([message], src=0, group=group)
+
+
+def receive(group: dist.ProcessGroup):
+    box = [None]
+    dist.broadcast_object_list(box, src=0, group=group)
+    return box[0]
+
+
+def min_over_ranks(value: int, group: dist.ProcessGroup) -> int:
+    tensor = torch.tensor([value])
+    dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=group)
+    return int(tensor.item())
+
+
+def check_workers(workers: list[mp.Process], wait_s: float = 0) -> None:
+    """Raises WorkerDied if a worker has exited, after waiting up to `wait_s` for one to exit
+    (a collective can fail a moment before its dead peer's exit is seen)."""
+    if wait_s and workers:
+        mp.connection.wait([worker.sentinel for worker in workers], timeout=wait_s)
+    for worker in workers:
+        if worker.exitcode is not None:
+            raise WorkerDied(f"tensor-parallel worker {worker.name} exited with code "
+                             f"{worker.exitcode} (its traceback, if any, is printed above); "
+                             f"this engine cannot run any more: close it and create a new one")
+
+
+@contextmanager
+def reporting_dead_workers(workers: list[mp.Process]) -> Iterator[None]:
+    """Turns a collective's failure caused by a worker's death into WorkerDied naming it."""
+    try:
+        yield
+    except WorkerDied:
+        raise
+    except RuntimeError:
+        check_workers(workers, wait_s=1)
+        raise
+
+
+def wait_for_gpu(workers: list[mp.Process]) -> None:
+    """Waits for this rank's queued GPU work. A dead worker never joins NCCL's collectives and a
+    CUDA sync would then wait forever, so poll, checking the workers, instead of blocking."""
+    done = torch.cuda.Event()
+    done.record()
+    while not done.query():
+        check_workers(workers)
+
+
+def stop_workers(workers: list[mp.Process], group: dist.ProcessGroup | None) -> None:
+    """Tells the workers to exit (a `None` message on `group`) and waits for them, or, without
+    a group or with a worker already gone, kills them. Then leaves the process group."""
+    timeout = 0
+    if workers and group is not None and all(w.exitcode is None for w in workers):
+        try:
+            dist.broadcast_object_list([None], src=0, group=group)
+            timeout = SHUTDOWN_TIMEOUT_S
+        except RuntimeError:
+            pass  # a worker died meanwhile
+    for worker in workers:
+        worker.join(timeout)
+        if worker.exitcode is None:
+            worker.kill()
+            worker.join()
+    if dist.is_initialized():
+        dist.destroy_process_group()

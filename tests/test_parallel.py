@@ -1,0 +1,92 @@
+"""Tensor parallelism on CPU (gloo): two ranks give the tokens of one, and leave no process behind."""
+import gc
+import os
+import signal
+import threading
+
+import psutil
+import pytest
+
+from nanopaged import LLM, SamplingParams
+from nanopaged.config import Config, free_port
+from conftest import ARCHITECTURES, random_prompts
+
+GREEDY = SamplingParams(temperature=0, max_tokens=40)
+
+
+def worker_processes() -> list[psutil.Process]:
+    """This process's tensor-parallel workers (multiprocessing's resource tracker excluded)."""
+    return [p for p in psutil.Process().children(recursive=True)
+            if "resource_tracker" not in " ".join(p.cmdline())]
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_two_ranks_match_transformers_with_prefix_hits_and_preemption(arch, model_path, hf_greedy):
+    path = model_path(arch)
+    shared = random_prompts([40], seed=10)[0]
+    prompts = [shared + tail for tail in random_prompts([3, 20, 9], seed=11)]
+    prompts += random_prompts([30, 60, 12], seed=12)
+    expected = hf_greedy(path, prompts, GREEDY.max_tokens)
+    # 14 blocks of 16 tokens cannot hold six sequences of 50-100 tokens at once; a budget of
+    # 48 tokens a step prefills the longer prompts in chunks
+    with LLM(path, max_model_len=512, tensor_parallel_size=2, kvcache_block_size=16,
+             num_kvcache_blocks=14, max_num_batched_tokens=48) as llm:
+        first = llm.generate(prompts, GREEDY, use_tqdm=False)
+        second = llm.generate(prompts[:3], GREEDY, use_tqdm=False)
+        assert llm.scheduler.num_preemptions > 0
+    # the shared 40 tokens fill two whole blocks, computed once
+    assert [o.num_cached_tokens for o in first][:3] == [0, 32, 32]
+    assert [o.num_cached_tokens for o in second] == [0, 32, 32]
+    assert [o.token_ids for o in first] == expected
+    assert [o.token_ids for o in second] == expected[:3]
+    assert not worker_processes()
+
+
+def test_garbage_collected_engine_stops_its_workers(qwen3_path):
+    llm = LLM(qwen3_path, max_model_len=256, tensor_parallel_size=2,
+              distributed_port=free_port())
+    [worker] = worker_processes()
+    assert llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+    del llm
+    gc.collect()
+    worker.wait(timeout=30)
+    assert not worker_processes()
+
+
+def test_one_tensor_parallel_engine_per_process(qwen3_path):
+    with LLM(qwen3_path, max_model_len=256, tensor_parallel_size=2) as llm:
+        with pytest.raises(RuntimeError, match="close that engine"):
+            LLM(qwen3_path, max_model_len=256, tensor_parallel_size=2)
+        assert len(worker_processes()) == 1
+        [out] = llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)
+        assert len(out.token_ids) > 0
+
+
+def test_a_dead_worker_is_an_error_not_a_hang(qwen3_path):
+    llm = LLM(qwen3_path, max_model_len=512, tensor_parallel_size=2)
+    [worker] = worker_processes()
+    prompts = random_prompts([20] * 8, seed=13)
+    params = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+    # killed in the middle of a long generation...
+    threading.Timer(1.0, os.kill, (worker.pid, signal.SIGKILL)).start()
+    with pytest.raises(RuntimeError, match="worker"):
+        llm.generate(prompts, params, use_tqdm=False)
+    # ...and every later call says so at once
+    with pytest.raises(RuntimeError, match="cannot run any more"):
+        llm.generate(prompts[:1], params, use_tqdm=False)
+    llm.close()
+    assert not worker_processes()
+
+
+def test_tensor_parallel_errors(qwen3_path, monkeypatch):
+    with pytest.raises(ValueError, match="num_attention_heads=4 is not divisible"):
+        Config(qwen3_path, tensor_parallel_size=3)
+    with pytest.raises(ValueError, match="tensor_parallel_size must be >= 1"):
+        Config(qwen3_path, tensor_parallel_size=0)
+    with pytest.raises(ValueError, match="distributed_port"):
+        Config(qwen3_path, tensor_parallel_size=2, distributed_port=70000)
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    monkeypatch.setattr("torch.cuda.device_count", lambda: 1)
+    with pytest.raises(ValueError, match="only 1 CUDA GPU"):
+        Config(qwen3_path, device="cuda", dtype="bfloat16", attention_backend="torch",
+               tensor_parallel_size=2)
