@@ -101,12 +101,17 @@ class BlockManager:
 
     def can_append(self, seq: Sequence) -> bool:
         """Whether the pool can hold the K/V of the token that `seq` decodes next."""
-        needs_new_block = seq.num_blocks > len(seq.block_table)
-        return not needs_new_block or self.num_free_blocks > 0
+        fits = len(seq.token_ids) <= len(seq.block_table) * self.block_size
+        return fits or len(self.free_block_ids) > 0
 
     def may_append(self, seq: Sequence) -> None:
-        if seq.num_blocks > len(seq.block_table):
+        """Makes room for the K/V of the token that `seq` decodes next (a new block when its
+        last one is full); when that token fills its block, enters the block in the prefix cache."""
+        num_tokens = len(seq.token_ids)
+        if num_tokens > len(seq.block_table) * self.block_size:
             seq.block_table.append(self._take_free_block())
+        if num_tokens % self.block_size == 0:
+            self._cache_block(seq, num_tokens // self.block_size - 1)
 
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Enter in the prefix cache the blocks that this step's tokens fill.
@@ -117,13 +122,16 @@ class BlockManager:
         first = seq.num_computed_tokens // self.block_size
         last = (seq.num_computed_tokens + seq.num_scheduled_tokens) // self.block_size
         for i in range(first, last):
-            block = self.blocks[seq.block_table[i]]
-            if block.hash is not None:  # a cache hit: already registered
-                continue
-            parent = self.blocks[seq.block_table[i - 1]].hash if i > 0 else None
-            block.token_ids = seq.block_tokens(i)
-            block.hash = hash_block(parent, block.token_ids)
-            self.hash_to_block[block.hash] = block.block_id
+            self._cache_block(seq, i)
+
+    def _cache_block(self, seq: Sequence, i: int) -> None:
+        block = self.blocks[seq.block_table[i]]
+        if block.hash is not None:  # a cache hit: already registered
+            return
+        parent = self.blocks[seq.block_table[i - 1]].hash if i > 0 else None
+        block.token_ids = seq.block_tokens(i)
+        block.hash = hash_block(parent, block.token_ids)
+        self.hash_to_block[block.hash] = block.block_id
 
     def _take_free_block(self) -> int:
         block_id, _ = self.free_block_ids.popitem(last=False)

@@ -110,14 +110,15 @@ class LLMEngine:
 
     def _step(self) -> tuple[list[RequestOutput], bool, int]:
         seqs, is_prefill = self.scheduler.schedule()
-        num_tokens = sum(seq.num_scheduled_tokens for seq in seqs)
+        num_tokens = sum(seq.num_scheduled_tokens for seq in seqs) if is_prefill else len(seqs)
         token_ids = self.model_runner.run(seqs, is_prefill)
         finished = self.scheduler.postprocess(seqs, token_ids)
-        now = time.perf_counter()
-        for seq in seqs:
-            times = self.times[seq.seq_id]
-            if seq.num_completion_tokens == 1 and not times[1]:
-                times[1] = now
+        if is_prefill:  # a request's first token comes from the step that ends its prefill
+            now = time.perf_counter()
+            for seq in seqs:
+                times = self.times[seq.seq_id]
+                if seq.num_completion_tokens == 1 and not times[1]:
+                    times[1] = now
         for seq in finished:
             self.model_runner.sampler.release(seq)
         return [self._output(seq) for seq in finished], is_prefill, num_tokens
@@ -170,7 +171,8 @@ class LLMEngine:
                 start = time.perf_counter()
                 finished, is_prefill, num_tokens = self._step()
                 rates["prefill" if is_prefill else "decode"] = num_tokens / (time.perf_counter() - start)
-                bar.set_postfix_str(", ".join(f"{k} {v:,.0f} tok/s" for k, v in rates.items()))
+                bar.set_postfix_str(", ".join(f"{k} {v:,.0f} tok/s" for k, v in rates.items()),
+                                    refresh=False)  # update() redraws, at most every 0.1 s
                 for output in finished:
                     outputs[output.request_id] = output
                 bar.update(len(finished))

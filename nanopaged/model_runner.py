@@ -1,4 +1,5 @@
 """Runs the model: owns the weights, the KV cache, the CUDA graphs, and the sampler."""
+import itertools
 import os
 from dataclasses import dataclass
 
@@ -176,24 +177,25 @@ class ModelRunner:
             max_seqlen_q=max(s.num_scheduled_tokens for s in seqs))
 
     def _prepare_decode(self, seqs: list[Sequence]) -> StepInputs:
-        positions = np.array([len(seq) - 1 for seq in seqs])
+        positions = np.array([len(seq.token_ids) for seq in seqs]) - 1
         # the token being decoded lives in the last block of its sequence
-        slots = np.array([seq.block_table[-1] * self.block_size + (len(seq) - 1) % self.block_size
-                          for seq in seqs])
+        last_blocks = np.array([seq.block_table[-1] for seq in seqs])
         return StepInputs(
-            is_prefill=False, input_ids=np.array([seq.last_token for seq in seqs]),
-            positions=positions, slot_mapping=slots, context_lens=positions + 1,
-            block_tables=self._block_tables(seqs), logits_indices=np.arange(len(seqs)))
+            is_prefill=False, input_ids=np.array([seq.token_ids[-1] for seq in seqs]),
+            positions=positions, slot_mapping=last_blocks * self.block_size + positions % self.block_size,
+            context_lens=positions + 1, block_tables=self._block_tables(seqs),
+            logits_indices=np.arange(len(seqs)))
 
     def _slots(self, seq: Sequence, positions: np.ndarray) -> np.ndarray:
         block_table = np.asarray(seq.block_table)
         return block_table[positions // self.block_size] * self.block_size + positions % self.block_size
 
     def _block_tables(self, seqs: list[Sequence]) -> np.ndarray:
-        width = max(len(seq.block_table) for seq in seqs)
-        table = np.full((len(seqs), width), -1, dtype=np.int32)
-        for row, seq in zip(table, seqs):
-            row[:len(seq.block_table)] = seq.block_table
+        """(num_seqs, longest block table) int32, padded with -1."""
+        lengths = np.array([len(seq.block_table) for seq in seqs])
+        table = np.full((len(seqs), lengths.max()), -1, dtype=np.int32)
+        table[np.arange(table.shape[1]) < lengths[:, None]] = np.fromiter(
+            itertools.chain.from_iterable(seq.block_table for seq in seqs), np.int32, lengths.sum())
         return table
 
     def _to_device(self, values: np.ndarray | None, dtype: torch.dtype) -> torch.Tensor | None:
@@ -220,7 +222,8 @@ class ModelRunner:
         logits = self.execute(inputs)
         if logits is None:
             return []
-        tokens = self.sampler(logits, [seq for seq in seqs if seq.samples_this_step])
+        sampling = [seq for seq in seqs if seq.samples_this_step] if inputs.is_prefill else seqs
+        tokens = self.sampler(logits, sampling)
         if self.workers and self.device.type == "cuda":
             parallel.wait_for_gpu(self.workers)
         return tokens.tolist()

@@ -72,9 +72,8 @@ class Scheduler:
                     self._preempt(seq)
                     break
             else:
-                self.block_manager.may_append(seq)
                 seq.num_scheduled_tokens = 1
-                self.block_manager.cache_full_blocks(seq)
+                self.block_manager.may_append(seq)
                 scheduled.append(seq)
         self.running.extendleft(reversed(scheduled))
         return scheduled
@@ -91,11 +90,10 @@ class Scheduler:
         sampled = iter(token_ids)
         finished = []
         for seq in seqs:
-            samples = seq.samples_this_step
             seq.num_computed_tokens += seq.num_scheduled_tokens
             seq.num_scheduled_tokens = 0
-            if not samples:
-                continue
+            if seq.num_computed_tokens < len(seq.token_ids):
+                continue  # a prompt chunk: nothing sampled yet
             seq.append_token(next(sampled))
             reason = self._finish_reason(seq)
             if reason is not None:
@@ -107,11 +105,10 @@ class Scheduler:
         return finished
 
     def _finish_reason(self, seq: Sequence) -> str | None:
-        if not seq.sampling_params.ignore_eos and seq.last_token in self.eos_token_ids:
+        params = seq.sampling_params
+        if not params.ignore_eos and seq.token_ids[-1] in self.eos_token_ids:
             return "stop"
-        if seq.num_completion_tokens >= seq.sampling_params.max_tokens:
-            return "length"
-        if len(seq) >= self.max_model_len:
+        if len(seq.token_ids) >= min(seq.num_prompt_tokens + params.max_tokens, self.max_model_len):
             return "length"
         return None
 

@@ -9,6 +9,7 @@ import triton.language as tl
 
 from nanopaged.attention import AttentionMetadata
 
+
 @triton.jit
 def _store_kvcache_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
                           k_stride, v_stride, ROW: tl.constexpr, ROW_PAD: tl.constexpr):
@@ -46,6 +47,20 @@ def _kv_tile(cache_ptr, block_table_ptr, pos, valid, kv_head,
 
 # Integer arguments that change from step to step are not specialised on, or each new value
 # (a block table one column wider, say) would compile the kernel again in the middle of a run.
+@triton.jit
+def _attend_tile(q, k, v, mask, m, l, acc, scale, PRECISION: tl.constexpr):
+    """One step of online softmax: folds the keys k and values v (N, D) that `mask` (R, N) lets
+    each query row see into the rows' running max m, sum l and output acc (R, D)."""
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * (scale * 1.4426950408889634)  # log2 e
+    s = tl.where(mask, s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, 1))
+    p = tl.exp2(s - m_new[:, None])
+    alpha = tl.exp2(m - m_new)
+    l = l * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return m_new, l, acc
+
+
 @triton.jit(do_not_specialize=["block_table_stride", "num_splits"])
 def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
                    out_ptr, partial_ptr, lse_ptr, scale, q_stride, block_table_stride,
@@ -78,14 +93,7 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_le
             valid = pos < end
             k = _kv_tile(k_cache_ptr, block_table_ptr, pos, valid, kv_head, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE)
             v = _kv_tile(v_cache_ptr, block_table_ptr, pos, valid, kv_head, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE)
-            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * (scale * 1.4426950408889634)  # (G, N)
-            s = tl.where(valid[None, :], s, float("-inf"))
-            m_new = tl.maximum(m, tl.max(s, 1))
-            p = tl.exp2(s - m_new[:, None])
-            alpha = tl.exp2(m - m_new)
-            l = l * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-            m = m_new
+            m, l, acc = _attend_tile(q, k, v, valid[None, :], m, l, acc, scale, PRECISION)
         has_keys = l > 0  # false only for a padding row (context 0)
         l = tl.where(has_keys, l, 1.0)
         out = acc / l[:, None]
@@ -198,14 +206,8 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, cu_seqlens_q_ptr, 
             valid = pos < end
             k = _kv_tile(k_cache_ptr, block_table_ptr, pos, valid, kv_head, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE)
             v = _kv_tile(v_cache_ptr, block_table_ptr, pos, valid, kv_head, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE)
-            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * (scale * 1.4426950408889634)  # (M, N)
-            s = tl.where(valid[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
-            m_new = tl.maximum(m, tl.max(s, 1))
-            p = tl.exp2(s - m_new[:, None])
-            alpha = tl.exp2(m - m_new)
-            l = l * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-            m = m_new
+            causal = valid[None, :] & (pos[None, :] <= q_pos[:, None])
+            m, l, acc = _attend_tile(q, k, v, causal, m, l, acc, scale, PRECISION)
         out = acc / l[:, None]
         tl.store(out_ptr + q_offsets, out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
 
