@@ -4,6 +4,7 @@
     python bench.py --engines nanopaged,hf,hf-static,nano-vllm,vllm --out bench.json --plot bench.png
     python bench.py --prefix-len 512                  # every prompt shares 512 leading tokens
     python bench.py --steps                           # decode step time per batch, prefill tok/s
+    python bench.py --host                            # host time per decode step (no GPU needed)
     python bench.py --tiny                            # a seconds-long run on CPU
 
 Every engine runs in its own process on the same workload, after a warm-up outside the timed
@@ -307,17 +308,48 @@ def _allocated_sequences(llm, count: int, context: int, prefill: bool = False):
     return seqs
 
 
+# ---- host work per step ----
+
+def host_times(model: str, args) -> list[dict]:
+    """Host time of one decode step without the model: schedule, build the inputs, record the
+    sampled tokens. The GPU waits that long between two steps."""
+    from nanopaged import LLM, SamplingParams
+    rows = []
+    max_model_len = args.context + 512
+    for batch in args.batch_sizes:
+        for block_size in (16, 256):
+            llm = LLM(model, device="cpu", kvcache_block_size=block_size, max_model_len=max_model_len,
+                      num_kvcache_blocks=batch * -(-max_model_len // block_size))
+            scheduler, runner = llm.scheduler, llm.model_runner
+            g = torch.Generator().manual_seed(0)
+            params = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=max_model_len)
+            for _ in range(batch):
+                vocab_size = llm.config.hf_config.vocab_size
+                llm.add_request(torch.randint(0, vocab_size, (args.context,), generator=g).tolist(), params)
+            while scheduler.waiting:  # prefill, as if sampled
+                seqs, _ = scheduler.schedule()
+                scheduler.postprocess(seqs, [0] * sum(seq.samples_this_step for seq in seqs))
+            def decode_step():
+                seqs, _ = scheduler.schedule()
+                runner._prepare_decode(seqs)
+                scheduler.postprocess(seqs, [0] * len(seqs))
+            rows.append(dict(kind=f"decode b={batch} block={block_size}",
+                             ms=best_time(decode_step, repeat=100) * 1e3))
+    return rows
+
+
 # ---- the command line ----
 
 def resolve_model(args) -> str:
     if args.model:
         return args.model
     from nanopaged.random_checkpoint import QWEN3_0_6B, TINY_QWEN3, write_random_checkpoint
-    name, shape = ("random-tiny-qwen3", TINY_QWEN3) if args.tiny else ("random-qwen3-0.6b", QWEN3_0_6B)
+    tiny = args.tiny or args.host  # host work does not depend on the model's size
+    name, shape = ("random-tiny-qwen3", TINY_QWEN3) if tiny else ("random-qwen3-0.6b", QWEN3_0_6B)
     path = os.path.join(CACHE_DIR, name)
     if not os.path.exists(os.path.join(path, "model.safetensors")):
         print(f"writing a random-weight {name} checkpoint to {path}", file=sys.stderr)
-        write_random_checkpoint(path, shape, dtype=torch.float32 if args.tiny else torch.bfloat16)
+        write_random_checkpoint(path, shape, dtype=torch.float32 if tiny else torch.bfloat16)
     return path
 
 
@@ -342,6 +374,7 @@ def parse_args(argv=None):
     p.add_argument("--timeout", type=float, default=1800, help="seconds per engine")
     p.add_argument("--tiny", action="store_true", help="a seconds-long run on CPU")
     p.add_argument("--steps", action="store_true", help="time decode steps and prefill instead")
+    p.add_argument("--host", action="store_true", help="time the host's work per decode step")
     p.add_argument("--backends", help="with --steps: comma-separated (default: all available)")
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 64, 256])
     p.add_argument("--context", type=int, default=1000)
@@ -353,6 +386,8 @@ def parse_args(argv=None):
         args.num_requests, args.prompt_len, args.output_len = 8, [8, 64], [8, 32]
         args.batch_sizes, args.context, args.prefill_seqs = [1, 4], 64, 2
         args.max_model_len = min(args.max_model_len, 512)
+    if args.plot and args.host:
+        p.error("--plot draws throughput or --steps results, not --host")
     unknown = {e.partition(":")[0] for e in args.engines.split(",")} - set(ENGINES)
     if unknown:
         p.error(f"unknown engines {sorted(unknown)}; choose from {', '.join(ENGINES)}")
@@ -362,7 +397,13 @@ def parse_args(argv=None):
 def main(argv=None) -> dict:
     args = parse_args(argv)
     model = resolve_model(args)
-    if args.steps:
+    if args.host:
+        rows = host_times(model, args)
+        print(f"{'host work per step':28} {'ms':>7}")
+        for r in rows:
+            print(f"{r['kind']:28} {r['ms']:7.3f}")
+        result = dict(host=rows)
+    elif args.steps:
         rows = step_times(model, args)
         print(f"{'backend':8} {'step':24} {'ms':>9} {'floor ms':>9} {'% of floor':>10}")
         for r in rows:

@@ -35,3 +35,11 @@ def test_step_times(bench, qwen3_path, tmp_path):
     assert kinds == ["decode b=1", "decode b=4", "prefill 128 tok"]
     assert all(row["ms"] > 0 and row["floor_ms"] > 0 for row in result["steps"])
     assert (tmp_path / "steps.png").stat().st_size > 0
+
+
+def test_host_times(bench, qwen3_path):
+    result = bench.main(["--tiny", "--model", qwen3_path, "--host"])
+    kinds = [row["kind"] for row in result["host"]]
+    assert kinds == ["decode b=1 block=16", "decode b=1 block=256",
+                     "decode b=4 block=16", "decode b=4 block=256"]
+    assert all(row["ms"] > 0 for row in result["host"])
