@@ -38,20 +38,12 @@ class Sequence:
         return len(self.token_ids)
 
     @property
-    def last_token(self) -> int:
-        return self.token_ids[-1]
-
-    @property
     def completion_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens:]
 
     @property
     def num_completion_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
-
-    @property
-    def is_finished(self) -> bool:
-        return self.status == SequenceStatus.FINISHED
 
     @property
     def num_blocks(self) -> int:
