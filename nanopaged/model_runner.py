@@ -1,4 +1,4 @@
-"""Runs the model: owns the weights, the KV cache, the CUDA graphs, and the sampler."""
+"""Runs the model: owns the weights, the KV cache, the decode graphs, and the sampler."""
 import itertools
 import os
 from dataclasses import dataclass
@@ -9,6 +9,7 @@ import torch
 from nanopaged import parallel
 from nanopaged.attention import AttentionMetadata
 from nanopaged.config import Config
+from nanopaged.cuda_graphs import DecodeGraphs
 from nanopaged.loader import load_weights
 from nanopaged.model import CausalLM
 from nanopaged.sampler import Sampler
@@ -74,13 +75,13 @@ class ModelRunner:
         load_weights(self.model, config.model)
         self.sampler = Sampler(self.device) if self.rank == 0 else None
         self.max_blocks_per_seq = -(-config.max_model_len // self.block_size)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.graphs: DecodeGraphs | None = None
         self.num_kvcache_blocks = self._allocate_kv_cache()
         if self.device.type == "cuda":
             if self.sampler:
                 self._compile_sampler()
             if not config.enforce_eager and config.attention_backend != "torch":
-                self._capture_cuda_graphs()
+                self.graphs = DecodeGraphs(self.model, config, self.max_blocks_per_seq)
 
     def close(self) -> None:
         """Stops the other ranks' processes and leaves the process group (tensor parallelism)."""
@@ -251,65 +252,9 @@ class ModelRunner:
 
     def _run_model(self, input_ids: torch.Tensor, positions: torch.Tensor,
                    meta: AttentionMetadata) -> torch.Tensor:
-        batch_size = input_ids.shape[0]
-        if meta.is_prefill or not self.graphs or batch_size > max(self.graphs):
+        if meta.is_prefill or self.graphs is None or input_ids.shape[0] > self.graphs.max_batch:
             return self.model(input_ids, positions, meta)
-        return self._replay_graph(input_ids, positions, meta)
-
-    # ---- CUDA graphs ----
-
-    def _graph_batch_sizes(self) -> list[int]:
-        max_batch = min(self.config.max_num_seqs, 512)
-        sizes = [1, 2, 4, 8] + list(range(16, max_batch + 1, 16))
-        return [size for size in sizes if size <= max_batch]
-
-    @torch.inference_mode()
-    def _capture_cuda_graphs(self) -> None:
-        """Captures one decode graph per batch size, largest first, all in one memory pool.
-        The graphs read their inputs from static buffers that `_replay_graph` fills."""
-        max_batch = max(self._graph_batch_sizes())
-        hidden_size = self.config.hf_config.hidden_size
-        self.graph_buffers = {
-            "input_ids": torch.zeros(max_batch, dtype=torch.int64, device=self.device),
-            "positions": torch.zeros(max_batch, dtype=torch.int64, device=self.device),
-            "slot_mapping": torch.full((max_batch,), -1, dtype=torch.int64, device=self.device),
-            "context_lens": torch.zeros(max_batch, dtype=torch.int32, device=self.device),
-            "block_tables": torch.full((max_batch, self.max_blocks_per_seq), -1,
-                                       dtype=torch.int32, device=self.device),
-            "hidden": torch.zeros(max_batch, hidden_size, dtype=self.config.dtype, device=self.device),
-        }
-        pool = None
-        for batch_size in reversed(self._graph_batch_sizes()):
-            graph = torch.cuda.CUDAGraph()
-            args = self._graph_args(batch_size)
-            self.graph_buffers["hidden"][:batch_size] = self.model(*args)  # warm-up
-            with torch.cuda.graph(graph, pool):
-                self.graph_buffers["hidden"][:batch_size] = self.model(*args)
-            pool = graph.pool()
-            self.graphs[batch_size] = graph
-            torch.cuda.synchronize()
-
-    def _graph_args(self, batch_size: int):
-        b = self.graph_buffers
-        meta = AttentionMetadata(
-            is_prefill=False, slot_mapping=b["slot_mapping"][:batch_size],
-            context_lens=b["context_lens"][:batch_size], block_tables=b["block_tables"][:batch_size],
-            max_seqlen_k=self.config.max_model_len)
-        return b["input_ids"][:batch_size], b["positions"][:batch_size], meta
-
-    def _replay_graph(self, input_ids, positions, meta: AttentionMetadata) -> torch.Tensor:
-        batch_size = input_ids.shape[0]
-        graph_size = next(size for size in sorted(self.graphs) if size >= batch_size)
-        b = self.graph_buffers
-        b["input_ids"][:batch_size] = input_ids
-        b["positions"][:batch_size] = positions
-        b["slot_mapping"][:graph_size].fill_(-1)
-        b["slot_mapping"][:batch_size] = meta.slot_mapping
-        b["context_lens"][:graph_size].zero_()
-        b["context_lens"][:batch_size] = meta.context_lens
-        b["block_tables"][:batch_size, :meta.block_tables.shape[1]] = meta.block_tables
-        self.graphs[graph_size].replay()
-        return b["hidden"][:batch_size]
+        return self.graphs.replay(input_ids, positions, meta)
 
 
 def run_worker(config: Config, rank: int) -> None:
