@@ -30,7 +30,7 @@ class Sampler:
         params = [seq.sampling_params for seq in seqs]
         if all(p.temperature == 0 for p in params):
             return logits.argmax(dim=-1)
-        temperatures = torch.tensor([p.temperature for p in params], device=self.device)
+        temperatures = self._to_device([p.temperature for p in params])
         if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
             # filter the tempered distribution; the rows are then sampled at temperature 1
             tempered = logits.float() / torch.where(temperatures > 0, temperatures, 1.0).unsqueeze(1)
@@ -44,9 +44,8 @@ class Sampler:
 
     def _top_k_top_p(self, logits: torch.Tensor, params) -> torch.Tensor:
         vocab_size = logits.shape[-1]
-        top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab_size for p in params],
-                             device=self.device)
-        top_p = torch.tensor([p.top_p for p in params], device=self.device)
+        top_k = self._to_device([p.top_k if p.top_k > 0 else vocab_size for p in params])
+        top_p = self._to_device([p.top_p for p in params])
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         rank = torch.arange(vocab_size, device=self.device)
         drop = rank.unsqueeze(0) >= top_k.unsqueeze(1)
@@ -55,6 +54,12 @@ class Sampler:
         drop |= (sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_p.unsqueeze(1)
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+    def _to_device(self, values: list[float]) -> torch.Tensor:
+        # from pinned memory: a copy from pageable memory would first wait for the GPU to finish
+        # the model's forward, and only then could the sampler's kernels be queued
+        pinned = self.device.type == "cuda"
+        return torch.tensor(values, pin_memory=pinned).to(self.device, non_blocking=pinned)
 
     def _generator(self, seq: Sequence) -> torch.Generator:
         generator = self.generators.get(seq.seq_id)
