@@ -56,7 +56,7 @@ class ModelRunner:
         if rank == 0:
             self.workers = parallel.start_workers(config, run_worker)
         try:
-            with parallel.reporting_dead_workers(self.workers):
+            with parallel.in_lockstep(self.workers):
                 self.control_group = parallel.join_ranks(config, rank)
                 self._build()
         except BaseException:
@@ -215,7 +215,7 @@ class ModelRunner:
         inputs = self._prepare_prefill(seqs) if is_prefill else self._prepare_decode(seqs)
         if not self.workers:
             return self._run_and_sample(inputs, seqs)
-        with parallel.reporting_dead_workers(self.workers):
+        with parallel.in_lockstep(self.workers):
             parallel.broadcast(inputs, self.control_group, self.workers)
             return self._run_and_sample(inputs, seqs)
 

@@ -68,27 +68,36 @@ def min_over_ranks(value: int, group: dist.ProcessGroup) -> int:
     return int(tensor.item())
 
 
-def check_workers(workers: list[mp.Process], wait_s: float = 0) -> None:
-    """Raises WorkerDied if a worker has exited, after waiting up to `wait_s` for one to exit
-    (a collective can fail a moment before its dead peer's exit is seen)."""
+def check_workers(workers: list[mp.Process]) -> None:
+    dead = _dead_worker(workers)
+    if dead is not None:
+        raise WorkerDied(f"tensor-parallel worker {dead.name} is gone (exit code {dead.exitcode}); "
+                         f"this engine cannot run any more: close it and create a new one")
+
+
+def _dead_worker(workers: list[mp.Process], wait_s: float = 0) -> mp.Process | None:
     if wait_s and workers:
         mp.connection.wait([worker.sentinel for worker in workers], timeout=wait_s)
-    for worker in workers:
-        if worker.exitcode is not None:
-            raise WorkerDied(f"tensor-parallel worker {worker.name} exited with code "
-                             f"{worker.exitcode} (its traceback, if any, is printed above); "
-                             f"this engine cannot run any more: close it and create a new one")
+    return next((worker for worker in workers if worker.exitcode is not None), None)
 
 
 @contextmanager
-def reporting_dead_workers(workers: list[mp.Process]) -> Iterator[None]:
-    """Turns a collective's failure caused by a worker's death into WorkerDied naming it."""
+def in_lockstep(workers: list[mp.Process]) -> Iterator[None]:
+    """Runs work that every rank does together. If it fails on rank 0, the workers are left
+    somewhere inside it, out of step: kill them, so that the engine refuses further steps
+    instead of running them out of step. A collective that failed because a worker died
+    raises WorkerDied naming it."""
     try:
         yield
-    except WorkerDied:
-        raise
-    except RuntimeError:
-        check_workers(workers, wait_s=1)
+    except BaseException as error:
+        # a collective can fail a moment before its dead peer's exit is seen
+        dead = _dead_worker(workers, wait_s=1) if isinstance(error, RuntimeError) else None
+        for worker in workers:
+            worker.kill()
+            worker.join()
+        if dead is not None and not isinstance(error, WorkerDied):
+            raise WorkerDied(f"tensor-parallel worker {dead.name} died (exit code "
+                             f"{dead.exitcode}; its traceback, if any, is printed above)") from error
         raise
 
 

@@ -78,6 +78,22 @@ def test_a_dead_worker_is_an_error_not_a_hang(qwen3_path):
     assert not worker_processes()
 
 
+def test_a_step_failing_on_rank_0_stops_the_workers(qwen3_path):
+    """Rank 0 fails mid-step: the workers may be anywhere in it, so they must not run on."""
+    llm = LLM(qwen3_path, max_model_len=256, tensor_parallel_size=2)
+    [worker] = worker_processes()
+    def failing_sampler(logits, seqs):
+        raise RuntimeError("sampler failed")
+    llm.model_runner.sampler = failing_sampler
+    with pytest.raises(RuntimeError, match="sampler failed"):
+        llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)
+    assert not worker.is_running()
+    with pytest.raises(RuntimeError, match="cannot run any more"):
+        llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)
+    llm.close()
+    assert not worker_processes()
+
+
 def test_tensor_parallel_errors(qwen3_path, monkeypatch):
     with pytest.raises(ValueError, match="num_attention_heads=4 is not divisible"):
         Config(qwen3_path, tensor_parallel_size=3)
