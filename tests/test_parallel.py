@@ -1,8 +1,6 @@
 """Tensor parallelism on CPU (gloo): two ranks give the tokens of one, and leave no process behind."""
 import gc
-import os
-import signal
-import threading
+import itertools
 
 import psutil
 import pytest
@@ -64,16 +62,19 @@ def test_one_tensor_parallel_engine_per_process(qwen3_path):
 
 def test_a_dead_worker_is_an_error_not_a_hang(qwen3_path):
     llm = LLM(qwen3_path, max_model_len=512, tensor_parallel_size=2)
-    [worker] = worker_processes()
-    prompts = random_prompts([20] * 8, seed=13)
-    params = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
-    # killed in the middle of a long generation...
-    threading.Timer(1.0, os.kill, (worker.pid, signal.SIGKILL)).start()
-    with pytest.raises(RuntimeError, match="worker"):
-        llm.generate(prompts, params, use_tqdm=False)
-    # ...and every later call says so at once
+    [worker] = llm.model_runner.workers
+    execute, steps = llm.model_runner.execute, itertools.count()
+    def execute_killing_the_worker(inputs):
+        if next(steps) == 5:  # after rank 0 sent the step, before the step's collectives
+            worker.kill()
+            worker.join()
+        return execute(inputs)
+    llm.model_runner.execute = execute_killing_the_worker
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    with pytest.raises(RuntimeError, match="worker nanopaged-tp1 died"):
+        llm.generate(random_prompts([20] * 4, seed=13), params, use_tqdm=False)
     with pytest.raises(RuntimeError, match="cannot run any more"):
-        llm.generate(prompts[:1], params, use_tqdm=False)
+        llm.generate([[5, 6, 7]], params, use_tqdm=False)
     llm.close()
     assert not worker_processes()
 
