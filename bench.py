@@ -64,10 +64,10 @@ def run_nanopaged(model: str, work: Workload, args, backend: str = "auto") -> di
     elapsed, outputs = timed(lambda: llm.generate(work.prompts, params, use_tqdm=False))
     llm.close()
     ttft = [o.metrics.first_token_time - o.metrics.arrival_time for o in outputs]
-    tpot = [(o.metrics.finish_time - o.metrics.first_token_time) / max(1, len(o.token_ids) - 1)
+    tpot = [(o.metrics.finish_time - o.metrics.first_token_time) / max(1, len(o.outputs[0].token_ids) - 1)
             for o in outputs]
     prompt_tokens = sum(len(p) for p in work.prompts)
-    return dict(elapsed=elapsed, output_tokens=sum(len(o.token_ids) for o in outputs),
+    return dict(elapsed=elapsed, output_tokens=sum(len(o.outputs[0].token_ids) for o in outputs),
                 ttft_median=statistics.median(ttft), ttft_p99=percentile(ttft, 99),
                 tpot_median=statistics.median(tpot), tpot_p99=percentile(tpot, 99),
                 prefix_hit_rate=sum(o.num_cached_tokens for o in outputs) / prompt_tokens,
@@ -331,7 +331,7 @@ def host_times(model: str, args) -> list[dict]:
                 scheduler.postprocess(seqs, [0] * sum(seq.samples_this_step for seq in seqs))
             def decode_step():
                 seqs, _ = scheduler.schedule()
-                runner._prepare_decode(seqs)
+                runner.prepare_inputs(seqs, False)
                 scheduler.postprocess(seqs, [0] * len(seqs))
             rows.append(dict(kind=f"decode b={batch} block={block_size}",
                              ms=best_time(decode_step, repeat=100) * 1e3))

@@ -4,6 +4,9 @@ The KV cache of one layer is two tensors of shape (num_blocks, block_size, num_k
 head_dim). Token `p` of a sequence lives in block `block_table[p // block_size]` at offset
 `p % block_size`; its flat *slot* is `block * block_size + offset`. Three backends compute the
 same function: plain PyTorch (the CPU path and the reference), Triton, and flash-attn.
+
+Shape letters: T tokens of the step, B sequences, L context length, nh query heads, nkv key/value
+heads, g = nh // nkv query heads per key/value head, hs head size.
 """
 from dataclasses import dataclass
 
@@ -50,7 +53,8 @@ def _gather_context(cache: torch.Tensor, block_table: torch.Tensor, length: int)
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
             scale: float) -> torch.Tensor:
-    """q: (..., nq, hs), k/v: (..., L, nkv, hs), mask: (..., nq, L) -> (..., nq, nh, hs).
+    """q: (..., Q, nh, hs) for Q queries, k/v: (..., L, nkv, hs), mask: (..., Q, L) of the keys
+    each query sees -> (..., Q, nh, hs).
 
     Query heads share key heads in groups (GQA); computed in float32 as a reference."""
     *batch, num_q, num_heads, head_dim = q.shape
@@ -124,15 +128,26 @@ def attention_no_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return out
 
 
+def prefill_triton(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    from nanopaged.triton_attention import prefill_paged
+    return prefill_paged(q, k_cache, v_cache, meta.cu_seqlens_q, meta.context_lens,
+                         meta.block_tables, meta.max_seqlen_q, scale)
+
+
+def decode_triton(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    from nanopaged.triton_attention import decode_paged
+    return decode_paged(q, k_cache, v_cache, meta.block_tables, meta.context_lens,
+                        meta.max_seqlen_k, scale)
+
+
 def get_backend(name: str):
     """(store_kvcache, prefill, decode) functions for a backend name."""
     if name == "torch":
         return store_kvcache_torch, prefill_torch, decode_torch
-    from nanopaged import triton_attention
+    from nanopaged.triton_attention import store_kvcache
     if name == "triton":
-        return (triton_attention.store_kvcache, triton_attention.prefill_paged,
-                triton_attention.decode_paged)
-    return triton_attention.store_kvcache, prefill_flash, decode_flash
+        return store_kvcache, prefill_triton, decode_triton
+    return store_kvcache, prefill_flash, decode_flash
 
 
 class Attention(nn.Module):
@@ -143,11 +158,8 @@ class Attention(nn.Module):
     without a cache.
     """
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, backend: str):
+    def __init__(self, head_dim: int, backend: str):
         super().__init__()
-        self.num_heads = num_heads
-        self.num_kv_heads = num_kv_heads
-        self.head_dim = head_dim
         self.scale = head_dim ** -0.5
         self.store_kvcache, self.prefill, self.decode = get_backend(backend)
         self.k_cache: torch.Tensor | None = None

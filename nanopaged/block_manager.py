@@ -20,8 +20,9 @@ def hash_block(parent_hash: int | None, token_ids: list[int]) -> int:
 
 
 class Block:
-    """One block of `block_size` token slots. A block with a hash holds a full, computed
-    block of tokens and can be shared by every sequence with the same prefix."""
+    """One block of `block_size` token slots. A block with a hash holds a full block of tokens
+    (computed, or being computed by the current step) and can be shared by every sequence with
+    the same prefix."""
 
     def __init__(self, block_id: int):
         self.block_id = block_id
@@ -36,6 +37,12 @@ class BlockManager:
     Free blocks wait in `free_block_ids`, least recently freed first: that order is the eviction
     policy. A freed block keeps its hash, so a later request with the same prefix can take it
     back, until the block is handed out again and its contents overwritten.
+
+    A block's hash is entered when the step that fills it is scheduled, so that later sequences
+    of the same step can share it, but it is only *committed* once that step has run: after a
+    failed step, `rollback` forgets every hash the step entered, because their K/V was never
+    written. A shared block that a sequence must write into is first copied (copy-on-write):
+    `block_copies` lists the (source, destination) copies the next step must make first.
     """
 
     def __init__(self, num_blocks: int, block_size: int):
@@ -43,6 +50,8 @@ class BlockManager:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.hash_to_block: dict[int, int] = {}
         self.free_block_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.uncommitted: list[int] = []  # blocks hashed by the step being scheduled or run
+        self.block_copies: list[tuple[int, int]] = []
 
     @property
     def num_blocks(self) -> int:
@@ -69,6 +78,8 @@ class BlockManager:
         return hits
 
     def can_allocate(self, seq: Sequence) -> bool:
+        """Whether the pool can hold all of `seq`'s tokens. A cached block counts against the
+        free blocks only when nobody uses it (it is then one of them)."""
         hits = self._cached_prefix(seq)
         hits_in_use = sum(1 for b in hits if self.blocks[b].ref_count > 0)
         return seq.num_blocks - hits_in_use <= self.num_free_blocks
@@ -79,14 +90,19 @@ class BlockManager:
         assert not seq.block_table
         hits = self._cached_prefix(seq)
         for block_id in hits:
-            block = self.blocks[block_id]
-            if block.ref_count == 0:
-                del self.free_block_ids[block_id]
-            block.ref_count += 1
+            self._share(block_id)
         seq.block_table = hits + [self._take_free_block() for _ in range(seq.num_blocks - len(hits))]
         seq.num_computed_tokens = len(hits) * self.block_size
         if seq.num_completion_tokens == 0:  # first admission, not a recompute after preemption
             seq.num_cached_tokens = seq.num_computed_tokens
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """Gives `child` (a sample of the same prompt) a share of every block of `parent`."""
+        for block_id in parent.block_table:
+            self._share(block_id)
+        child.block_table = list(parent.block_table)
+        child.num_computed_tokens = parent.num_computed_tokens
+        child.num_cached_tokens = parent.num_cached_tokens
 
     def deallocate(self, seq: Sequence) -> None:
         """Release the blocks of `seq`. Its tail blocks are freed first, so they are evicted
@@ -100,16 +116,27 @@ class BlockManager:
         seq.num_computed_tokens = 0
 
     def can_append(self, seq: Sequence) -> bool:
-        """Whether the pool can hold the K/V of the token that `seq` decodes next."""
-        fits = len(seq.token_ids) <= len(seq.block_table) * self.block_size
-        return fits or len(self.free_block_ids) > 0
+        """Whether the pool can hold the K/V of the token that `seq` decodes next: in a new
+        block, or in a copy of its last block when that block is shared."""
+        return not self._needs_block(seq) or self.num_free_blocks > 0
+
+    def _needs_block(self, seq: Sequence) -> bool:
+        if len(seq.token_ids) > len(seq.block_table) * self.block_size:
+            return True
+        return self.blocks[seq.block_table[-1]].ref_count > 1
 
     def may_append(self, seq: Sequence) -> None:
-        """Makes room for the K/V of the token that `seq` decodes next (a new block when its
-        last one is full); when that token fills its block, enters the block in the prefix cache."""
+        """Makes room for the K/V of the token that `seq` decodes next (a new block when its last
+        one is full, a private copy when it is shared); when that token fills its block, enters
+        the block in the prefix cache."""
         num_tokens = len(seq.token_ids)
         if num_tokens > len(seq.block_table) * self.block_size:
             seq.block_table.append(self._take_free_block())
+        elif self.blocks[seq.block_table[-1]].ref_count > 1:
+            shared = self.blocks[seq.block_table[-1]]
+            shared.ref_count -= 1
+            seq.block_table[-1] = self._take_free_block()
+            self.block_copies.append((shared.block_id, seq.block_table[-1]))
         if num_tokens % self.block_size == 0:
             self._cache_block(seq, num_tokens // self.block_size - 1)
 
@@ -124,6 +151,28 @@ class BlockManager:
         for i in range(first, last):
             self._cache_block(seq, i)
 
+    def commit(self) -> None:
+        """The step ran: the hashes it entered now name K/V that is in the cache."""
+        self.uncommitted.clear()
+        self.block_copies.clear()
+
+    def rollback(self) -> None:
+        """The step failed: forget the hashes it entered, whose K/V may never have been written."""
+        for block_id in self.uncommitted:
+            block = self.blocks[block_id]
+            if self.hash_to_block.get(block.hash) == block_id:
+                del self.hash_to_block[block.hash]
+            block.hash, block.token_ids = None, []
+        self.commit()
+
+    def reclaim(self) -> None:
+        """Frees every block. Only for when no sequence holds any: it also returns blocks that
+        an allocation interrupted halfway (Ctrl-C) left counted as in use."""
+        for block in self.blocks:
+            if block.ref_count:
+                block.ref_count = 0
+                self.free_block_ids[block.block_id] = None
+
     def _cache_block(self, seq: Sequence, i: int) -> None:
         block = self.blocks[seq.block_table[i]]
         if block.hash is not None:  # a cache hit: already registered
@@ -131,7 +180,14 @@ class BlockManager:
         parent = self.blocks[seq.block_table[i - 1]].hash if i > 0 else None
         block.token_ids = seq.block_tokens(i)
         block.hash = hash_block(parent, block.token_ids)
-        self.hash_to_block[block.hash] = block.block_id
+        self.hash_to_block.setdefault(block.hash, block.block_id)  # the first copy stays the one found
+        self.uncommitted.append(block.block_id)
+
+    def _share(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        if block.ref_count == 0:
+            del self.free_block_ids[block_id]
+        block.ref_count += 1
 
     def _take_free_block(self) -> int:
         block_id, _ = self.free_block_ids.popitem(last=False)

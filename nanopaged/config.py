@@ -1,13 +1,20 @@
 """Engine configuration: every knob of `LLM(model, **kwargs)`, validated once."""
+import difflib
 import os
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
+from typing import get_args
 
 import torch
-from transformers import AutoConfig, PretrainedConfig
+from transformers import AutoConfig, GenerationConfig, PretrainedConfig
+
+from nanopaged.model import check_supported
 
 SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen2ForCausalLM", "LlamaForCausalLM")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash")
+SCHEDULING_POLICIES = ("prefill-first", "mixed")
+# What the engine reads of a Hugging Face repository: configs, tokenizer files, weights.
+MODEL_FILES = ["*.json", "*.safetensors", "*.txt", "*.model", "*.tiktoken"]
 FLASH_BLOCK_SIZE_MULTIPLE = 256  # flash-attn's paged KV needs pages of a multiple of 256 tokens
 
 
@@ -32,6 +39,26 @@ def triton_interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
+def resolve_model(model: str) -> str:
+    """The local directory of `model`: the directory itself, or a Hugging Face id found in the
+    local cache or else downloaded (only the files the engine reads)."""
+    if os.path.isdir(model):
+        return model
+    from huggingface_hub import snapshot_download
+    try:
+        return snapshot_download(model, local_files_only=True)
+    except Exception:
+        pass
+    try:
+        return snapshot_download(model, allow_patterns=MODEL_FILES)
+    except Exception as error:
+        raise ValueError(
+            f"model {model!r} is not a local directory, and as a Hugging Face id it is neither in "
+            f"the cache nor downloadable ({type(error).__name__}); download it where there is "
+            f"network (`hf download {model}`) and copy the cache here, or pass the directory of "
+            f"a checkpoint") from None
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -42,12 +69,13 @@ def free_port() -> int:
 class Config:
     """Everything the engine needs to know, resolved from `LLM(model, **kwargs)`.
 
+    `model` is a checkpoint directory or a Hugging Face id (see `resolve_model`).
     `None` means "choose for me": `device` picks cuda when available, `dtype` the checkpoint's
     dtype on GPU and float32 on CPU, `attention_backend` "auto" picks flash-attn, then Triton
     (both CUDA only), then plain PyTorch, and `kvcache_block_size` 256 with flash-attn and 16
     otherwise. `num_kvcache_blocks` forces the size of the KV pool instead of sizing it from
     free memory. `tensor_parallel_size` ranks meet on `distributed_port` of 127.0.0.1 (a free
-    port when None).
+    port when None). `scheduling` is "prefill-first" or "mixed" (see `Scheduler`).
     """
     model: str
     device: str | None = None
@@ -62,20 +90,46 @@ class Config:
     tensor_parallel_size: int = 1
     distributed_port: int | None = None
     attention_backend: str = "auto"
-    hf_config: PretrainedConfig | None = None
+    scheduling: str = "prefill-first"
+    hf_config: PretrainedConfig = field(init=False)
+    eos_token_ids: frozenset[int] = field(init=False)
+
+    @classmethod
+    def from_options(cls, model: str, **options) -> "Config":
+        """`Config(model, **options)`, with unknown option names a ValueError naming them."""
+        names = [f.name for f in fields(cls) if f.init]
+        for name in options:
+            if name not in names:
+                close = difflib.get_close_matches(name, names, n=1)
+                raise ValueError(f"unknown option {name!r}" + (f"; did you mean {close[0]!r}?" if close
+                                 else f"; the options are {', '.join(names[1:])}"))
+        return cls(model, **options)
 
     def __post_init__(self) -> None:
-        if not os.path.isdir(self.model):
-            raise ValueError(f"model path {self.model!r} is not a directory holding a checkpoint")
-        self.hf_config = AutoConfig.from_pretrained(self.model)
+        self._check_types()
+        self.model = resolve_model(self.model)
+        self.hf_config = _read_checkpoint_config(self.model)
         architectures = getattr(self.hf_config, "architectures", None) or []
         if not any(a in SUPPORTED_ARCHITECTURES for a in architectures):
             raise ValueError(f"unsupported architecture {architectures}; nanopaged supports "
                              f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+        check_supported(self.hf_config)
+        self.eos_token_ids = _eos_token_ids(self.model, self.hf_config)
+        if self.scheduling not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling must be one of {SCHEDULING_POLICIES}, got {self.scheduling!r}")
         self._resolve_device_and_dtype()
         self._resolve_attention_backend()
         self._validate_sizes()
         self._validate_tensor_parallel()
+
+    def _check_types(self) -> None:
+        for f in filter(lambda f: f.init, fields(self)):
+            value, allowed = getattr(self, f.name), get_args(f.type) or (f.type,)
+            if isinstance(value, int) and float in allowed and not isinstance(value, bool):
+                continue
+            if not isinstance(value, allowed) or (isinstance(value, bool) and bool not in allowed):
+                names = " or ".join("None" if t is type(None) else t.__name__ for t in allowed)
+                raise ValueError(f"{f.name} must be {names}, got {value!r}")
 
     def _resolve_device_and_dtype(self) -> None:
         if self.device is None:
@@ -154,3 +208,22 @@ class Config:
             self.distributed_port = free_port()
         if self.distributed_port is not None and not 0 < self.distributed_port < 65536:
             raise ValueError(f"distributed_port must be in [1, 65535], got {self.distributed_port}")
+
+
+def _read_checkpoint_config(path: str) -> PretrainedConfig:
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise ValueError(f"{path!r} has no config.json: it is not a Hugging Face checkpoint")
+    try:
+        return AutoConfig.from_pretrained(path)
+    except Exception as error:
+        raise ValueError(f"cannot read {os.path.join(path, 'config.json')}: {error}") from None
+
+
+def _eos_token_ids(path: str, hf_config: PretrainedConfig) -> frozenset[int]:
+    """The generation config's EOS ids, else the model config's."""
+    eos = None
+    if os.path.exists(os.path.join(path, "generation_config.json")):
+        eos = GenerationConfig.from_pretrained(path).eos_token_id
+    if eos is None:
+        eos = getattr(hf_config, "eos_token_id", None)
+    return frozenset([] if eos is None else eos if isinstance(eos, list) else [eos])

@@ -201,12 +201,8 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         inv_freq = 1.0 / (rope_parameters["rope_theta"]
                           ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
-        rope_type = rope_parameters.get("rope_type", "default")
-        if rope_type == "llama3":
+        if rope_parameters.get("rope_type") == "llama3":  # other types: see check_supported
             inv_freq = _llama3_inv_freq(inv_freq, rope_parameters)
-        elif rope_type != "default":
-            raise ValueError(f"unsupported rope_type {rope_type!r}; nanopaged supports "
-                             f"'default' and 'llama3'")
         freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
         self.register_buffer("cos", freqs.cos(), persistent=False)  # (max_position, head_dim/2)
         self.register_buffer("sin", freqs.sin(), persistent=False)

@@ -2,7 +2,7 @@
 import glob
 import os
 
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from torch import nn
 
 # Checkpoint tensors the model has no parameter for, by design.
@@ -22,27 +22,33 @@ def load_weights(model: nn.Module, path: str) -> None:
     tied = getattr(model, "tie_word_embeddings", False)
     unfilled = set(params) - ({"lm_head.weight"} if tied else set())
     for file in files:
-        with safe_open(file, "pt", "cpu") as f:
-            for name in f.keys():
-                if name.endswith(IGNORED_SUFFIXES) or (tied and name == "lm_head.weight"):
-                    continue
-                param_name, shard_id = _packed_name(model, name)
-                if param_name not in params:
-                    raise ValueError(f"unexpected weight {name!r} in {file}")
-                param = params[param_name]
-                loader = getattr(param, "weight_loader", None)
-                if loader is None:
-                    param.data.copy_(f.get_tensor(name))
-                elif shard_id is None:
-                    loader(param, f.get_tensor(name))
-                else:
-                    loader(param, f.get_tensor(name), shard_id)
-                unfilled.discard(param_name)
-                if shard_id is not None:
-                    param.loaded_shards = getattr(param, "loaded_shards", set()) | {shard_id}
+        try:
+            _load_file(model, file, params, unfilled, tied)
+        except SafetensorError as error:
+            raise ValueError(f"cannot read {file}: {error} (a truncated download?)") from None
     missing = sorted(unfilled | _incomplete_packs(params))
     if missing:
         raise ValueError(f"checkpoint {path!r} is missing weights: {', '.join(missing)}")
+
+
+def _load_file(model: nn.Module, file: str, params: dict[str, nn.Parameter], unfilled: set[str],
+               tied: bool) -> None:
+    with safe_open(file, "pt", "cpu") as f:
+        for name in f.keys():
+            if name.endswith(IGNORED_SUFFIXES) or (tied and name == "lm_head.weight"):
+                continue
+            param_name, shard_id = _packed_name(model, name)
+            if param_name not in params:
+                raise ValueError(f"unexpected weight {name!r} in {file}")
+            param = params[param_name]
+            loader = getattr(param, "weight_loader", None) or (lambda p, w: p.data.copy_(w))
+            try:
+                loader(param, f.get_tensor(name), *([] if shard_id is None else [shard_id]))
+            except RuntimeError as error:  # a shape that does not fit the config
+                raise ValueError(f"weight {name!r} in {file} does not fit the model: {error}") from None
+            unfilled.discard(param_name)
+            if shard_id is not None:
+                param.loaded_shards = getattr(param, "loaded_shards", set()) | {shard_id}
 
 
 def _packed_name(model: nn.Module, name: str) -> tuple[str, str | int | None]:

@@ -20,6 +20,28 @@ def rope_parameters(config: PretrainedConfig) -> dict:
     return dict(getattr(config, "rope_scaling", None) or {}, rope_theta=config.rope_theta)
 
 
+def check_supported(config: PretrainedConfig) -> None:
+    """Raises ValueError naming a config field that asks for something this model does not do,
+    rather than run a silently different model."""
+    rope = rope_parameters(config)
+    layer_types = getattr(config, "layer_types", None)
+    sliding = (any(t != "full_attention" for t in layer_types) if layer_types
+               else getattr(config, "use_sliding_window", False))
+    unsupported = {
+        "hidden_act": config.hidden_act != "silu",
+        "rope_type": rope.get("rope_type", rope.get("type", "default")) not in ("default", "llama3"),
+        "partial_rotary_factor": rope.get("partial_rotary_factor",
+                                          getattr(config, "partial_rotary_factor", 1.0)) != 1.0,
+        "use_sliding_window / layer_types (sliding-window attention)": sliding,
+        "quantization_config": getattr(config, "quantization_config", None) is not None,
+    }
+    for name, bad in unsupported.items():
+        if bad:
+            value = getattr(config, name, None) or rope.get(name)
+            raise ValueError(f"the checkpoint's config has {name}" + (f"={value!r}" if value else "")
+                             + ", which nanopaged does not implement")
+
+
 class DecoderAttention(nn.Module):
     def __init__(self, config: PretrainedConfig, backend: str):
         super().__init__()
@@ -41,7 +63,7 @@ class DecoderAttention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(self.head_dim, config.max_position_embeddings,
                                           rope_parameters(config))
-        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, backend)
+        self.attn = Attention(self.head_dim, backend)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:

@@ -12,7 +12,7 @@ from nanopaged.config import Config
 from nanopaged.cuda_graphs import DecodeGraphs
 from nanopaged.loader import load_weights
 from nanopaged.model import CausalLM
-from nanopaged.sampler import Sampler
+from nanopaged.sampler import Sampler, TokenLogprobs
 from nanopaged.sampling_params import SamplingParams
 from nanopaged.sequence import Sequence
 
@@ -24,8 +24,10 @@ CPU_KV_CACHE_FRACTION = 0.25
 class StepInputs:
     """One step's model inputs as host arrays: built by rank 0, sent as they are to the other
     ranks. Prefill steps fill the `cu_seqlens` (a ragged batch); `logits_indices` picks the
-    rows whose next token is sampled."""
+    rows whose next token is sampled (a row twice for two samples of one prompt);
+    `block_copies` (K, 2) lists the copy-on-write block copies to make before the step."""
     is_prefill: bool
+    block_copies: np.ndarray
     input_ids: np.ndarray
     positions: np.ndarray
     slot_mapping: np.ndarray
@@ -57,7 +59,7 @@ class ModelRunner:
             self.workers = parallel.start_workers(config, run_worker)
         try:
             with parallel.in_lockstep(self.workers):
-                self.control_group = parallel.join_ranks(config, rank)
+                self.control_group = parallel.join_ranks(config, rank, self.workers)
                 self._build()
         except BaseException:
             parallel.stop_workers(self.workers, None)
@@ -69,9 +71,11 @@ class ModelRunner:
         self.device = torch.device(config.device)
         default_dtype = torch.get_default_dtype()
         torch.set_default_dtype(config.dtype)
-        with self.device:
-            self.model = CausalLM(config.hf_config, config.attention_backend)
-        torch.set_default_dtype(default_dtype)
+        try:
+            with self.device:
+                self.model = CausalLM(config.hf_config, config.attention_backend)
+        finally:
+            torch.set_default_dtype(default_dtype)
         load_weights(self.model, config.model)
         self.sampler = Sampler(self.device) if self.rank == 0 else None
         self.max_blocks_per_seq = -(-config.max_model_len // self.block_size)
@@ -133,7 +137,7 @@ class ModelRunner:
         seq_len = min(config.max_num_batched_tokens, config.max_model_len)
         num_seqs = max(1, min(config.max_num_batched_tokens // seq_len, config.max_num_seqs))
         seqs = [_dummy_sequence(seq_len, self.block_size) for _ in range(num_seqs)]
-        self.execute(self._prepare_prefill(seqs))
+        self.execute(self._prepare_prefill(seqs, np.zeros((0, 2), dtype=np.int64)))
         if self.sampler:
             vocab_size = self.config.hf_config.vocab_size
             logits = torch.randn(config.max_num_seqs, vocab_size, device=self.device)
@@ -156,7 +160,13 @@ class ModelRunner:
 
     # ---- inputs ----
 
-    def _prepare_prefill(self, seqs: list[Sequence]) -> StepInputs:
+    def prepare_inputs(self, seqs: list[Sequence], is_prefill: bool,
+                       block_copies: list[tuple[int, int]] = ()) -> StepInputs:
+        """The step's model inputs, as host arrays: all the host work of a step but scheduling."""
+        copies = np.array(block_copies, dtype=np.int64).reshape(-1, 2)
+        return self._prepare_prefill(seqs, copies) if is_prefill else self._prepare_decode(seqs, copies)
+
+    def _prepare_prefill(self, seqs: list[Sequence], block_copies: np.ndarray) -> StepInputs:
         input_ids, positions, slots, logits_indices = [], [], [], []
         cu_seqlens_q, cu_seqlens_k = [0], [0]
         for seq in seqs:
@@ -168,21 +178,22 @@ class ModelRunner:
             cu_seqlens_q.append(cu_seqlens_q[-1] + end - start)
             cu_seqlens_k.append(cu_seqlens_k[-1] + end)
             if seq.samples_this_step:
-                logits_indices.append(cu_seqlens_q[-1] - 1)
+                logits_indices += [cu_seqlens_q[-1] - 1] * len(seq.samplers)
         return StepInputs(
-            is_prefill=True, input_ids=np.concatenate(input_ids),
+            is_prefill=True, block_copies=block_copies, input_ids=np.concatenate(input_ids),
             positions=np.concatenate(positions), slot_mapping=np.concatenate(slots),
             context_lens=np.diff(cu_seqlens_k), block_tables=self._block_tables(seqs),
             logits_indices=np.array(logits_indices, dtype=np.int64),
             cu_seqlens_q=np.array(cu_seqlens_q), cu_seqlens_k=np.array(cu_seqlens_k),
             max_seqlen_q=max(s.num_scheduled_tokens for s in seqs))
 
-    def _prepare_decode(self, seqs: list[Sequence]) -> StepInputs:
+    def _prepare_decode(self, seqs: list[Sequence], block_copies: np.ndarray) -> StepInputs:
         positions = np.array([len(seq.token_ids) for seq in seqs]) - 1
         # the token being decoded lives in the last block of its sequence
         last_blocks = np.array([seq.block_table[-1] for seq in seqs])
         return StepInputs(
-            is_prefill=False, input_ids=np.array([seq.token_ids[-1] for seq in seqs]),
+            is_prefill=False, block_copies=block_copies,
+            input_ids=np.array([seq.token_ids[-1] for seq in seqs]),
             positions=positions, slot_mapping=last_blocks * self.block_size + positions % self.block_size,
             context_lens=positions + 1, block_tables=self._block_tables(seqs),
             logits_indices=np.arange(len(seqs)))
@@ -210,29 +221,35 @@ class ModelRunner:
     # ---- running ----
 
     @torch.inference_mode()
-    def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int]:
-        """One step (rank 0): returns the next token of every sequence whose last token ran."""
-        inputs = self._prepare_prefill(seqs) if is_prefill else self._prepare_decode(seqs)
+    def run(self, seqs: list[Sequence], is_prefill: bool, block_copies: list[tuple[int, int]] = ()
+            ) -> tuple[list[int], list[TokenLogprobs | None]]:
+        """One step (rank 0): first makes the `block_copies`, then returns the next token of
+        every sequence that samples (see `Sequence.samplers`), and its logprobs if asked for."""
+        inputs = self.prepare_inputs(seqs, is_prefill, block_copies)
         if not self.workers:
             return self._run_and_sample(inputs, seqs)
         with parallel.in_lockstep(self.workers):
             parallel.broadcast(inputs, self.control_group, self.workers)
             return self._run_and_sample(inputs, seqs)
 
-    def _run_and_sample(self, inputs: StepInputs, seqs: list[Sequence]) -> list[int]:
+    def _run_and_sample(self, inputs: StepInputs, seqs: list[Sequence]
+                        ) -> tuple[list[int], list[TokenLogprobs | None]]:
         logits = self.execute(inputs)
         if logits is None:
-            return []
-        sampling = [seq for seq in seqs if seq.samples_this_step] if inputs.is_prefill else seqs
-        tokens = self.sampler(logits, sampling)
+            return [], []
+        sampling = [s for seq in seqs if seq.samples_this_step for s in seq.samplers]
+        tokens, logprobs = self.sampler(logits, sampling)
         if self.workers and self.device.type == "cuda":
             parallel.wait_for_gpu(self.workers)
-        return tokens.tolist()
+        return tokens.tolist(), logprobs
 
     @torch.inference_mode()
     def execute(self, inputs: StepInputs) -> torch.Tensor | None:
         """Runs the model over one step's inputs; returns the logits of the sampling rows
         (on rank 0; the other ranks return None), or None when no row samples."""
+        if len(inputs.block_copies):
+            source, destination = torch.as_tensor(inputs.block_copies, device=self.device).T
+            self.kv_cache[:, :, destination] = self.kv_cache[:, :, source]
         meta = AttentionMetadata(
             is_prefill=inputs.is_prefill,
             slot_mapping=self._to_device(inputs.slot_mapping, torch.int64),

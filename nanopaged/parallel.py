@@ -8,6 +8,10 @@ so of any size) and all ranks run the model; the all-reduces inside it join the 
 import datetime
 import multiprocessing as mp
 import multiprocessing.connection
+import os
+import sys
+import time
+import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
@@ -26,28 +30,63 @@ class WorkerDied(RuntimeError):
 
 
 def start_workers(config: Config, target: Callable[[Config, int], None]) -> list[mp.Process]:
-    """Spawns ranks 1..N-1, each running `target(config, rank)`."""
+    """Spawns ranks 1..N-1, each running `target(config, rank)`. Like any spawned process, a
+    worker first imports the caller's script, which must therefore be a file that creates the
+    engine under `if __name__ == "__main__":`."""
     if dist.is_initialized():
         raise RuntimeError("this process already belongs to a torch.distributed group (another "
                            "tensor-parallel engine?); close that engine before starting one")
+    script = getattr(sys.modules["__main__"], "__file__", None)
+    if script is not None and not os.path.exists(script):
+        raise ValueError(f"tensor_parallel_size > 1 spawns workers that import your script, and "
+                         f"{script!r} is not a file they can import (standard input?): save it to "
+                         f"a file and run that")
     context = mp.get_context("spawn")  # CUDA cannot be used in a forked child
-    workers = [context.Process(target=target, args=(config, rank), daemon=True,
-                               name=f"nanopaged-tp{rank}")
-               for rank in range(1, config.tensor_parallel_size)]
-    for worker in workers:
+    workers = []
+    for rank in range(1, config.tensor_parallel_size):
+        receiver, sender = context.Pipe(duplex=False)
+        worker = context.Process(target=_worker_main, args=(target, config, rank, sender),
+                                 daemon=True, name=f"nanopaged-tp{rank}")
         worker.start()
+        sender.close()  # the worker holds the only sending end now
+        worker.errors = receiver
+        workers.append(worker)
     return workers
 
 
-def join_ranks(config: Config, rank: int) -> dist.ProcessGroup:
+def _worker_main(target: Callable[[Config, int], None], config: Config, rank: int,
+                 errors: mp.connection.Connection) -> None:
+    try:
+        target(config, rank)
+    except BaseException:
+        errors.send(traceback.format_exc())  # for rank 0's error message
+        raise
+
+
+def join_ranks(config: Config, rank: int, workers: list[mp.Process]) -> dist.ProcessGroup:
     """Joins this process to the others; returns the gloo group that carries rank 0's messages.
-    The model's collectives run on the default group: NCCL on GPUs, gloo on CPU."""
+    The model's collectives run on the default group: NCCL on GPUs, gloo on CPU.
+
+    Rank 0 serves the rendezvous store and waits until every worker has reached it, raising
+    WorkerDied as soon as one exits instead."""
+    size, port = config.tensor_parallel_size, config.distributed_port
+    if rank == 0:
+        try:
+            store = dist.TCPStore("127.0.0.1", port, size, is_master=True, wait_for_workers=False)
+        except RuntimeError as error:
+            raise ValueError(f"cannot listen on 127.0.0.1:{port} (distributed_port): {error}") from None
+        while not store.check([f"worker{r}" for r in range(1, size)]):
+            if (dead := _dead_worker(workers)) is not None:
+                raise WorkerDied(_death_notice(dead))
+            time.sleep(0.01)
+    else:
+        store = dist.TCPStore("127.0.0.1", port, size, is_master=False)
+        store.set(f"worker{rank}", "here")
     backend = "gloo"
     if config.device == "cuda":
         torch.cuda.set_device(rank)
         backend = "nccl"
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{config.distributed_port}",
-                            rank=rank, world_size=config.tensor_parallel_size)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=size)
     return dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
 
 
@@ -71,8 +110,21 @@ def min_over_ranks(value: int, group: dist.ProcessGroup) -> int:
 def check_workers(workers: list[mp.Process]) -> None:
     dead = _dead_worker(workers)
     if dead is not None:
-        raise WorkerDied(f"tensor-parallel worker {dead.name} is gone (exit code {dead.exitcode}); "
-                         f"this engine cannot run any more: close it and create a new one")
+        raise WorkerDied(_death_notice(dead) + "; this engine cannot run any more: close it and "
+                         "create a new one")
+
+
+def _death_notice(worker: mp.Process) -> str:
+    """What is known of a dead worker: its exit code and, if it got to send it, its traceback."""
+    try:
+        error = worker.errors.recv() if worker.errors.poll() else None
+    except EOFError:
+        error = None
+    if error is None:
+        return (f"tensor-parallel worker {worker.name} died (exit code {worker.exitcode}) before "
+                f"nanopaged ran in it; its traceback, if any, is printed above (a script that "
+                f"creates the engine outside `if __name__ == \"__main__\":`?)")
+    return f"tensor-parallel worker {worker.name} died (exit code {worker.exitcode}):\n{error}"
 
 
 def _dead_worker(workers: list[mp.Process], wait_s: float = 0) -> mp.Process | None:
@@ -96,8 +148,7 @@ def in_lockstep(workers: list[mp.Process]) -> Iterator[None]:
             worker.kill()
             worker.join()
         if dead is not None and not isinstance(error, WorkerDied):
-            raise WorkerDied(f"tensor-parallel worker {dead.name} died (exit code "
-                             f"{dead.exitcode}; its traceback, if any, is printed above)") from error
+            raise WorkerDied(_death_notice(dead)) from error
         raise
 
 

@@ -1,4 +1,6 @@
 """Turns the logits of the sampling rows into next tokens: greedy, temperature, top-k, top-p."""
+from dataclasses import dataclass
+
 import torch
 
 from nanopaged.layers import cuda_compiled
@@ -9,38 +11,86 @@ from nanopaged.sequence import Sequence
 def sample(logits: torch.Tensor, temperatures: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
     """argmax(softmax(logits / T) / noise) per row, or argmax(logits) where T is 0."""
     logits = logits.float()
-    probs = torch.softmax(logits / torch.where(temperatures > 0, temperatures, 1.0).unsqueeze(1), dim=-1)
+    shifted = logits - logits.amax(dim=-1, keepdim=True)  # <= 0, so a tiny T cannot overflow
+    probs = torch.softmax(shifted / torch.where(temperatures > 0, temperatures, 1.0).unsqueeze(1), dim=-1)
     return torch.where(temperatures > 0, (probs / noise).argmax(dim=-1), logits.argmax(dim=-1))
 
 
+@dataclass
+class TokenLogprobs:
+    """The log-probability and 1-based rank of a sampled token, and the most likely tokens'."""
+    logprob: float
+    rank: int
+    top_token_ids: list[int]
+    top_logprobs: list[float]
+
+
 class Sampler:
-    """Samples one token per row of logits, each row with its own request's settings.
+    """Samples one token per row of logits, each row with its own sequence's settings.
 
     Sampling uses the exponential race: argmax(p / E) with E ~ Exp(1) draws from p. A seeded
-    request draws its noise from its own generator, so its samples do not depend on what else
-    shares the batch.
+    request draws its noise from its own generator (one per sample), so its samples do not
+    depend on what else shares the batch. Until a sequence has `min_tokens` tokens, the tokens
+    that would stop it cannot be sampled.
     """
 
     def __init__(self, device: torch.device):
         self.device = device
         self.generators: dict[int, torch.Generator] = {}
 
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]
+                 ) -> tuple[torch.Tensor, list[TokenLogprobs | None]]:
         # logits: (B, V), one row per sequence in `seqs`
+        raw_logits = logits
+        logits = self._mask_stop_tokens(logits, seqs)
         params = [seq.sampling_params for seq in seqs]
         if all(p.temperature == 0 for p in params):
-            return logits.argmax(dim=-1)
-        temperatures = self._to_device([p.temperature for p in params])
-        if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
-            # filter the tempered distribution; the rows are then sampled at temperature 1
-            tempered = logits.float() / torch.where(temperatures > 0, temperatures, 1.0).unsqueeze(1)
-            logits = self._top_k_top_p(tempered, params)
-            temperatures = (temperatures > 0).float()
-        noise = torch.empty(logits.shape, device=self.device).exponential_()
+            tokens = logits.argmax(dim=-1)
+        else:
+            temperatures = self._to_device([p.temperature for p in params])
+            if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
+                # filter the tempered distribution; the rows are then sampled at temperature 1
+                logits = logits.float()
+                shifted = logits - logits.amax(dim=-1, keepdim=True)
+                logits = self._top_k_top_p(shifted / torch.where(temperatures > 0, temperatures, 1.0)
+                                           .unsqueeze(1), params)
+                temperatures = (temperatures > 0).float()
+            noise = torch.empty(logits.shape, device=self.device).exponential_()
+            for i, seq in enumerate(seqs):
+                if seq.sampling_params.seed is not None:
+                    noise[i].exponential_(generator=self._generator(seq))
+            tokens = sample(logits, temperatures, noise)
+        return tokens, self._logprobs(raw_logits, tokens, seqs)
+
+    def _mask_stop_tokens(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        rows, cols = [], []
         for i, seq in enumerate(seqs):
-            if seq.sampling_params.seed is not None:
-                noise[i].exponential_(generator=self._generator(seq))
-        return sample(logits, temperatures, noise)
+            if seq.num_completion_tokens < seq.sampling_params.min_tokens:
+                rows += [i] * len(seq.stop_token_ids)
+                cols += seq.stop_token_ids
+        if not rows:
+            return logits
+        logits = logits.clone()
+        logits[torch.tensor(rows, device=self.device), torch.tensor(cols, device=self.device)] = float("-inf")
+        return logits
+
+    def _logprobs(self, logits: torch.Tensor, tokens: torch.Tensor, seqs: list[Sequence]
+                  ) -> list[TokenLogprobs | None]:
+        """For the rows that asked for them, the log-softmax of the model's own logits."""
+        rows = [i for i, seq in enumerate(seqs) if seq.sampling_params.logprobs is not None]
+        result: list[TokenLogprobs | None] = [None] * len(seqs)
+        if not rows:
+            return result
+        index = torch.tensor(rows, device=self.device)
+        logprobs = logits[index].float().log_softmax(dim=-1)               # (R, V)
+        chosen = logprobs.gather(1, tokens[index].unsqueeze(1))             # (R, 1)
+        ranks = (logprobs > chosen).sum(dim=-1) + 1
+        top = logprobs.topk(max(seqs[i].sampling_params.logprobs for i in rows), dim=-1)
+        columns = zip(chosen[:, 0].tolist(), ranks.tolist(), top.indices.tolist(), top.values.tolist())
+        for i, (logprob, rank, top_ids, top_logprobs) in zip(rows, columns):
+            k = seqs[i].sampling_params.logprobs
+            result[i] = TokenLogprobs(logprob, rank, top_ids[:k], top_logprobs[:k])
+        return result
 
     def _top_k_top_p(self, logits: torch.Tensor, params) -> torch.Tensor:
         vocab_size = logits.shape[-1]
@@ -64,10 +114,13 @@ class Sampler:
     def _generator(self, seq: Sequence) -> torch.Generator:
         generator = self.generators.get(seq.seq_id)
         if generator is None:
-            generator = torch.Generator(self.device).manual_seed(seq.sampling_params.seed)
+            seed = seq.sampling_params.seed
+            # sample 0 is what n=1 gives; the others get their own, fixed, seeds
+            generator = torch.Generator(self.device).manual_seed(
+                seed if seq.index == 0 else hash((seed, seq.index)))
             self.generators[seq.seq_id] = generator
         return generator
 
     def release(self, seq: Sequence) -> None:
-        """Forgets a finished sequence's generator."""
+        """Forgets a finished or aborted sequence's generator."""
         self.generators.pop(seq.seq_id, None)

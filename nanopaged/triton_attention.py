@@ -7,8 +7,6 @@ import torch
 import triton
 import triton.language as tl
 
-from nanopaged.attention import AttentionMetadata
-
 
 @triton.jit
 def _store_kvcache_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
@@ -149,13 +147,15 @@ def split_len(batch_size: int, num_kv_heads: int, device: torch.device) -> int:
 
 
 def decode_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 meta: AttentionMetadata, scale: float, split_tokens: int | None = None) -> torch.Tensor:
-    """q: (B, nh, hs), one query per sequence, over its cached context (split-K decoding)."""
+                 block_tables: torch.Tensor, context_lens: torch.Tensor, max_seqlen_k: int,
+                 scale: float, split_tokens: int | None = None) -> torch.Tensor:
+    """q: (B, nh, hs), one query per sequence, over its cached context (split-K decoding).
+    The arguments are those of `attention.AttentionMetadata`."""
     batch_size, num_heads, head_dim = q.shape
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     group = num_heads // num_kv_heads
     split_tokens = split_tokens or split_len(batch_size, num_kv_heads, q.device)
-    num_splits = triton.cdiv(meta.max_seqlen_k, split_tokens)
+    num_splits = triton.cdiv(max_seqlen_k, split_tokens)
     q = q.contiguous()
     out = torch.empty_like(q)
     partial = lse = out  # unused with a single split
@@ -163,14 +163,14 @@ def decode_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         partial = torch.empty(batch_size, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
         lse = torch.empty(batch_size, num_heads, num_splits, dtype=torch.float32, device=q.device)
     _decode_kernel[(batch_size, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, meta.block_tables, meta.context_lens, out, partial, lse, scale,
-        q.stride(0), meta.block_tables.stride(0), NUM_KV_HEADS=num_kv_heads, GROUP=group,
+        q, k_cache, v_cache, block_tables, context_lens, out, partial, lse, scale,
+        q.stride(0), block_tables.stride(0), NUM_KV_HEADS=num_kv_heads, GROUP=group,
         GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, BLOCK_N=64, num_splits=num_splits, SPLIT_LEN=split_tokens,
         DIRECT=num_splits == 1, PRECISION=_precision(q), num_warps=4, num_stages=2)
     if num_splits > 1:
         _decode_reduce_kernel[(batch_size * num_heads,)](
-            partial, lse, out, meta.context_lens, num_splits, NUM_HEADS=num_heads,
+            partial, lse, out, context_lens, num_splits, NUM_HEADS=num_heads,
             HEAD_DIM=head_dim, SPLIT_LEN=split_tokens)
     return out
 
@@ -213,17 +213,19 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, cu_seqlens_q_ptr, 
 
 
 def prefill_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                  meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """q: (T, nh, hs), the ragged new queries of each sequence (see AttentionMetadata)."""
+                  cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, block_tables: torch.Tensor,
+                  max_seqlen_q: int, scale: float) -> torch.Tensor:
+    """q: (T, nh, hs), the ragged new queries of each sequence; the arguments are those of
+    `attention.AttentionMetadata`."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
-    num_seqs = meta.context_lens.shape[0]
+    num_seqs = context_lens.shape[0]
     q = q.contiguous()
     out = torch.empty_like(q)
     block_m = 64 if q.is_cuda else 16
-    grid = (triton.cdiv(meta.max_seqlen_q, block_m), num_seqs, num_heads)
-    _prefill_kernel[grid](q, k_cache, v_cache, out, meta.cu_seqlens_q, meta.context_lens,
-                          meta.block_tables, scale, q.stride(0), meta.block_tables.stride(0),
+    grid = (triton.cdiv(max_seqlen_q, block_m), num_seqs, num_heads)
+    _prefill_kernel[grid](q, k_cache, v_cache, out, cu_seqlens_q, context_lens,
+                          block_tables, scale, q.stride(0), block_tables.stride(0),
                           NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
                           BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=block_m,
                           PRECISION=_precision(q), num_warps=4, num_stages=2)

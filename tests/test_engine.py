@@ -9,7 +9,7 @@ PROMPTS = random_prompts([1, 5, 17, 40, 100, 3])
 
 
 def token_ids(outputs) -> list[list[int]]:
-    return [o.token_ids for o in outputs]
+    return [o.outputs[0].token_ids for o in outputs]
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
@@ -23,29 +23,29 @@ def test_outputs_carry_text_and_finish_reason(qwen3_path, hf_greedy):
     llm = LLM(qwen3_path, max_model_len=512)
     [out] = llm.generate(["Paged attention stores the cache in blocks."],
                          SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
-    assert out.finish_reason in ("stop", "length")
-    assert out.text == llm.tokenizer.decode(out.token_ids, skip_special_tokens=True)
-    assert out.token_ids == hf_greedy(qwen3_path, [out.prompt_token_ids], 8)[0]
+    assert out.outputs[0].finish_reason in ("stop", "length")
+    assert out.outputs[0].text == llm.tokenizer.decode(out.outputs[0].token_ids, skip_special_tokens=True)
+    assert out.outputs[0].token_ids == hf_greedy(qwen3_path, [out.prompt_token_ids], 8)[0]
 
 
 def test_stops_at_eos_unless_ignore_eos(qwen3_path):
     llm = LLM(qwen3_path, max_model_len=512)
-    eos = next(iter(llm.scheduler.eos_token_ids))
+    eos = next(iter(llm.eos_token_ids))
     prompts = random_prompts([4] * 32, seed=1)
     outputs = llm.generate(prompts, SamplingParams(temperature=1.0, max_tokens=300, seed=0),
                            use_tqdm=False)
-    stopped = [o for o in outputs if o.finish_reason == "stop"]
-    assert stopped and all(o.token_ids[-1] == eos for o in stopped)
+    stopped = [o for o in outputs if o.outputs[0].finish_reason == "stop"]
+    assert stopped and all(o.outputs[0].token_ids[-1] == eos for o in stopped)
     outputs = llm.generate(prompts, SamplingParams(temperature=1.0, max_tokens=300, seed=0,
                                                    ignore_eos=True), use_tqdm=False)
-    assert all(o.finish_reason == "length" and len(o.token_ids) == 300 for o in outputs)
+    assert all(o.outputs[0].finish_reason == "length" and len(o.outputs[0].token_ids) == 300 for o in outputs)
 
 
 def test_stops_at_max_model_len(qwen3_path):
     llm = LLM(qwen3_path, max_model_len=64)
     [out] = llm.generate([list(range(3, 53))], SamplingParams(temperature=0, max_tokens=100,
                                                               ignore_eos=True), use_tqdm=False)
-    assert out.finish_reason == "length" and len(out.token_ids) == 64 - 50
+    assert out.outputs[0].finish_reason == "length" and len(out.outputs[0].token_ids) == 64 - 50
 
 
 @pytest.mark.parametrize("block_size", [1, 16, 256])
@@ -65,7 +65,7 @@ def test_prefix_cache_hits_give_the_same_tokens(qwen3_path, hf_greedy):
     second = llm.generate(prompts + [exact_multiple, exact_multiple], GREEDY, use_tqdm=False)
     expected = hf_greedy(qwen3_path, prompts + [exact_multiple] * 2, GREEDY.max_tokens)
     assert token_ids(second) == expected
-    assert first[0].token_ids == expected[0]
+    assert first[0].outputs[0].token_ids == expected[0]
     # the shared 40 tokens fill two whole blocks; an exact multiple still computes its last block
     assert [o.num_cached_tokens for o in second] == [32, 32, 32, block_size, block_size]
 
@@ -104,11 +104,26 @@ def test_max_num_seqs_limits_the_batch(qwen3_path, hf_greedy):
 
 def test_step_api(qwen3_path, hf_greedy):
     llm = LLM(qwen3_path, max_model_len=512)
+    assert llm.step() == [] and llm.is_finished()
     ids = [llm.add_request(p, GREEDY) for p in PROMPTS[:3]]
     outputs = {}
     while not llm.is_finished():
         outputs.update({o.request_id: o for o in llm.step()})
-    assert [outputs[i].token_ids for i in ids] == hf_greedy(qwen3_path, PROMPTS[:3], GREEDY.max_tokens)
+    assert all(outputs[i].finished for i in ids)
+    assert [outputs[i].outputs[0].token_ids for i in ids] == hf_greedy(qwen3_path, PROMPTS[:3], GREEDY.max_tokens)
+    assert llm.step() == []
+
+
+def test_generate_refuses_while_step_api_requests_are_unfinished(qwen3_path, hf_greedy):
+    llm = LLM(qwen3_path, max_model_len=512)
+    request_id = llm.add_request(PROMPTS[0], GREEDY)
+    with pytest.raises(ValueError, match="1 requests added with add_request.* are unfinished"):
+        llm.generate(PROMPTS[1:2], GREEDY, use_tqdm=False)
+    outputs = []
+    while not llm.is_finished():
+        outputs += llm.step()
+    assert outputs[-1].request_id == request_id and outputs[-1].finished
+    assert outputs[-1].outputs[0].token_ids == hf_greedy(qwen3_path, PROMPTS[:1], GREEDY.max_tokens)[0]
 
 
 def test_triton_backend_matches_transformers(qwen3_path, hf_greedy):

@@ -1,5 +1,12 @@
 """Bad input is a ValueError naming the problem, and the engine still works afterwards."""
+import json
+import math
+import shutil
+
+import numpy as np
 import pytest
+import torch
+from safetensors.torch import load_file, save_file
 
 from nanopaged import LLM, SamplingParams
 from conftest import random_prompts
@@ -10,89 +17,215 @@ GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def llm(qwen3_path):
-    return LLM(qwen3_path, max_model_len=128, kvcache_block_size=16, num_kvcache_blocks=4)
+    return LLM(qwen3_path, max_model_len=128, kvcache_block_size=16, num_kvcache_blocks=4,
+               max_num_seqs=4)
+
+
+def assert_untouched_and_working(llm) -> None:
+    assert llm.is_finished() and not llm.requests and llm.block_manager.num_free_blocks == 4
+    [out] = llm.generate([GOOD], GREEDY, use_tqdm=False)
+    assert len(out.outputs[0].token_ids) == 4
+
+
+def mutated_params(**changes) -> SamplingParams:
+    params = SamplingParams(temperature=0, max_tokens=4)
+    for name, value in changes.items():
+        setattr(params, name, value)  # as a caller may do after construction
+    return params
 
 
 @pytest.mark.parametrize("prompts, params, message", [
     ([GOOD, []], GREEDY, "prompt is empty"),
     ([GOOD, ""], GREEDY, "prompt is empty"),
-    ([GOOD, [1, 2, 512]], GREEDY, "outside the vocabulary"),
-    ([GOOD, [1, -1]], GREEDY, "outside the vocabulary"),
-    ([GOOD, [1, 2.0]], GREEDY, "outside the vocabulary"),
-    ([GOOD, list(range(3, 131))], GREEDY, "max_model_len"),
+    ([GOOD, [1, 2, 512]], GREEDY, r"token id 512 is outside the vocabulary \[0, 512\)"),
+    ([GOOD, [1, -1]], GREEDY, "token id -1 is outside the vocabulary"),
+    ([GOOD, [1, 2.0]], GREEDY, r"token ids must be integers, got 2.0 \(float\)"),
+    ([GOOD, [1, True]], GREEDY, r"token ids must be integers, got True \(bool\)"),
+    ([GOOD, [np.int64(1), np.bool_(True)]], GREEDY, "token ids must be integers, got .*bool"),
+    (None, GREEDY, "prompts must be a prompt or a list of prompts, got NoneType"),
+    (np.array([GOOD]), GREEDY, r"got ndarray \(pass array.tolist\(\)\)"),
+    ((p for p in [GOOD]), GREEDY, "got generator"),
+    ([GOOD, {"text": "hi"}], GREEDY, r"prompt dict takes the key 'prompt'.*got keys \['text'\]"),
+    ([GOOD, 5.5], GREEDY, "a prompt must be a string or a list of token ids, got float"),
+    ([GOOD, list(range(3, 131))], GREEDY, "prompt has 128 tokens; it must be shorter than max_model_len=128"),
     ([GOOD, GOOD], [GREEDY], "2 prompts but 1 sampling params"),
-    ([GOOD], "greedy", "must be SamplingParams"),
+    ([GOOD], "greedy", "sampling_params must be SamplingParams, got str"),
     ([GOOD], SamplingParams(max_tokens=100), "needs up to 7 KV-cache blocks"),
+    ([GOOD], SamplingParams(n=5), "n=5 samples cannot run at once with max_num_seqs=4"),
+    ([GOOD], SamplingParams(stop_token_ids=[600]), r"stop_token_ids \[600\] reach outside the vocabulary"),
+    ([GOOD], mutated_params(temperature=-1.0), "temperature must be a finite number >= 0, got -1.0"),
+    ([GOOD], mutated_params(max_tokens=2.5), "max_tokens must be an integer, got 2.5"),
 ])
 def test_bad_request_is_rejected_and_engine_still_works(llm, prompts, params, message):
     with pytest.raises(ValueError, match=message):
         llm.generate(prompts, params, use_tqdm=False)
-    assert llm.is_finished() and llm.block_manager.num_free_blocks == 4
-    [out] = llm.generate([GOOD], GREEDY, use_tqdm=False)
-    assert len(out.token_ids) == 4
+    assert_untouched_and_working(llm)
+
+
+def test_bad_request_is_rejected_by_add_request_too(llm):
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        llm.add_request([1, 999], GREEDY)
+    with pytest.raises(ValueError, match="request_id must be a string not in use, got 7"):
+        llm.add_request(GOOD, GREEDY, request_id=7)
+    assert_untouched_and_working(llm)
+
+
+def test_numpy_token_ids_are_token_ids(llm):
+    as_numpy = llm.generate([[np.int64(t) for t in GOOD]], GREEDY, use_tqdm=False)
+    as_ints = llm.generate([GOOD], GREEDY, use_tqdm=False)
+    assert as_numpy[0].outputs[0].token_ids == as_ints[0].outputs[0].token_ids
+    assert as_numpy[0].prompt_token_ids == GOOD
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(temperature=-1), "temperature"),
-    (dict(top_k=0), "top_k"),
-    (dict(top_p=0.0), "top_p"),
-    (dict(top_p=1.5), "top_p"),
-    (dict(max_tokens=0), "max_tokens"),
-    (dict(seed=-3), "seed"),
+    (dict(temperature=-1), "temperature must be a finite number >= 0, got -1"),
+    (dict(temperature=math.nan), "temperature must be a finite number >= 0, got nan"),
+    (dict(temperature=math.inf), "temperature must be a finite number >= 0, got inf"),
+    (dict(temperature="hot"), "temperature must be a finite number >= 0, got 'hot'"),
+    (dict(top_k=-2), "top_k must be >= -1, got -2"),
+    (dict(top_k=2.5), "top_k must be an integer, got 2.5"),
+    (dict(top_k=True), "top_k must be an integer, got True"),
+    (dict(top_p=0.0), r"top_p must be a number in \(0, 1\], got 0.0"),
+    (dict(top_p=1.5), r"top_p must be a number in \(0, 1\], got 1.5"),
+    (dict(top_p=math.nan), r"top_p must be a number in \(0, 1\], got nan"),
+    (dict(max_tokens=0), "max_tokens must be >= 1, got 0"),
+    (dict(max_tokens=math.nan), "max_tokens must be an integer, got nan"),
+    (dict(max_tokens="10"), "max_tokens must be an integer, got '10'"),
+    (dict(seed=2 ** 64), r"seed must be in \[-9223372036854775808, 18446744073709551615\]"),
+    (dict(seed=1.5), "seed must be an integer, got 1.5"),
+    (dict(n=0), "n must be >= 1, got 0"),
+    (dict(n=2.0), "n must be an integer, got 2.0"),
+    (dict(min_tokens=-1), "min_tokens must be >= 0, got -1"),
+    (dict(min_tokens=8, max_tokens=4), "max_tokens must be >= 8, got 4"),
+    (dict(stop=""), "stop must be a non-empty string or a list of them, got ''"),
+    (dict(stop=["ok", 3]), r"stop must be a non-empty string or a list of them, got \['ok', 3\]"),
+    (dict(stop_token_ids=5), "stop_token_ids must be a list of token ids, got 5"),
+    (dict(stop_token_ids=[-1]), "stop_token_ids must be >= 0, got -1"),
+    (dict(stop_token_ids=[1.5]), "stop_token_ids must be an integer, got 1.5"),
+    (dict(logprobs=-1), r"logprobs must be in \[0, 20\], got -1"),
+    (dict(logprobs=21), r"logprobs must be in \[0, 20\], got 21"),
+    (dict(ignore_eos="yes"), "ignore_eos must be True or False, got 'yes'"),
+    (dict(include_stop_str_in_output=1), "include_stop_str_in_output must be True or False"),
 ])
 def test_invalid_sampling_values(kwargs, message):
     with pytest.raises(ValueError, match=message):
         SamplingParams(**kwargs)
 
 
-def test_missing_model_path(tmp_path):
-    with pytest.raises(ValueError, match="not a directory"):
-        LLM(str(tmp_path / "nowhere"))
-
-
-def test_unsupported_architecture(tmp_path):
-    (tmp_path / "config.json").write_text('{"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}')
-    with pytest.raises(ValueError, match="unsupported architecture.*Qwen3ForCausalLM"):
-        LLM(str(tmp_path))
-
-
-@pytest.mark.parametrize("kwargs, field", [
-    (dict(max_num_seqs=0), "max_num_seqs"),
-    (dict(max_num_batched_tokens=0), "max_num_batched_tokens"),
-    (dict(max_model_len=0), "max_model_len"),
-    (dict(kvcache_block_size=0), "kvcache_block_size"),
-    (dict(gpu_memory_utilization=1.5), "gpu_memory_utilization"),
-    (dict(num_kvcache_blocks=0), "num_kvcache_blocks"),
-    (dict(attention_backend="magic"), "attention_backend"),
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(max_num_seqs=0), "max_num_seqs must be >= 1, got 0"),
+    (dict(max_num_seqs=1.5), "max_num_seqs must be int, got 1.5"),
+    (dict(max_num_batched_tokens=0), "max_num_batched_tokens must be >= 1"),
+    (dict(max_model_len=0), "max_model_len must be >= 1"),
+    (dict(kvcache_block_size=0), "kvcache_block_size must be >= 1"),
+    (dict(kvcache_block_size=16.0), "kvcache_block_size must be int or None, got 16.0"),
+    (dict(enforce_eager="yes"), "enforce_eager must be bool, got 'yes'"),
+    (dict(tensor_parallel_size=True), "tensor_parallel_size must be int, got True"),
+    (dict(gpu_memory_utilization=1.5), r"gpu_memory_utilization must be in \(0, 1\]"),
+    (dict(gpu_memory_utilization="0.5"), "gpu_memory_utilization must be float, got '0.5'"),
+    (dict(num_kvcache_blocks=0), "num_kvcache_blocks must be >= 1"),
+    (dict(attention_backend="magic"), "attention_backend must be one of"),
     (dict(attention_backend="flash", device="cpu"), "needs a CUDA GPU"),
-    (dict(dtype="int8"), "dtype"),
-    (dict(device="tpu"), "device"),
+    (dict(scheduling="fastest"), "scheduling must be one of"),
+    (dict(dtype="int8"), "dtype must be float32, float16 or bfloat16"),
+    (dict(device="tpu"), "device must be 'cuda' or 'cpu'"),
+    (dict(max_num_seq=8), "unknown option 'max_num_seq'; did you mean 'max_num_seqs'"),
+    (dict(trust_remote_code=True), "unknown option 'trust_remote_code'; the options are device, "),
 ])
-def test_invalid_config_names_the_field(qwen3_path, kwargs, field):
-    with pytest.raises(ValueError, match=field):
+def test_invalid_option_names_the_option(qwen3_path, kwargs, message):
+    with pytest.raises(ValueError, match=message):
         LLM(qwen3_path, **kwargs)
 
 
-def test_missing_weight_is_named(qwen3_path, tmp_path):
-    import shutil
-    from safetensors.torch import load_file, save_file
+def broken_copy(path, tmp_path, config_changes: dict | None = None, **edit) -> str:
+    """A copy of the checkpoint with config fields changed or files edited."""
     broken = tmp_path / "broken"
-    shutil.copytree(qwen3_path, broken)
-    weights = load_file(broken / "model.safetensors")
+    shutil.copytree(path, broken)
+    if config_changes:
+        config = json.loads((broken / "config.json").read_text())
+        config.update(config_changes)
+        (broken / "config.json").write_text(json.dumps(config))
+    for name, text in edit.items():
+        target = broken / name.replace("__", ".")
+        target.unlink() if text is None else target.write_text(text)
+    return str(broken)
+
+
+def test_missing_model_names_it_and_says_how_to_get_it(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ValueError, match=r"'nowhere/model' is not a local directory.*hf download nowhere/model"):
+        LLM("nowhere/model")
+
+
+@pytest.mark.parametrize("config_changes, edit, message", [
+    (None, dict(config__json=None), "has no config.json"),
+    (None, dict(config__json="{not json"), "cannot read .*config.json"),
+    ({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}, {},
+     r"unsupported architecture \['GPT2LMHeadModel'\].*Qwen3ForCausalLM"),
+    ({"hidden_act": "gelu"}, {}, "hidden_act='gelu', which nanopaged does not implement"),
+    ({"rope_parameters": {"rope_type": "yarn", "factor": 2.0, "rope_theta": 10000.0,
+                          "original_max_position_embeddings": 1024}}, {}, "rope_type='yarn'"),
+    ({"use_sliding_window": True, "sliding_window": 64,
+      "layer_types": ["full_attention", "sliding_attention"]}, {}, "sliding-window"),
+    ({"quantization_config": {"quant_method": "awq"}}, {}, "quantization_config"),
+    (None, dict(tokenizer__json=None), "cannot load the tokenizer .* none of tokenizer.json"),
+])
+def test_unusable_checkpoint_names_the_field(qwen3_path, tmp_path, config_changes, edit, message):
+    with pytest.raises(ValueError, match=message):
+        LLM(broken_copy(qwen3_path, tmp_path, config_changes, **edit))
+
+
+def test_truncated_weights_are_named(qwen3_path, tmp_path):
+    broken = broken_copy(qwen3_path, tmp_path)
+    weights = tmp_path / "broken" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:5000])
+    with pytest.raises(ValueError, match="cannot read .*model.safetensors.*truncated download"):
+        LLM(broken)
+
+
+def test_weight_of_the_wrong_shape_is_named(qwen3_path, tmp_path):
+    broken = broken_copy(qwen3_path, tmp_path)
+    weights = load_file(tmp_path / "broken" / "model.safetensors")
+    weights["model.norm.weight"] = torch.ones(3)
+    save_file(weights, tmp_path / "broken" / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="weight 'model.norm.weight' .* does not fit the model"):
+        LLM(broken)
+
+
+def test_missing_weight_is_named(qwen3_path, tmp_path):
+    broken = broken_copy(qwen3_path, tmp_path)
+    weights = load_file(tmp_path / "broken" / "model.safetensors")
     del weights["model.layers.1.self_attn.v_proj.weight"]
-    save_file(weights, broken / "model.safetensors", metadata={"format": "pt"})
+    save_file(weights, tmp_path / "broken" / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ValueError, match="missing weights.*layers.1.self_attn.qkv_proj"):
-        LLM(str(broken))
+        LLM(broken)
 
 
 def test_unexpected_weight_is_named(qwen3_path, tmp_path):
-    import shutil
-    import torch
-    from safetensors.torch import load_file, save_file
-    broken = tmp_path / "extra"
-    shutil.copytree(qwen3_path, broken)
-    weights = load_file(broken / "model.safetensors")
+    broken = broken_copy(qwen3_path, tmp_path)
+    weights = load_file(tmp_path / "broken" / "model.safetensors")
     weights["model.layers.0.mystery.weight"] = torch.zeros(2)
-    save_file(weights, broken / "model.safetensors", metadata={"format": "pt"})
+    save_file(weights, tmp_path / "broken" / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ValueError, match="unexpected weight 'model.layers.0.mystery.weight'"):
-        LLM(str(broken))
+        LLM(broken)
+
+
+def test_text_prompt_is_checked_against_the_model_vocabulary(qwen3_path, tmp_path):
+    """A tokenizer larger than the model's embedding: its ids are caught before any step."""
+    small = broken_copy(qwen3_path, tmp_path, {"vocab_size": 256})
+    weights = load_file(tmp_path / "broken" / "model.safetensors")
+    weights["model.embed_tokens.weight"] = weights["model.embed_tokens.weight"][:256].clone()
+    save_file(weights, tmp_path / "broken" / "model.safetensors", metadata={"format": "pt"})
+    llm = LLM(small, max_model_len=128)
+    with pytest.raises(ValueError, match=r"outside the vocabulary \[0, 256\): the tokenizer does not match"):
+        llm.generate(["Paged attention stores the key and value cache"], GREEDY, use_tqdm=False)
+    assert llm.is_finished() and llm.block_manager.num_free_blocks == llm.block_manager.num_blocks
+
+
+def test_a_closed_engine_says_so(qwen3_path):
+    llm = LLM(qwen3_path, max_model_len=128)
+    llm.close()
+    for call in (lambda: llm.generate([GOOD], GREEDY), lambda: llm.step(),
+                 lambda: llm.add_request(GOOD, GREEDY)):
+        with pytest.raises(RuntimeError, match="the engine is closed"):
+            call()

@@ -1,6 +1,13 @@
 """Tensor parallelism on CPU (gloo): two ranks give the tokens of one, and leave no process behind."""
 import gc
 import itertools
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import re
 
 import psutil
 import pytest
@@ -8,6 +15,8 @@ import pytest
 from nanopaged import LLM, SamplingParams
 from nanopaged.config import Config, free_port
 from conftest import ARCHITECTURES, random_prompts
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 GREEDY = SamplingParams(temperature=0, max_tokens=40)
 
@@ -35,29 +44,83 @@ def test_two_ranks_match_transformers_with_prefix_hits_and_preemption(arch, mode
     # the shared 40 tokens fill two whole blocks, computed once
     assert [o.num_cached_tokens for o in first][:3] == [0, 32, 32]
     assert [o.num_cached_tokens for o in second] == [0, 32, 32]
-    assert [o.token_ids for o in first] == expected
-    assert [o.token_ids for o in second] == expected[:3]
+    assert [o.outputs[0].token_ids for o in first] == expected
+    assert [o.outputs[0].token_ids for o in second] == expected[:3]
     assert not worker_processes()
 
 
-def test_garbage_collected_engine_stops_its_workers(qwen3_path):
+def test_garbage_collected_engine_stops_its_workers(qwen3_path, hf_greedy):
     llm = LLM(qwen3_path, max_model_len=256, tensor_parallel_size=2,
               distributed_port=free_port())
     [worker] = worker_processes()
-    assert llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+    [out] = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+    assert out.outputs[0].token_ids == hf_greedy(qwen3_path, [[5, 6, 7]], 4)[0]
     del llm
     gc.collect()
     worker.wait(timeout=30)
     assert not worker_processes()
 
 
-def test_one_tensor_parallel_engine_per_process(qwen3_path):
+def test_one_tensor_parallel_engine_per_process(qwen3_path, hf_greedy):
     with LLM(qwen3_path, max_model_len=256, tensor_parallel_size=2) as llm:
         with pytest.raises(RuntimeError, match="close that engine"):
             LLM(qwen3_path, max_model_len=256, tensor_parallel_size=2)
         assert len(worker_processes()) == 1
         [out] = llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)
-        assert len(out.token_ids) > 0
+        assert out.outputs[0].token_ids == hf_greedy(qwen3_path, [[5, 6, 7]], GREEDY.max_tokens)[0]
+
+
+def test_a_closed_engine_refuses_at_once_while_another_is_open(qwen3_path, hf_greedy):
+    closed = LLM(qwen3_path, max_model_len=256, tensor_parallel_size=2)
+    closed.close()
+    with LLM(qwen3_path, max_model_len=256, tensor_parallel_size=2) as llm:
+        start = time.monotonic()
+        with pytest.raises(RuntimeError, match="the engine is closed"):
+            closed.generate([[5, 6, 7]], GREEDY, use_tqdm=False)
+        assert time.monotonic() - start < 1
+        [out] = llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)
+        assert out.outputs[0].token_ids == hf_greedy(qwen3_path, [[5, 6, 7]], GREEDY.max_tokens)[0]
+    assert not worker_processes()
+
+
+def test_after_a_failed_start_the_next_engine_starts(qwen3_path, hf_greedy):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        with pytest.raises(ValueError, match="cannot listen on 127.0.0.1:.*distributed_port"):
+            LLM(qwen3_path, max_model_len=256, tensor_parallel_size=2,
+                distributed_port=taken.getsockname()[1])
+    assert not worker_processes()
+    with LLM(qwen3_path, max_model_len=256, tensor_parallel_size=2) as llm:
+        [out] = llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)
+    assert out.outputs[0].token_ids == hf_greedy(qwen3_path, [[5, 6, 7]], GREEDY.max_tokens)[0]
+
+
+def failing_worker(config, rank):
+    """Stands in for the worker's code: fails as a missing module would."""
+    raise ImportError("No module named 'flash_attn_2_cuda'")
+
+
+def test_a_worker_failing_at_start_raises_its_error_at_once(qwen3_path, monkeypatch):
+    monkeypatch.setattr("nanopaged.model_runner.run_worker", failing_worker)
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="(?s)worker nanopaged-tp1 died.*ImportError: No module named 'flash_attn_2_cuda'"):
+        LLM(qwen3_path, max_model_len=256, tensor_parallel_size=2)
+    assert time.monotonic() - start < 60 and not worker_processes()
+
+
+@pytest.mark.parametrize("how, message", [
+    ("file", "died .* before nanopaged ran in it.*if __name__ == \"__main__\""),
+    ("stdin", "'<stdin>' is not a file they can import"),
+])
+def test_a_script_the_workers_cannot_import_fails_at_once(qwen3_path, tmp_path, how, message):
+    script = f"from nanopaged import LLM\nLLM({qwen3_path!r}, tensor_parallel_size=2)\nprint('started')\n"
+    (tmp_path / "script.py").write_text(script)
+    command = [sys.executable, str(tmp_path / "script.py")] if how == "file" else [sys.executable, "-"]
+    result = subprocess.run(command, input=script if how == "stdin" else None, capture_output=True,
+                            text=True, timeout=120, env=dict(os.environ, PYTHONPATH=ROOT))
+    assert result.returncode != 0 and "started" not in result.stdout
+    assert re.search(message, result.stderr), result.stderr[-2000:]
 
 
 def test_a_dead_worker_is_an_error_not_a_hang(qwen3_path):
@@ -83,10 +146,10 @@ def test_a_step_failing_on_rank_0_stops_the_workers(qwen3_path):
     """Rank 0 fails mid-step: the workers may be anywhere in it, so they must not run on."""
     llm = LLM(qwen3_path, max_model_len=256, tensor_parallel_size=2)
     [worker] = worker_processes()
-    def failing_sampler(logits, seqs):
-        raise RuntimeError("sampler failed")
-    llm.model_runner.sampler = failing_sampler
-    with pytest.raises(RuntimeError, match="sampler failed"):
+    def failing_logits(hidden):
+        raise RuntimeError("logits failed")
+    llm.model_runner.model.compute_logits = failing_logits
+    with pytest.raises(RuntimeError, match="logits failed"):
         llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)
     assert not worker.is_running()
     with pytest.raises(RuntimeError, match="cannot run any more"):

@@ -12,9 +12,9 @@ PROMPTS = random_prompts([5, 30, 12], seed=11)
 def test_seeded_sampling_is_reproducible_whatever_shares_the_batch(qwen3_path):
     llm = LLM(qwen3_path, max_model_len=256)
     seeded = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=20, seed=123)
-    alone = llm.generate(PROMPTS[:1], seeded, use_tqdm=False)[0].token_ids
+    alone = llm.generate(PROMPTS[:1], seeded, use_tqdm=False)[0].outputs[0].token_ids
     other = SamplingParams(temperature=0.8, max_tokens=20)
-    batched = llm.generate(PROMPTS, [seeded, other, other], use_tqdm=False)[0].token_ids
+    batched = llm.generate(PROMPTS, [seeded, other, other], use_tqdm=False)[0].outputs[0].token_ids
     assert alone == batched
 
 
@@ -22,7 +22,7 @@ def test_different_seeds_give_different_samples(qwen3_path):
     llm = LLM(qwen3_path, max_model_len=256)
     outs = llm.generate(PROMPTS[:1] * 2, [SamplingParams(max_tokens=20, seed=s) for s in (1, 2)],
                         use_tqdm=False)
-    assert outs[0].token_ids != outs[1].token_ids
+    assert outs[0].outputs[0].token_ids != outs[1].outputs[0].token_ids
 
 
 def test_top_k_1_equals_greedy(qwen3_path):
@@ -30,13 +30,22 @@ def test_top_k_1_equals_greedy(qwen3_path):
     greedy = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=20), use_tqdm=False)
     top1 = llm.generate(PROMPTS, SamplingParams(temperature=1.5, top_k=1, max_tokens=20),
                         use_tqdm=False)
-    assert [o.token_ids for o in greedy] == [o.token_ids for o in top1]
+    assert [o.outputs[0].token_ids for o in greedy] == [o.outputs[0].token_ids for o in top1]
+
+
+def test_a_tiny_temperature_samples_the_argmax(qwen3_path):
+    llm = LLM(qwen3_path, max_model_len=256)
+    greedy = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=20), use_tqdm=False)
+    for params in (SamplingParams(temperature=1e-38, max_tokens=20, seed=1),
+                   SamplingParams(temperature=1e-38, top_p=0.9, max_tokens=20, seed=1)):
+        tiny = llm.generate(PROMPTS, params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in tiny] == [o.outputs[0].token_ids for o in greedy]
 
 
 def _sample_many(logits: torch.Tensor, params: SamplingParams, n: int = 400) -> set[int]:
     sampler = Sampler(torch.device("cpu"))
     seqs = [Sequence([1], params, 16) for _ in range(n)]
-    return set(sampler(logits.expand(n, -1).clone(), seqs).tolist())
+    return set(sampler(logits.expand(n, -1).clone(), seqs)[0].tolist())
 
 
 def test_top_k_keeps_only_the_k_most_likely():

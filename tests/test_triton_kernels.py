@@ -38,7 +38,8 @@ def test_decode_matches_reference(block_size, num_heads, num_kv_heads, split_tok
     meta = AttentionMetadata(is_prefill=False, slot_mapping=torch.empty(0, device=DEVICE),
                              context_lens=torch.tensor(context_lens, dtype=torch.int32, device=DEVICE),
                              block_tables=tables, max_seqlen_k=max(context_lens))
-    out = triton_attention.decode_paged(q, k_cache, v_cache, meta, 0.25, split_tokens=split_tokens)
+    out = triton_attention.decode_paged(q, k_cache, v_cache, tables, meta.context_lens,
+                                        meta.max_seqlen_k, 0.25, split_tokens=split_tokens)
     ref = decode_torch(q, k_cache, v_cache, meta, 0.25)
     assert relative_error(out, ref) < 1e-5
 
@@ -48,12 +49,9 @@ def test_decode_result_does_not_depend_on_empty_splits():
     context_lens = [3, 200, 130]
     k_cache, v_cache, tables = paged_cache(16, context_lens, 2, seed=4)
     q = torch.randn(len(context_lens), 4, HEAD_DIM, device=DEVICE)
-    outs = []
-    for max_seqlen_k in (200, 1024):
-        meta = AttentionMetadata(is_prefill=False, slot_mapping=torch.empty(0, device=DEVICE),
-                                 context_lens=torch.tensor(context_lens, dtype=torch.int32, device=DEVICE),
-                                 block_tables=tables, max_seqlen_k=max_seqlen_k)
-        outs.append(triton_attention.decode_paged(q, k_cache, v_cache, meta, 0.25, split_tokens=64))
+    lens = torch.tensor(context_lens, dtype=torch.int32, device=DEVICE)
+    outs = [triton_attention.decode_paged(q, k_cache, v_cache, tables, lens, max_seqlen_k, 0.25,
+                                          split_tokens=64) for max_seqlen_k in (200, 1024)]
     assert torch.equal(outs[0], outs[1])
 
 
@@ -68,7 +66,8 @@ def test_decode_padding_rows_with_no_context_are_finite():
                               max_seqlen_k=20)
     ref = decode_torch(q[:1], k_cache, v_cache, first, 0.25)
     for split_tokens in (64, 16):
-        out = triton_attention.decode_paged(q, k_cache, v_cache, meta, 0.25, split_tokens=split_tokens)
+        out = triton_attention.decode_paged(q, k_cache, v_cache, tables, meta.context_lens, 20, 0.25,
+                                            split_tokens=split_tokens)
         assert torch.isfinite(out).all()
         assert relative_error(out[:1], ref) < 1e-5
 
@@ -87,7 +86,8 @@ def test_prefill_matches_reference_with_cached_prefixes(block_size, num_heads, n
                              context_lens=torch.tensor(context_lens, dtype=torch.int32, device=DEVICE),
                              block_tables=tables, max_seqlen_k=max(context_lens),
                              cu_seqlens_q=cu.to(DEVICE), max_seqlen_q=max(q_lens))
-    out = triton_attention.prefill_paged(q, k_cache, v_cache, meta, 0.25)
+    out = triton_attention.prefill_paged(q, k_cache, v_cache, meta.cu_seqlens_q, meta.context_lens,
+                                         tables, max(q_lens), 0.25)
     ref = prefill_torch(q, k_cache, v_cache, meta, 0.25)
     assert relative_error(out, ref) < 1e-5
 

@@ -1,0 +1,169 @@
+"""What a request gives back, in vLLM's shape: its completions as they grow, their text decoded
+a whole character at a time and cut at stop strings, and their log-probabilities."""
+import time
+from dataclasses import dataclass
+
+from transformers import PreTrainedTokenizerBase
+
+from nanopaged.sampler import TokenLogprobs
+from nanopaged.sampling_params import SamplingParams
+from nanopaged.sequence import Sequence
+
+
+@dataclass
+class Logprob:
+    """One token's log-probability, its rank in the distribution (1: the most likely) and text."""
+    logprob: float
+    rank: int
+    decoded_token: str
+
+
+@dataclass
+class CompletionOutput:
+    """One completion of a request. `token_ids` keeps a stop token; `text` drops it and a stop
+    string unless `include_stop_str_in_output`. `finish_reason` is "stop" (EOS, a stop token or
+    string, named by `stop_reason`; None for EOS) or "length", and None while it runs."""
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    logprobs: list[dict[int, Logprob]] | None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestMetrics:
+    """Wall-clock times (time.perf_counter) of one request's life; None until they happen."""
+    arrival_time: float
+    first_token_time: float | None = None
+    finish_time: float | None = None
+
+
+@dataclass
+class RequestOutput:
+    """A request's completions so far (all of them once `finished`). `prompt` is None for a
+    prompt given as token ids; `num_cached_tokens` counts prompt tokens the prefix cache served."""
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int
+    metrics: RequestMetrics
+
+
+class Detokenizer:
+    """The text of one completion, decoded as its tokens come and cut at the first stop string.
+
+    Each update decodes a short window only: the tokens since the last whole character, after a
+    few tokens of context (some tokenizers decode a token differently at the start of a text).
+    A character split across tokens waits for its last byte, so the text grows by whole
+    characters, and the growth concatenates to the final text. While stop strings may still
+    match, the text shown holds back their length less one character.
+    """
+    CONTEXT_TOKENS = 4
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, prompt_token_ids: list[int],
+                 params: SamplingParams):
+        self.tokenizer = tokenizer
+        self.params = params
+        self.token_ids = prompt_token_ids[-self.CONTEXT_TOKENS:]
+        self.prefix_offset, self.read_offset = 0, len(self.token_ids)
+        self.num_read = 0  # completion tokens read so far
+        self.text = ""
+        self.stopped = False
+        longest = max((len(s) for s in params.stop_strings), default=0)
+        self.held_back = 0 if params.include_stop_str_in_output else max(0, longest - 1)
+
+    def update(self, seq: Sequence) -> str | None:
+        """Reads the tokens `seq` added since the last call; returns the stop string found, if any."""
+        new = seq.completion_token_ids[self.num_read:]
+        self.num_read += len(new)
+        stopped_by_token = seq.finish_reason == "stop" and not isinstance(seq.stop_reason, str)
+        if new and stopped_by_token and not self.params.include_stop_str_in_output:
+            new = new[:-1]
+        if self.stopped or not (new or seq.finish_reason and self.read_offset < len(self.token_ids)):
+            return None
+        self.token_ids += new
+        skip = self.params.skip_special_tokens
+        before = self.tokenizer.decode(self.token_ids[self.prefix_offset:self.read_offset], skip_special_tokens=skip)
+        after = self.tokenizer.decode(self.token_ids[self.prefix_offset:], skip_special_tokens=skip)
+        if after.endswith("\ufffd") and seq.finish_reason is None:
+            return None  # a character split across tokens: wait for its other bytes
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
+        return self._append(after[len(before):], seq)
+
+    def _append(self, delta: str, seq: Sequence) -> str | None:
+        old_length = len(self.text)
+        self.text += delta
+        if seq.num_completion_tokens < self.params.min_tokens:
+            return None
+        found = [(index, stop) for stop in self.params.stop_strings
+                 if (index := self.text.find(stop, max(0, old_length - len(stop) + 1))) >= 0]
+        if not found:
+            return None
+        index, stop = min(found)
+        self.text = self.text[:index + (len(stop) if self.params.include_stop_str_in_output else 0)]
+        self.stopped = True
+        return stop
+
+    def visible_text(self, finished: bool) -> str:
+        return self.text if finished else self.text[:max(0, len(self.text) - self.held_back)]
+
+
+class Request:
+    """One request from its arrival to its last output: its n sequences and what they produced."""
+
+    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                 params: SamplingParams, seqs: list[Sequence], tokenizer: PreTrainedTokenizerBase):
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = prompt_token_ids
+        self.params = params
+        self.seqs = seqs
+        self.tokenizer = tokenizer
+        self.metrics = RequestMetrics(arrival_time=time.perf_counter())
+        self.detokenizers = [Detokenizer(tokenizer, prompt_token_ids, params) for _ in seqs]
+        self.logprobs: list[list[dict[int, Logprob]]] = [[] for _ in seqs]
+        self.cumulative_logprobs = [0.0] * len(seqs)
+
+    @property
+    def finished(self) -> bool:
+        return all(seq.finish_reason is not None for seq in self.seqs)
+
+    def record(self, seq: Sequence, logprobs: TokenLogprobs | None, now: float) -> str | None:
+        """Takes note of the token `seq` just got; returns the stop string its text now reaches."""
+        if self.metrics.first_token_time is None:
+            self.metrics.first_token_time = now
+        if logprobs is not None:
+            token_id = seq.token_ids[-1]
+            entries = [(token_id, logprobs.logprob, logprobs.rank)]
+            entries += [(t, lp, rank) for rank, (t, lp) in
+                        enumerate(zip(logprobs.top_token_ids, logprobs.top_logprobs), start=1)]
+            self.logprobs[seq.index].append({t: Logprob(lp, rank, self.tokenizer.decode([t]))
+                                             for t, lp, rank in entries})
+            self.cumulative_logprobs[seq.index] += logprobs.logprob
+        if self.params.stop_strings:  # only these need the text at every step
+            return self.detokenizers[seq.index].update(seq)
+        return None
+
+    def output(self) -> RequestOutput:
+        """The request's completions so far, their text brought up to date."""
+        outputs = []
+        for seq, detokenizer in zip(self.seqs, self.detokenizers):
+            detokenizer.update(seq)
+            with_logprobs = self.params.logprobs is not None
+            outputs.append(CompletionOutput(
+                index=seq.index, text=detokenizer.visible_text(seq.finish_reason is not None),
+                token_ids=seq.completion_token_ids,
+                cumulative_logprob=self.cumulative_logprobs[seq.index] if with_logprobs else None,
+                logprobs=self.logprobs[seq.index] if with_logprobs else None,
+                finish_reason=seq.finish_reason, stop_reason=seq.stop_reason))
+        if self.finished and self.metrics.finish_time is None:
+            self.metrics.finish_time = time.perf_counter()
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outputs,
+                             self.finished, self.seqs[0].num_cached_tokens, self.metrics)
