@@ -263,7 +263,7 @@ class ModelRunner:
                                  self._to_device(inputs.positions, torch.int64), meta)
         if len(inputs.logits_indices) == 0:
             return None
-        if len(inputs.logits_indices) < hidden.shape[0]:
+        if inputs.is_prefill:  # a decode step samples every row, once
             hidden = hidden[self._to_device(inputs.logits_indices, torch.int64)]
         return self.model.compute_logits(hidden)
 

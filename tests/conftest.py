@@ -67,3 +67,20 @@ def hf_greedy():
 def random_prompts(lengths: list[int], vocab_size: int = 512, seed: int = 0) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(3, vocab_size, (n,), generator=g).tolist() for n in lengths]
+
+
+@pytest.fixture
+def hf_model():
+    """hf_model(path) -> the transformers model of a checkpoint (float32, cached)."""
+    return _hf_model
+
+
+@pytest.fixture
+def offline_hub(tmp_path, monkeypatch):
+    """An empty Hugging Face cache in a temp dir, with the hub offline; returns the cache dir."""
+    import huggingface_hub.constants
+    cache = tmp_path / "hf-cache"
+    cache.mkdir()
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    return cache

@@ -151,8 +151,7 @@ def broken_copy(path, tmp_path, config_changes: dict | None = None, **edit) -> s
     return str(broken)
 
 
-def test_missing_model_names_it_and_says_how_to_get_it(tmp_path, monkeypatch):
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+def test_missing_model_names_it_and_says_how_to_get_it(offline_hub):
     with pytest.raises(ValueError, match=r"'nowhere/model' is not a local directory.*hf download nowhere/model"):
         LLM("nowhere/model")
 
