@@ -43,58 +43,42 @@ def store_kvcache_torch(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
     v_cache.view(-1, *v.shape[1:])[slots] = v[valid]
 
 
-def _gather_context(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
-    """The first `length` cached tokens of one sequence: (length, nkv, hs)."""
-    block_size = cache.shape[1]
-    pos = torch.arange(length, device=cache.device)
-    slots = block_table[pos // block_size].long() * block_size + pos % block_size
-    return cache.view(-1, *cache.shape[2:])[slots]
+def _gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
+    """The cache rows of each sequence's blocks, whole blocks at a time (padding reads block
+    0): (B, nb) block ids -> (B, nkv, nb * bs, hs)."""
+    num_seqs, num_blocks = block_tables.shape
+    rows = cache.index_select(0, block_tables.flatten().clamp(min=0).long())  # faster than cache[...]
+    return rows.view(num_seqs, num_blocks * cache.shape[1], *cache.shape[2:]).transpose(1, 2)
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
             scale: float) -> torch.Tensor:
-    """q: (..., Q, nh, hs) for Q queries, k/v: (..., L, nkv, hs), mask: (..., Q, L) of the keys
-    each query sees -> (..., Q, nh, hs).
-
-    Query heads share key heads in groups (GQA); computed in float32 as a reference."""
-    *batch, num_q, num_heads, head_dim = q.shape
-    num_kv_heads = k.shape[-2]
-    group = num_heads // num_kv_heads
-    q = q.float().reshape(*batch, num_q, num_kv_heads, group, head_dim)
-    scores = torch.einsum("...qhgd,...khd->...hgqk", q, k.float()) * scale
-    scores = scores.masked_fill(~mask.unsqueeze(-3).unsqueeze(-3), float("-inf"))
-    probs = scores.softmax(dim=-1)
-    out = torch.einsum("...hgqk,...khd->...qhgd", probs, v.float())
-    return out.reshape(*batch, num_q, num_heads, head_dim)
+    """q: (B, nh, Q, hs) for Q queries, k/v: (B, nkv, L, hs), mask: (B, 1, Q, L), True where a
+    query sees a key -> (B, nh, Q, hs). Query heads share key heads in groups (GQA)."""
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
 
 
 def prefill_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """Causal attention of each sequence's new queries over its whole cached context."""
     out = torch.empty_like(q)
-    cu_seqlens_q = meta.cu_seqlens_q.tolist()
+    bounds, block_size = meta.cu_seqlens_q.tolist(), k_cache.shape[1]
     for i, context_len in enumerate(meta.context_lens.tolist()):
-        start, end = cu_seqlens_q[i], cu_seqlens_q[i + 1]
-        k = _gather_context(k_cache, meta.block_tables[i], context_len)
-        v = _gather_context(v_cache, meta.block_tables[i], context_len)
+        start, end = bounds[i], bounds[i + 1]
+        blocks = meta.block_tables[i:i + 1, :-(-context_len // block_size)]
+        k, v = _gather_blocks(k_cache, blocks), _gather_blocks(v_cache, blocks)
         q_pos = torch.arange(context_len - (end - start), context_len, device=q.device)
-        mask = torch.arange(context_len, device=q.device)[None, :] <= q_pos[:, None]
-        out[start:end] = _attend(q[start:end], k, v, mask, scale).to(q.dtype)
+        mask = torch.arange(k.shape[2], device=q.device)[None, :] <= q_pos[:, None]   # (Q, L)
+        out[start:end] = _attend(q[start:end].transpose(0, 1)[None], k, v, mask, scale)[0].transpose(0, 1)
     return out
 
 
 def decode_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """One query per sequence over its cached context, the batch padded to the longest."""
-    block_size = k_cache.shape[1]
-    length = meta.max_seqlen_k
-    pos = torch.arange(length, device=q.device)
-    block_ids = meta.block_tables[:, pos // block_size].long().clamp(min=0)
-    slots = block_ids * block_size + pos % block_size                 # (B, L)
-    k = k_cache.view(-1, *k_cache.shape[2:])[slots]                   # (B, L, nkv, hs)
-    v = v_cache.view(-1, *v_cache.shape[2:])[slots]
-    mask = (pos[None, :] < meta.context_lens[:, None]).unsqueeze(1)   # (B, 1, L)
-    return _attend(q.unsqueeze(1), k, v, mask, scale).squeeze(1).to(q.dtype)
+    k, v = _gather_blocks(k_cache, meta.block_tables), _gather_blocks(v_cache, meta.block_tables)
+    mask = torch.arange(k.shape[2], device=q.device)[None, :] < meta.context_lens[:, None]  # (B, L)
+    return _attend(q.unsqueeze(2), k, v, mask[:, None, None, :], scale).squeeze(2)
 
 
 def prefill_flash(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:

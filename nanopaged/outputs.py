@@ -59,21 +59,19 @@ class RequestOutput:
 class Detokenizer:
     """The text of one completion, decoded as its tokens come and cut at the first stop string.
 
-    Each update decodes a short window only: the tokens since the last whole character, after a
-    few tokens of context (some tokenizers decode a token differently at the start of a text).
-    A character split across tokens waits for its last byte, so the text grows by whole
-    characters, and the growth concatenates to the final text. While stop strings may still
-    match, the text shown holds back their length less one character.
+    Each update decodes a short window only: the tokens since the last whole character, after
+    the tokens read before them (a tokenizer may decode a token differently at the start of a
+    text). A character split across tokens waits for its last byte, so the text grows by whole
+    characters, and the growth concatenates to the final text, `tokenizer.decode` of the
+    completion. While stop strings may still match, the text shown holds back their length
+    less one character.
     """
-    CONTEXT_TOKENS = 4
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, prompt_token_ids: list[int],
-                 params: SamplingParams):
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, params: SamplingParams):
         self.tokenizer = tokenizer
         self.params = params
-        self.token_ids = prompt_token_ids[-self.CONTEXT_TOKENS:]
-        self.prefix_offset, self.read_offset = 0, len(self.token_ids)
-        self.num_read = 0  # completion tokens read so far
+        self.token_ids: list[int] = []  # the completion's, less a stop token left out of the text
+        self.prefix_offset = self.read_offset = 0
         self.text = ""
         self.stopped = False
         longest = max((len(s) for s in params.stop_strings), default=0)
@@ -81,8 +79,7 @@ class Detokenizer:
 
     def update(self, seq: Sequence) -> str | None:
         """Reads the tokens `seq` added since the last call; returns the stop string found, if any."""
-        new = seq.completion_token_ids[self.num_read:]
-        self.num_read += len(new)
+        new = seq.completion_token_ids[len(self.token_ids):]
         stopped_by_token = seq.finish_reason == "stop" and not isinstance(seq.stop_reason, str)
         if new and stopped_by_token and not self.params.include_stop_str_in_output:
             new = new[:-1]
@@ -127,7 +124,7 @@ class Request:
         self.seqs = seqs
         self.tokenizer = tokenizer
         self.metrics = RequestMetrics(arrival_time=time.perf_counter())
-        self.detokenizers = [Detokenizer(tokenizer, prompt_token_ids, params) for _ in seqs]
+        self.detokenizers = [Detokenizer(tokenizer, params) for _ in seqs]
         self.logprobs: list[list[dict[int, Logprob]]] = [[] for _ in seqs]
         self.cumulative_logprobs = [0.0] * len(seqs)
 

@@ -8,12 +8,15 @@ from nanopaged.sequence import Sequence
 
 
 @cuda_compiled
-def sample(logits: torch.Tensor, temperatures: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
-    """argmax(softmax(logits / T) / noise) per row, or argmax(logits) where T is 0."""
+def sample(logits: torch.Tensor, temperatures: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """Per row, the first token whose cumulative probability under softmax(logits / T) exceeds
+    `uniform` (in [0, 1)), or argmax(logits) where T is 0."""
     logits = logits.float()
     shifted = logits - logits.amax(dim=-1, keepdim=True)  # <= 0, so a tiny T cannot overflow
     probs = torch.softmax(shifted / torch.where(temperatures > 0, temperatures, 1.0).unsqueeze(1), dim=-1)
-    return torch.where(temperatures > 0, (probs / noise).argmax(dim=-1), logits.argmax(dim=-1))
+    cdf = probs.cumsum(dim=-1)
+    sampled = torch.searchsorted(cdf, uniform.unsqueeze(1) * cdf[:, -1:], right=True).squeeze(1)
+    return torch.where(temperatures > 0, sampled.clamp(max=logits.shape[-1] - 1), logits.argmax(dim=-1))
 
 
 @dataclass
@@ -28,10 +31,11 @@ class TokenLogprobs:
 class Sampler:
     """Samples one token per row of logits, each row with its own sequence's settings.
 
-    Sampling uses the exponential race: argmax(p / E) with E ~ Exp(1) draws from p. A seeded
-    request draws its noise from its own generator (one per sample), so its samples do not
-    depend on what else shares the batch. Until a sequence has `min_tokens` tokens, the tokens
-    that would stop it cannot be sampled.
+    Sampling inverts the cumulative distribution at one uniform number per row (a vocabulary's
+    worth of random noise per row would cost more than the rest of a CPU step). A seeded request
+    draws its number from its own generator (one per sample), so its samples do not depend on
+    what else shares the batch. Until a sequence has `min_tokens` tokens, the tokens that would
+    stop it cannot be sampled.
     """
 
     def __init__(self, device: torch.device):
@@ -55,11 +59,11 @@ class Sampler:
                 logits = self._top_k_top_p(shifted / torch.where(temperatures > 0, temperatures, 1.0)
                                            .unsqueeze(1), params)
                 temperatures = (temperatures > 0).float()
-            noise = torch.empty(logits.shape, device=self.device).exponential_()
+            uniform = torch.rand(len(seqs), device=self.device)
             for i, seq in enumerate(seqs):
                 if seq.sampling_params.seed is not None:
-                    noise[i].exponential_(generator=self._generator(seq))
-            tokens = sample(logits, temperatures, noise)
+                    uniform[i] = torch.rand(1, device=self.device, generator=self._generator(seq))[0]
+            tokens = sample(logits, temperatures, uniform)
         return tokens, self._logprobs(raw_logits, tokens, seqs)
 
     def _mask_stop_tokens(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
