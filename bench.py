@@ -2,6 +2,7 @@
 
     python bench.py                                   # nano-vllm's workload, Qwen3-0.6B shape
     python bench.py --engines nanopaged,hf,hf-static,nano-vllm,vllm --out bench.json --plot bench.png
+    python bench.py --cpu                             # a small model on a CPU, beside transformers
     python bench.py --prefix-len 512                  # every prompt shares 512 leading tokens
     python bench.py --steps                           # decode step time per batch, prefill tok/s
     python bench.py --host                            # host time per decode step (no GPU needed)
@@ -10,7 +11,8 @@
 Every engine runs in its own process on the same workload, after a warm-up outside the timed
 region. The physical floor is the time a perfect engine needs to move the bytes the workload
 must move (weights once per decode step, each cached K/V once per generated token) at the
-bandwidth measured here.
+bandwidth measured here, or to do its arithmetic at the matmul rate measured here in the
+model's dtype, whichever is longer. A preset (--cpu, --tiny) only sets defaults: flags win.
 """
 import argparse
 import importlib.util
@@ -24,8 +26,34 @@ from dataclasses import dataclass
 
 import torch
 
+from nanopaged.random_checkpoint import TINY_QWEN3
+
 CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "nanopaged")
 ENGINES = ("nanopaged", "hf", "hf-static", "nano-vllm", "vllm")
+# Qwen3-0.6B's published shape, for benchmarks with random weights.
+QWEN3_0_6B = dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_size=1024,
+                  intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+                  num_key_value_heads=8, head_dim=128, vocab_size=151936,
+                  max_position_embeddings=40960, rms_norm_eps=1e-6, tie_word_embeddings=True,
+                  rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
+# A small model for CPUs: 4 layers of width 256, a 32k vocabulary.
+CPU_QWEN3 = dict(TINY_QWEN3, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=64, vocab_size=32000,
+                 max_position_embeddings=4096)
+# name: (checkpoint, its shape and dtype, default flags)
+PRESETS = {
+    "default": ("random-qwen3-0.6b", QWEN3_0_6B, torch.bfloat16, dict(
+        engines="nanopaged,nano-vllm", num_requests=256, prompt_len=[100, 1024],
+        output_len=[100, 1024], max_model_len=4096, batch_sizes=[1, 64, 256], context=1000,
+        prefill_seqs=16)),
+    "cpu": ("random-cpu-qwen3", CPU_QWEN3, torch.float32, dict(
+        engines="nanopaged,hf-static,hf", num_requests=48, prompt_len=[64, 512],
+        output_len=[32, 256], max_model_len=1024, batch_sizes=[1, 16, 48], context=512,
+        prefill_seqs=4)),
+    "tiny": ("random-tiny-qwen3", TINY_QWEN3, torch.float32, dict(
+        engines="nanopaged,nano-vllm", num_requests=8, prompt_len=[8, 64], output_len=[8, 32],
+        max_model_len=512, batch_sizes=[1, 4], context=64, prefill_seqs=2)),
+}
 
 
 @dataclass
@@ -109,6 +137,7 @@ def _hf_model(model: str, args):
 def run_hf(model: str, work: Workload, args) -> dict:
     """transformers' continuous batching (paged attention), one request per prompt."""
     from transformers import GenerationConfig
+    os.environ["HF_HUB_OFFLINE"] = "1"  # else transformers may look for attention kernels online
     hf = _hf_model(model, args)
     hf.set_attn_implementation(args.hf_attn)
     config = GenerationConfig(do_sample=work.temperature > 0, temperature=work.temperature,
@@ -215,19 +244,28 @@ def model_shape(model: str) -> dict:
                 attention_flops_per_pair=4 * c.num_hidden_layers * c.num_attention_heads * head_dim)
 
 
-def measure_device() -> dict:
-    """Copy bandwidth (bytes read + written) and bf16 matmul rate, measured here."""
+def engine_dtype(model: str) -> torch.dtype:
+    """The dtype nanopaged (and the transformers peers) run the model in here."""
+    if not torch.cuda.is_available():
+        return torch.float32
+    from transformers import AutoConfig
+    return getattr(AutoConfig.from_pretrained(model), "dtype", None) or torch.bfloat16
+
+
+def measure_device(dtype: torch.dtype) -> dict:
+    """Copy bandwidth (bytes read + written) and the matmul rate in `dtype`, measured here."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     n = 1 << 28 if device == "cuda" else 1 << 24
     src = torch.randn(n, device=device)
     dst = torch.empty_like(src)
     copy_time = best_time(lambda: dst.copy_(src))
-    size = 8192 if device == "cuda" else 512
-    a = torch.randn(size, size, device=device, dtype=torch.bfloat16)
-    b = torch.randn(size, size, device=device, dtype=torch.bfloat16)
+    size = 8192 if device == "cuda" else 1024
+    a = torch.randn(size, size, device=device, dtype=dtype)
+    b = torch.randn(size, size, device=device, dtype=dtype)
     mm_time = best_time(lambda: a @ b)
     name = torch.cuda.get_device_name() if device == "cuda" else "CPU"
-    return dict(device=name, bandwidth=2 * src.nbytes / copy_time, flops=2 * size ** 3 / mm_time)
+    return dict(device=name, dtype=str(dtype).removeprefix("torch."),
+                bandwidth=2 * src.nbytes / copy_time, flops=2 * size ** 3 / mm_time)
 
 
 def best_time(fn, repeat: int = 10) -> float:
@@ -242,7 +280,7 @@ def best_time(fn, repeat: int = 10) -> float:
 def physical_floor(shape: dict, work: Workload, device: dict, dtype_bytes: int) -> dict:
     """The least time any engine needs: every decode step reads the weights once (all requests
     decode together, so there are max(output_len) steps), and each generated token reads the
-    K/V of its whole context once."""
+    K/V of its whole context once; or the arithmetic, at the measured matmul rate."""
     weight_bytes = shape["params"] * dtype_bytes * max(work.output_lens)
     context_pairs = sum(len(p) * n + n * (n - 1) // 2 for p, n in zip(work.prompts, work.output_lens))
     kv_bytes = context_pairs * shape["kv_elements_per_token"] * dtype_bytes
@@ -252,60 +290,84 @@ def physical_floor(shape: dict, work: Workload, device: dict, dtype_bytes: int) 
     return dict(weight_bytes=weight_bytes, kv_bytes=kv_bytes, flops=flops, seconds=seconds)
 
 
+def share_of_floor(floor_seconds: float, seconds: float) -> str:
+    """How close a measured time is to its floor. A floor cannot be beaten: a time under it
+    means the floor's model of the work (or of the device) is wrong, and says so."""
+    if seconds < floor_seconds:
+        return "under the floor: the floor model is wrong here"
+    return f"{100 * floor_seconds / seconds:.0f}% of the floor"
+
+
 # ---- decode steps and prefill, one backend at a time ----
 
 def step_times(model: str, args) -> list[dict]:
     """Decode step time at several batch sizes with `--context`-token contexts, and prefill tok/s,
-    each against the bytes the step must move at the measured bandwidth."""
+    each against its floor: the bytes a decode step must move, the arithmetic of a prefill."""
     from nanopaged import LLM
     from nanopaged.config import flash_attn_available
-    device = measure_device()
+    dtype = engine_dtype(model)
+    device = measure_device(dtype)
     shape = model_shape(model)
     on_gpu = torch.cuda.is_available()
     backends = args.backends.split(",") if args.backends else (
         ["torch"] + (["triton"] if on_gpu else []) + (["flash"] if on_gpu and flash_attn_available() else []))
     rows = []
     for backend in backends:
+        # room for the largest batch at full context, and for the prefill step in one go
         llm = LLM(model, attention_backend=backend, max_num_seqs=max(args.batch_sizes),
-                  max_model_len=max(args.context + 16, 2048), enforce_eager=args.enforce_eager)
-        runner, manager = llm.model_runner, llm.block_manager
-        runner.kv_cache.normal_()  # never time on zeros
-        dtype_bytes = runner.kv_cache.element_size()
+                  max_model_len=args.context + 64, enforce_eager=args.enforce_eager,
+                  max_num_batched_tokens=max(args.prefill_seqs * args.context, max(args.batch_sizes)))
+        dtype_bytes = llm.config.dtype.itemsize
         for batch in args.batch_sizes:
-            seqs = _allocated_sequences(llm, batch, args.context)
-            seconds = best_time(lambda: runner.run(seqs, False), repeat=20)
-            moved = shape["params"] * dtype_bytes + batch * args.context * shape["kv_elements_per_token"] * dtype_bytes
+            seconds = _decode_step_time(llm, batch, args.context)
+            moved = (shape["params"] + batch * args.context * shape["kv_elements_per_token"]) * dtype_bytes
             rows.append(dict(backend=backend, kind=f"decode b={batch}", ms=seconds * 1e3,
                              floor_ms=moved / device["bandwidth"] * 1e3))
-            for seq in seqs:
-                manager.deallocate(seq)
-        seqs = _allocated_sequences(llm, args.prefill_seqs, args.context, prefill=True)
-        seconds = best_time(lambda: runner.run(seqs, True), repeat=5)
+        seconds = _prefill_step_time(llm, args.prefill_seqs, args.context)
         tokens = args.prefill_seqs * args.context
         flops = 2 * shape["params"] * tokens + shape["attention_flops_per_pair"] * args.prefill_seqs * args.context ** 2 // 2
         rows.append(dict(backend=backend, kind=f"prefill {tokens} tok", ms=seconds * 1e3,
                          floor_ms=flops / device["flops"] * 1e3, tok_per_s=tokens / seconds))
-        for seq in seqs:
-            manager.deallocate(seq)
-        del llm, runner
-        torch.cuda.empty_cache() if torch.cuda.is_available() else None
+        llm.close()
+        del llm
+        torch.cuda.empty_cache() if on_gpu else None
     return rows
 
 
-def _allocated_sequences(llm, count: int, context: int, prefill: bool = False):
+def _random_requests(llm, count: int, context: int, seed: int) -> list[str]:
     from nanopaged import SamplingParams
-    from nanopaged.sequence import Sequence
-    g = torch.Generator().manual_seed(count)
-    seqs = []
-    for _ in range(count):
-        seq = Sequence(torch.randint(0, min(10000, llm.config.hf_config.vocab_size), (context,),
-                                     generator=g).tolist(),
-                       SamplingParams(temperature=0.6), llm.config.kvcache_block_size)
-        llm.block_manager.allocate(seq)
-        seq.num_computed_tokens = 0 if prefill else context - 1
-        seq.num_scheduled_tokens = context if prefill else 1
-        seqs.append(seq)
-    return seqs
+    g = torch.Generator().manual_seed(seed)
+    params = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=64)
+    top = min(10000, llm.config.hf_config.vocab_size)
+    return [llm.add_request(torch.randint(0, top, (context,), generator=g).tolist(), params)
+            for _ in range(count)]
+
+
+def _decode_step_time(llm, batch: int, context: int) -> float:
+    """The same decode step of `batch` sequences, timed again and again (it rewrites the same
+    cache slots); the prompts are prefilled first, untimed."""
+    request_ids = _random_requests(llm, batch, context, seed=batch)
+    while llm.scheduler.waiting:
+        llm.step()
+    seqs, is_prefill = llm.scheduler.schedule()
+    assert not is_prefill and len(seqs) == batch
+    seconds = best_time(lambda: llm.model_runner.run(seqs, False), repeat=20)
+    llm.block_manager.commit()
+    for request_id in request_ids:
+        llm.abort(request_id)
+    return seconds
+
+
+def _prefill_step_time(llm, count: int, context: int) -> float:
+    """One step prefilling `count` new prompts (new each time: no prefix-cache hits)."""
+    times = []
+    for seed in range(6):
+        request_ids = _random_requests(llm, count, context, seed=1000 + seed)
+        elapsed, _ = timed(llm.step)
+        times.append(elapsed)
+        for request_id in request_ids:
+            llm.abort(request_id)
+    return statistics.median(times[1:])
 
 
 # ---- host work per step ----
@@ -341,53 +403,58 @@ def host_times(model: str, args) -> list[dict]:
 # ---- the command line ----
 
 def resolve_model(args) -> str:
+    """--model, or the preset's random-weight checkpoint (written on first use)."""
     if args.model:
         return args.model
-    from nanopaged.random_checkpoint import QWEN3_0_6B, TINY_QWEN3, write_random_checkpoint
-    tiny = args.tiny or args.host  # host work does not depend on the model's size
-    name, shape = ("random-tiny-qwen3", TINY_QWEN3) if tiny else ("random-qwen3-0.6b", QWEN3_0_6B)
+    from nanopaged.random_checkpoint import write_random_checkpoint
+    name, shape, dtype, _ = PRESETS[args.preset]
     path = os.path.join(CACHE_DIR, name)
     if not os.path.exists(os.path.join(path, "model.safetensors")):
         print(f"writing a random-weight {name} checkpoint to {path}", file=sys.stderr)
-        write_random_checkpoint(path, shape, dtype=torch.float32 if tiny else torch.bfloat16)
+        write_random_checkpoint(path, shape, dtype=dtype)
     return path
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", help="local checkpoint (default: random weights, Qwen3-0.6B shape)")
-    p.add_argument("--engines", default="nanopaged,nano-vllm",
-                   help=f"comma-separated, from {', '.join(ENGINES)}; nanopaged:BACKEND picks an "
-                        f"attention backend (torch, triton, flash)")
-    p.add_argument("--num-requests", type=int, default=256)
-    p.add_argument("--prompt-len", type=int, nargs=2, default=[100, 1024], metavar=("MIN", "MAX"))
-    p.add_argument("--output-len", type=int, nargs=2, default=[100, 1024], metavar=("MIN", "MAX"))
+    p.add_argument("--model", help="local checkpoint (default: the preset's random weights)")
+    p.add_argument("--engines", help=f"comma-separated, from {', '.join(ENGINES)}; nanopaged:BACKEND "
+                                     f"picks an attention backend (torch, triton, flash)")
+    p.add_argument("--num-requests", type=int)
+    p.add_argument("--prompt-len", type=int, nargs=2, metavar=("MIN", "MAX"))
+    p.add_argument("--output-len", type=int, nargs=2, metavar=("MIN", "MAX"))
     p.add_argument("--prefix-len", type=int, default=0, help="tokens every prompt starts with")
     p.add_argument("--temperature", type=float, default=0.6)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--max-model-len", type=int)
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="ranks for nanopaged, nano-vllm and vllm (one GPU each)")
-    p.add_argument("--hf-attn", default="paged|sdpa", help="attention for the hf engine")
+    p.add_argument("--hf-attn", default="sdpa", help="attention for the hf engine")
     p.add_argument("--hf-batch-size", type=int, default=64, help="batch of the hf-static engine")
     p.add_argument("--timeout", type=float, default=1800, help="seconds per engine")
-    p.add_argument("--tiny", action="store_true", help="a seconds-long run on CPU")
+    presets = p.add_mutually_exclusive_group()
+    presets.add_argument("--cpu", action="store_true", help="preset: a 4-layer d=256 model on a CPU, "
+                         "48 requests, beside hf-static and hf")
+    presets.add_argument("--tiny", action="store_true", help="preset: a seconds-long run on CPU")
     p.add_argument("--steps", action="store_true", help="time decode steps and prefill instead")
     p.add_argument("--host", action="store_true", help="time the host's work per decode step")
     p.add_argument("--backends", help="with --steps: comma-separated (default: all available)")
-    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 64, 256])
-    p.add_argument("--context", type=int, default=1000)
-    p.add_argument("--prefill-seqs", type=int, default=16)
+    p.add_argument("--batch-sizes", type=int, nargs="+")
+    p.add_argument("--context", type=int)
+    p.add_argument("--prefill-seqs", type=int)
     p.add_argument("--out", help="write the results as JSON here")
     p.add_argument("--plot", help="write a PNG of the results here (needs matplotlib)")
     args = p.parse_args(argv)
-    if args.tiny:
-        args.num_requests, args.prompt_len, args.output_len = 8, [8, 64], [8, 32]
-        args.batch_sizes, args.context, args.prefill_seqs = [1, 4], 64, 2
-        args.max_model_len = min(args.max_model_len, 512)
+    # host work does not depend on the model's size
+    args.preset = "cpu" if args.cpu else "tiny" if args.tiny or args.host else "default"
+    for name, value in PRESETS[args.preset][3].items():
+        if getattr(args, name) is None:  # flags given win over the preset
+            setattr(args, name, value)
     if args.plot and args.host:
         p.error("--plot draws throughput or --steps results, not --host")
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
+        p.error(f"--plot needs matplotlib: pip install -e \".[bench]\"")
     unknown = {e.partition(":")[0] for e in args.engines.split(",")} - set(ENGINES)
     if unknown:
         p.error(f"unknown engines {sorted(unknown)}; choose from {', '.join(ENGINES)}")
@@ -405,10 +472,10 @@ def main(argv=None) -> dict:
         result = dict(host=rows)
     elif args.steps:
         rows = step_times(model, args)
-        print(f"{'backend':8} {'step':24} {'ms':>9} {'floor ms':>9} {'% of floor':>10}")
+        print(f"{'backend':8} {'step':24} {'ms':>9} {'floor ms':>9}  share")
         for r in rows:
-            print(f"{r['backend']:8} {r['kind']:24} {r['ms']:9.3f} {r['floor_ms']:9.3f} "
-                  f"{100 * r['floor_ms'] / r['ms']:9.1f}%"
+            print(f"{r['backend']:8} {r['kind']:24} {r['ms']:9.3f} {r['floor_ms']:9.3f}  "
+                  f"{share_of_floor(r['floor_ms'], r['ms'])}"
                   + (f"  {r['tok_per_s']:,.0f} tok/s" if "tok_per_s" in r else ""))
         result = dict(steps=rows)
     else:
@@ -424,9 +491,9 @@ def main(argv=None) -> dict:
 def run_throughput(model: str, args) -> dict:
     shape = model_shape(model)
     work = make_workload(args, shape["vocab_size"])
-    device = measure_device()
-    dtype_bytes = 4 if args.tiny else 2
-    floor = physical_floor(shape, work, device, dtype_bytes)
+    dtype = engine_dtype(model)
+    device = measure_device(dtype)
+    floor = physical_floor(shape, work, device, dtype.itemsize)
     results = {}
     for engine in args.engines.split(","):
         print(f"running {engine} ...", file=sys.stderr)
@@ -435,25 +502,26 @@ def run_throughput(model: str, args) -> dict:
     nanopaged = [r for e, r in results.items() if e.startswith("nanopaged") and "elapsed" in r]
     base = nanopaged[0]["elapsed"] if nanopaged else None
     print(f"\n{len(work.prompts)} requests, {prompt_tokens} prompt + {sum(work.output_lens)} output tokens "
-          f"on {device['device']} ({device['bandwidth'] / 1e12:.2f} TB/s copy, "
-          f"{device['flops'] / 1e12:.0f} TFLOP/s bf16 measured)")
-    print(f"{'engine':10} {'time s':>8} {'out tok/s':>10} {'total tok/s':>11} {'vs nanopaged':>12}")
+          f"on {device['device']} ({device['bandwidth'] / 1e9:,.0f} GB/s copy, "
+          f"{device['flops'] / 1e12:,.2f} TFLOP/s {device['dtype']} matmul, measured)")
+    print(f"{'engine':18} {'time s':>8} {'out tok/s':>10} {'total tok/s':>11} {'vs nanopaged':>12}  floor")
     for engine, r in results.items():
         if "elapsed" not in r:
-            print(f"{engine:10} {r.get('skipped') or r.get('error')}")
+            print(f"{engine:18} {r.get('skipped') or r.get('error')}")
             continue
         r["output_tok_per_s"] = r["output_tokens"] / r["elapsed"]
         r["total_tok_per_s"] = (r["output_tokens"] + prompt_tokens) / r["elapsed"]
+        r["share_of_floor"] = share_of_floor(floor["seconds"], r["elapsed"])
         ratio = f"{base / r['elapsed']:.2f}x" if base else "-"
-        print(f"{engine:10} {r['elapsed']:8.2f} {r['output_tok_per_s']:10,.0f} {r['total_tok_per_s']:11,.0f} {ratio:>12}")
+        print(f"{engine:18} {r['elapsed']:8.2f} {r['output_tok_per_s']:10,.0f} "
+              f"{r['total_tok_per_s']:11,.0f} {ratio:>12}  {r['share_of_floor']}")
     for nano in nanopaged:
         print(f"\nnanopaged ({nano['backend']}): TTFT median {nano['ttft_median']:.3f} s, p99 {nano['ttft_p99']:.3f} s; "
               f"TPOT median {1e3 * nano['tpot_median']:.2f} ms, p99 {1e3 * nano['tpot_p99']:.2f} ms; "
               f"prefix-cache hits {100 * nano['prefix_hit_rate']:.1f}%; {nano['preemptions']} preemptions; "
               f"{nano['kv_blocks']} KV blocks")
-        print(f"physical floor {floor['seconds']:.2f} s ({floor['weight_bytes'] / 1e12:.2f} TB weights + "
-              f"{floor['kv_bytes'] / 1e12:.2f} TB KV reads, {floor['flops'] / 1e15:.2f} PFLOP): nanopaged "
-              f"runs at {100 * floor['seconds'] / nano['elapsed']:.0f}% of it")
+    print(f"physical floor {floor['seconds']:.2f} s ({floor['weight_bytes'] / 1e9:,.1f} GB weights + "
+          f"{floor['kv_bytes'] / 1e9:,.1f} GB KV reads, {floor['flops'] / 1e12:,.1f} TFLOP)")
     return dict(device=device, workload=dict(num_requests=len(work.prompts), prompt_tokens=prompt_tokens,
                                              output_tokens=sum(work.output_lens), prefix_len=args.prefix_len),
                 floor=floor, engines=results)

@@ -20,13 +20,6 @@ blocks runs out, the newest sequence is preempted and recomputed later. Introduc
 List all prime numbers within 100. Write a short poem about the sea. Explain how a hash chain
 identifies a prefix of tokens."""
 
-# Qwen3-0.6B's published shape, for benchmarks with random weights.
-QWEN3_0_6B = dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_size=1024,
-                  intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
-                  num_key_value_heads=8, head_dim=128, vocab_size=151936,
-                  max_position_embeddings=40960, rms_norm_eps=1e-6, tie_word_embeddings=True,
-                  rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
-
 # A model small enough to run anywhere in seconds.
 TINY_QWEN3 = dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_size=64,
                   intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

@@ -1,5 +1,6 @@
-"""bench.py runs end to end on CPU (a smoke test: no timing is asserted)."""
+"""bench.py runs end to end on CPU and its flags do what they say (no timing is asserted)."""
 import importlib
+import importlib.util
 import json
 import os
 import sys
@@ -24,8 +25,31 @@ def test_throughput_with_peers(bench, qwen3_path, tmp_path):
     assert nano["prefix_hit_rate"] > 0 and nano["kv_blocks"] > 0
     assert result["engines"]["hf-static"]["output_tokens"] == result["workload"]["output_tokens"]
     assert "elapsed" in result["engines"]["nano-vllm"] or "skipped" in result["engines"]["nano-vllm"]
-    assert result["floor"]["seconds"] > 0
+    assert result["floor"]["seconds"] > 0 and result["device"]["dtype"] == "float32"
     assert (tmp_path / "bench.png").stat().st_size > 0
+
+
+def test_a_preset_sets_defaults_and_flags_win(bench):
+    args = bench.parse_args(["--tiny", "--num-requests", "3", "--prompt-len", "5", "6"])
+    assert (args.num_requests, args.prompt_len, args.output_len) == (3, [5, 6], [8, 32])
+    args = bench.parse_args(["--cpu", "--output-len", "1", "2"])
+    assert (args.num_requests, args.prompt_len, args.output_len) == (48, [64, 512], [1, 2])
+    assert args.engines == "nanopaged,hf-static,hf" and args.preset == "cpu"
+    assert bench.parse_args([]).num_requests == 256
+
+
+def test_plot_without_matplotlib_says_how_to_get_it(bench, monkeypatch, capsys):
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "matplotlib" else find_spec(name, *a))
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--tiny", "--plot", "x.png"])
+    assert 'pip install -e ".[bench]"' in capsys.readouterr().err
+
+
+def test_a_time_under_the_floor_is_never_a_share_above_100_percent(bench):
+    assert bench.share_of_floor(1.0, 2.0) == "50% of the floor"
+    assert bench.share_of_floor(2.0, 1.0) == "under the floor: the floor model is wrong here"
 
 
 def test_step_times(bench, qwen3_path, tmp_path):
@@ -35,6 +59,12 @@ def test_step_times(bench, qwen3_path, tmp_path):
     assert kinds == ["decode b=1", "decode b=4", "prefill 128 tok"]
     assert all(row["ms"] > 0 and row["floor_ms"] > 0 for row in result["steps"])
     assert (tmp_path / "steps.png").stat().st_size > 0
+
+
+def test_step_times_fit_a_cpu_pool_at_a_larger_batch(bench, qwen3_path):
+    result = bench.main(["--tiny", "--model", qwen3_path, "--steps", "--backends", "torch",
+                         "--batch-sizes", "32", "--context", "300", "--prefill-seqs", "3"])
+    assert [row["kind"] for row in result["steps"]] == ["decode b=32", "prefill 900 tok"]
 
 
 def test_host_times(bench, qwen3_path):
