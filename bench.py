@@ -7,19 +7,30 @@
     python bench.py --steps                           # decode step time per batch, prefill tok/s
     python bench.py --host                            # host time per decode step (no GPU needed)
     python bench.py --tiny                            # a seconds-long run on CPU
+    python bench.py --serve                           # the server at several request rates,
+                                                      # prefill-first beside mixed scheduling
+    python bench.py --serve --url http://host:8000/v1 # ... and another OpenAI-compatible server
 
 Every engine runs in its own process on the same workload, after a warm-up outside the timed
 region. The physical floor is the time a perfect engine needs to move the bytes the workload
 must move (weights once per decode step, each cached K/V once per generated token) at the
 bandwidth measured here, or to do its arithmetic at the matmul rate measured here in the
 model's dtype, whichever is longer. A preset (--cpu, --tiny) only sets defaults: flags win.
+
+--serve sends the workload to a server as streamed completions, arriving as a Poisson process
+at each --request-rate, and reports what its users feel, as vLLM's benchmark_serving does:
+time to first token (TTFT), time per output token after it (TPOT), and the inter-token latency
+between streamed chunks (ITL), at the median and the 99th percentile.
 """
 import argparse
+import asyncio
 import importlib.util
 import json
 import multiprocessing
 import os
+import signal
 import statistics
+import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -45,14 +56,14 @@ PRESETS = {
     "default": ("random-qwen3-0.6b", QWEN3_0_6B, torch.bfloat16, dict(
         engines="nanopaged,nano-vllm", num_requests=256, prompt_len=[100, 1024],
         output_len=[100, 1024], max_model_len=4096, batch_sizes=[1, 64, 256], context=1000,
-        prefill_seqs=16)),
+        prefill_seqs=16, request_rate=[8, 16, 24])),
     "cpu": ("random-cpu-qwen3", CPU_QWEN3, torch.float32, dict(
         engines="nanopaged,hf-static,hf", num_requests=48, prompt_len=[64, 512],
         output_len=[32, 256], max_model_len=1024, batch_sizes=[1, 16, 48], context=512,
-        prefill_seqs=4)),
+        prefill_seqs=4, request_rate=[1, 2, 4])),
     "tiny": ("random-tiny-qwen3", TINY_QWEN3, torch.float32, dict(
         engines="nanopaged,nano-vllm", num_requests=8, prompt_len=[8, 64], output_len=[8, 32],
-        max_model_len=512, batch_sizes=[1, 4], context=64, prefill_seqs=2)),
+        max_model_len=512, batch_sizes=[1, 4], context=64, prefill_seqs=2, request_rate=[4, 16])),
 }
 
 
@@ -400,6 +411,107 @@ def host_times(model: str, args) -> list[dict]:
     return rows
 
 
+# ---- serving: requests arriving over time ----
+
+def serve_times(model: str, args) -> dict:
+    """Each of nanopaged's scheduling policies behind its own server, then the --url server, at
+    each request rate, on the same workload and arrival times."""
+    work = make_workload(args, model_shape(model)["vocab_size"])
+    results = {}
+    for policy in ("prefill-first", "mixed"):
+        with NanopagedServer(model, args, policy) as url:
+            results[f"nanopaged {policy}"] = {rate: asyncio.run(send_workload(url, work, rate, args))
+                                              for rate in args.request_rate}
+    if args.url:
+        results[args.url] = {rate: asyncio.run(send_workload(args.url, work, rate, args))
+                             for rate in args.request_rate}
+    return results
+
+
+class NanopagedServer:
+    """`python -m nanopaged.server` in a subprocess, for the length of a `with` block."""
+
+    def __init__(self, model: str, args, policy: str):
+        from nanopaged.config import free_port
+        self.port = free_port()
+        self.command = [sys.executable, "-m", "nanopaged.server", model, "--port", str(self.port),
+                        "--scheduling", policy, "--max-model-len", str(args.max_model_len),
+                        "--max-waiting", str(args.num_requests), "--log-level", "warning"]
+
+    def __enter__(self) -> str:
+        import httpx
+        self.process = subprocess.Popen(self.command, stdout=subprocess.DEVNULL)
+        while True:
+            try:
+                if httpx.get(f"http://127.0.0.1:{self.port}/health").status_code == 200:
+                    return f"http://127.0.0.1:{self.port}/v1"
+            except httpx.HTTPError:
+                if self.process.poll() is not None:
+                    raise RuntimeError(f"the server exited with code {self.process.returncode}")
+                time.sleep(0.5)
+
+    def __exit__(self, *exc_info) -> None:
+        self.process.send_signal(signal.SIGTERM)
+        self.process.wait(timeout=120)
+
+
+async def send_workload(url: str, work: Workload, rate: float, args) -> dict:
+    """Streams every request of the workload, started at Poisson arrival times of `rate` a second."""
+    import httpx
+    async with httpx.AsyncClient(timeout=args.timeout, limits=httpx.Limits(max_connections=None)) as client:
+        model = (await client.get(f"{url}/models")).json()["data"][0]["id"]
+        await stream_completion(client, url, model, work.prompts[0][::-1], 4, work.temperature)  # warm-up
+        gaps = torch.empty(len(work.prompts)).exponential_(generator=torch.Generator().manual_seed(args.seed))
+        start = time.perf_counter()
+        async def request_at(delay, prompt, max_tokens):
+            await asyncio.sleep(delay)
+            return await stream_completion(client, url, model, prompt, max_tokens, work.temperature)
+        arrivals = (gaps / rate).cumsum(0).tolist()
+        records = await asyncio.gather(*(request_at(a, p, n) for a, p, n in
+                                         zip(arrivals, work.prompts, work.output_lens)))
+        duration = time.perf_counter() - start
+    ttft = [r["ttft"] for r in records]
+    tpot = [(r["latency"] - r["ttft"]) / (r["tokens"] - 1) for r in records if r["tokens"] > 1]
+    itl = [gap for r in records for gap in r["itl"]]
+    output_tokens = sum(r["tokens"] for r in records)
+    return dict(request_rate=rate, duration=duration, requests_per_s=len(records) / duration,
+                output_tok_per_s=output_tokens / duration, output_tokens=output_tokens,
+                **{f"{name}_{q}_ms": 1e3 * percentile(values, q) for name, values in
+                   (("ttft", ttft), ("tpot", tpot), ("itl", itl)) for q in (50, 99)})
+
+
+async def stream_completion(client, url: str, model: str, prompt: list[int], max_tokens: int,
+                            temperature: float) -> dict:
+    """One streamed completion: when its chunks came, and how many tokens it had."""
+    body = dict(model=model, prompt=prompt, max_tokens=max_tokens, temperature=temperature,
+                ignore_eos=True, stream=True, stream_options={"include_usage": True})
+    start = time.perf_counter()
+    times, tokens = [], 0
+    async with client.stream("POST", f"{url}/completions", json=body) as response:
+        if response.status_code != 200:
+            raise RuntimeError(f"{url}: HTTP {response.status_code}: {(await response.aread())[:300]!r}")
+        async for line in response.aiter_lines():
+            if not line.startswith("data:") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[5:])
+            if chunk.get("choices"):
+                times.append(time.perf_counter())
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+    return dict(ttft=times[0] - start, latency=times[-1] - start, tokens=tokens,
+                itl=[b - a for a, b in zip(times, times[1:])])
+
+
+def print_serving(results: dict) -> None:
+    print(f"{'server':28} {'req/s in':>8} {'req/s':>6} {'out tok/s':>9} {'TTFT p50':>9} {'p99':>8} "
+          f"{'TPOT p50':>9} {'p99':>7} {'ITL p50':>8} {'p99':>7}  (ms)")
+    for server, rates in results.items():
+        for rate, r in rates.items():
+            print(f"{server[:28]:28} {rate:8g} {r['requests_per_s']:6.2f} {r['output_tok_per_s']:9,.0f} "
+                  f"{r['ttft_50_ms']:9.1f} {r['ttft_99_ms']:8.1f} {r['tpot_50_ms']:9.2f} "
+                  f"{r['tpot_99_ms']:7.2f} {r['itl_50_ms']:8.2f} {r['itl_99_ms']:7.2f}")
+
+
 # ---- the command line ----
 
 def resolve_model(args) -> str:
@@ -439,6 +551,9 @@ def parse_args(argv=None):
     presets.add_argument("--tiny", action="store_true", help="preset: a seconds-long run on CPU")
     p.add_argument("--steps", action="store_true", help="time decode steps and prefill instead")
     p.add_argument("--host", action="store_true", help="time the host's work per decode step")
+    p.add_argument("--serve", action="store_true", help="time a server under requests that arrive over time")
+    p.add_argument("--request-rate", type=float, nargs="+", help="with --serve: requests a second")
+    p.add_argument("--url", help="with --serve: another OpenAI-compatible server, e.g. http://host:8000/v1")
     p.add_argument("--backends", help="with --steps: comma-separated (default: all available)")
     p.add_argument("--batch-sizes", type=int, nargs="+")
     p.add_argument("--context", type=int)
@@ -451,6 +566,8 @@ def parse_args(argv=None):
     for name, value in PRESETS[args.preset][3].items():
         if getattr(args, name) is None:  # flags given win over the preset
             setattr(args, name, value)
+    if args.serve and importlib.util.find_spec("httpx") is None:
+        p.error(f"--serve needs httpx: pip install -e \".[bench]\"")
     if args.plot and args.host:
         p.error("--plot draws throughput or --steps results, not --host")
     if args.plot and importlib.util.find_spec("matplotlib") is None:
@@ -470,6 +587,9 @@ def main(argv=None) -> dict:
         for r in rows:
             print(f"{r['kind']:28} {r['ms']:7.3f}")
         result = dict(host=rows)
+    elif args.serve:
+        result = dict(serving=serve_times(model, args))
+        print_serving(result["serving"])
     elif args.steps:
         rows = step_times(model, args)
         print(f"{'backend':8} {'step':24} {'ms':>9} {'floor ms':>9}  share")
@@ -531,7 +651,15 @@ def plot(result: dict, path: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    if "steps" in result:
+    if "serving" in result:
+        fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+        for server, rates in result["serving"].items():
+            for ax, key in zip(axes, ("ttft_99_ms", "itl_99_ms")):
+                ax.plot(list(rates), [r[key] for r in rates.values()], marker="o", label=server)
+        for ax, title in zip(axes, ("TTFT p99", "inter-token latency p99")):
+            ax.set(xlabel="request rate (req/s)", ylabel="ms", title=title)
+            ax.legend()
+    elif "steps" in result:
         decode = [r for r in result["steps"] if r["kind"].startswith("decode")]
         fig, ax = plt.subplots(figsize=(6, 4))
         for backend in sorted({r["backend"] for r in decode}):

@@ -9,6 +9,7 @@ import datetime
 import multiprocessing as mp
 import multiprocessing.connection
 import os
+import signal
 import sys
 import time
 import traceback
@@ -56,6 +57,7 @@ def start_workers(config: Config, target: Callable[[Config, int], None]) -> list
 
 def _worker_main(target: Callable[[Config, int], None], config: Config, rank: int,
                  errors: mp.connection.Connection) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is rank 0's to handle: it stops the workers
     try:
         target(config, rank)
     except BaseException:

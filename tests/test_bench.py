@@ -73,3 +73,15 @@ def test_host_times(bench, qwen3_path):
     assert kinds == ["decode b=1 block=16", "decode b=1 block=256",
                      "decode b=4 block=16", "decode b=4 block=256"]
     assert all(row["ms"] > 0 for row in result["host"])
+
+
+def test_serving_compares_both_policies(bench, qwen3_path, tmp_path):
+    result = bench.main(["--tiny", "--model", qwen3_path, "--serve", "--num-requests", "6",
+                         "--request-rate", "8", "--plot", str(tmp_path / "serve.png")])
+    assert list(result["serving"]) == ["nanopaged prefill-first", "nanopaged mixed"]
+    for rates in result["serving"].values():
+        run = rates[8.0]
+        assert run["output_tokens"] == sum(bench.make_workload(bench.parse_args(
+            ["--tiny", "--num-requests", "6"]), 512).output_lens)
+        assert 0 < run["ttft_50_ms"] <= run["ttft_99_ms"] and 0 < run["itl_50_ms"] <= run["itl_99_ms"]
+    assert (tmp_path / "serve.png").stat().st_size > 0

@@ -133,3 +133,27 @@ def test_triton_backend_matches_transformers(qwen3_path, hf_greedy):
     llm = LLM(qwen3_path, max_model_len=512, attention_backend="triton", kvcache_block_size=16)
     outputs = llm.generate(prompts, params, use_tqdm=False)
     assert token_ids(outputs) == hf_greedy(qwen3_path, prompts, params.max_tokens)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_mixed_scheduling_gives_the_tokens_of_prefill_first(backend, qwen3_path, hf_greedy):
+    """Requests arrive while others decode; `mixed` runs their prompt chunks beside the decodes."""
+    if backend == "triton":
+        pytest.importorskip("triton")
+    prompts = random_prompts([70, 9, 45, 30], seed=8)
+    params = SamplingParams(temperature=0, max_tokens=12)
+    llm = LLM(qwen3_path, max_model_len=512, kvcache_block_size=16, attention_backend=backend,
+              scheduling="mixed", max_num_batched_tokens=32)
+    run, step_kinds = llm.model_runner.run, set()
+    def recording_run(seqs, is_prefill, copies=()):
+        step_kinds.add((is_prefill, any(s.num_scheduled_tokens == 1 and s.num_completion_tokens for s in seqs)))
+        return run(seqs, is_prefill, copies)
+    llm.model_runner.run = recording_run
+    ids = [llm.add_request(p, params) for p in prompts[:2]]
+    outputs = {}
+    for step in range(40):
+        if step == 3:  # two more arrive while the first two decode
+            ids += [llm.add_request(p, params) for p in prompts[2:]]
+        outputs.update({o.request_id: o for o in llm.step() if o.finished})
+    assert llm.is_finished() and (True, True) in step_kinds  # a step mixed a prompt and decodes
+    assert [outputs[i].outputs[0].token_ids for i in ids] == hf_greedy(qwen3_path, prompts, 12)

@@ -1,0 +1,204 @@
+"""The OpenAI-compatible server, started on 127.0.0.1 in a subprocess and driven by the official
+`openai` client: the same tokens as `LLM.generate`, requests that arrive while others decode,
+dropped clients, bad requests, and a clean exit."""
+import concurrent.futures
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import psutil
+import pytest
+
+from nanopaged import LLM, SamplingParams
+from nanopaged.config import free_port
+from conftest import random_prompts
+
+openai = pytest.importorskip("openai")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+OPTIONS = ["--max-model-len", "512", "--kvcache-block-size", "16"]
+
+
+class Server:
+    def __init__(self, model: str, *flags: str):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "nanopaged.server", model, "--port", str(self.port),
+             "--served-model-name", "tiny", *flags], cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT),
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + 120
+        while not self.healthy():
+            assert self.process.poll() is None, self.process.stderr.read()[-3000:]
+            assert time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.2)
+        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0)
+
+    def healthy(self) -> bool:
+        try:
+            return httpx.get(self.url + "/health", timeout=1).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def metrics(self) -> dict[str, int]:
+        text = httpx.get(self.url + "/metrics").text
+        return {line.split()[0]: int(line.split()[1]) for line in text.splitlines()}
+
+    def stop(self) -> bool:
+        """SIGTERM; whether the server shut down gracefully (uvicorn then exits by the signal)."""
+        self.process.send_signal(signal.SIGTERM)
+        code = self.process.wait(timeout=60)
+        return code in (0, -signal.SIGTERM) and "Application shutdown complete" in self.process.stderr.read()
+
+
+@pytest.fixture(scope="module", params=["prefill-first", "mixed"])
+def server(request, qwen3_path):
+    server = Server(qwen3_path, *OPTIONS, "--scheduling", request.param, "--max-num-batched-tokens", "64")
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def offline(qwen3_path):
+    llm = LLM(qwen3_path, max_model_len=512, kvcache_block_size=16)
+    def generate(prompt, **params):
+        [output] = llm.generate([prompt], SamplingParams(**params), use_tqdm=False)
+        return [c.text for c in output.outputs], output
+    generate.llm = llm
+    return generate
+
+
+def test_completions_equal_generate(server, offline):
+    prompt = "Paged attention stores the key and value cache"
+    texts, expected = offline(prompt, temperature=0, max_tokens=20, logprobs=0)
+    result = server.client.completions.create(model="tiny", prompt=prompt, max_tokens=20, temperature=0,
+                                              logprobs=0)
+    [choice] = result.choices
+    assert choice.text == texts[0] and choice.finish_reason == expected.outputs[0].finish_reason
+    tokens = expected.outputs[0].token_ids
+    assert choice.logprobs.tokens == [offline.llm.tokenizer.decode([t]) for t in tokens]
+    assert choice.logprobs.token_logprobs == pytest.approx(
+        [e[t].logprob for t, e in zip(tokens, expected.outputs[0].logprobs)], abs=1e-5)
+    assert (result.usage.prompt_tokens, result.usage.completion_tokens) == (len(expected.prompt_token_ids), len(tokens))
+    streamed = server.client.completions.create(model="tiny", prompt=prompt, max_tokens=20, temperature=0,
+                                                stream=True, stream_options={"include_usage": True})
+    chunks = list(streamed)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == texts[0]
+    assert chunks[-1].usage.completion_tokens == len(tokens)
+
+
+def test_token_id_prompts_and_several_prompts(server, offline):
+    prompts = random_prompts([5, 17], seed=60)
+    result = server.client.completions.create(model="tiny", prompt=prompts, max_tokens=8, temperature=0, n=2)
+    assert [c.index for c in result.choices] == [0, 1, 2, 3]
+    for i, prompt in enumerate(prompts):
+        texts, _ = offline(prompt, temperature=0, max_tokens=8)
+        assert [c.text for c in result.choices[2 * i:2 * i + 2]] == texts * 2
+
+
+def test_chat_equals_generate_on_the_template(server, offline):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Introduce yourself."}]
+    ids = offline.llm.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                    return_dict=False)
+    texts, expected = offline(ids, temperature=0, max_tokens=16)
+    result = server.client.chat.completions.create(model="tiny", messages=messages, max_tokens=16,
+                                                   temperature=0)
+    assert result.choices[0].message.content == texts[0] and result.choices[0].message.role == "assistant"
+    assert result.usage.prompt_tokens == len(ids)
+    chunks = list(server.client.chat.completions.create(model="tiny", messages=messages, temperature=0,
+                                                        max_completion_tokens=16, stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == texts[0]
+    assert chunks[-1].choices[0].finish_reason == expected.outputs[0].finish_reason
+
+
+def test_concurrent_streams_each_equal_their_offline_result(server, offline):
+    prompts = random_prompts([5, 40, 12, 90, 23, 61, 7, 33] * 4, seed=61)
+    def params(i):
+        return dict(temperature=0, max_tokens=8 + 3 * (i % 7), n=2 if i % 5 == 0 else 1,
+                    stop=["e"] if i % 4 == 1 else None)
+    def stream(i):
+        p = params(i)
+        chunks = server.client.completions.create(model="tiny", prompt=prompts[i], stream=True, **p)
+        texts = ["", ""][:p["n"]]
+        for chunk in chunks:
+            for choice in chunk.choices:
+                texts[choice.index] += choice.text
+        return texts
+    with concurrent.futures.ThreadPoolExecutor(32) as pool:
+        results = list(pool.map(stream, range(32)))
+    assert [offline(prompts[i], **params(i))[0] for i in range(32)] == results
+
+
+def test_a_dropped_stream_frees_its_blocks(server, offline):
+    with httpx.stream("POST", server.url + "/v1/completions", timeout=60,
+                      json={"prompt": random_prompts([60], seed=62)[0], "max_tokens": 400,
+                            "ignore_eos": True, "stream": True}) as response:
+        for line in response.iter_lines():
+            if line.startswith("data:"):
+                break  # the client goes away mid-stream
+    deadline = time.monotonic() + 30
+    while server.metrics()["nanopaged_kv_blocks_free"] != server.metrics()["nanopaged_kv_blocks_total"]:
+        assert time.monotonic() < deadline, server.metrics()
+        time.sleep(0.1)
+    assert server.metrics()["nanopaged_sequences_running"] == 0
+    texts, _ = offline([5, 6, 7], temperature=0, max_tokens=4)
+    assert server.client.completions.create(model="tiny", prompt=[5, 6, 7], max_tokens=4,
+                                            temperature=0).choices[0].text == texts[0]
+
+
+@pytest.mark.parametrize("path, body, status, param, message", [
+    ("/v1/completions", b"{not json", 400, None, "not valid JSON"),
+    ("/v1/completions", [1, 2], 400, None, "must be a JSON object"),
+    ("/v1/completions", {"prompt": "hi", "model": "gpt-4"}, 404, "model", "'gpt-4' does not exist"),
+    ("/v1/completions", {"max_tokens": 4}, 400, "prompt", "prompt must be"),
+    ("/v1/completions", {"prompt": "hi", "temperature": -1}, 400, "temperature", "temperature must be"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": "many"}, 400, "max_tokens", "max_tokens must be"),
+    ("/v1/completions", {"prompt": "hi", "n": 0}, 400, "n", "n must be"),
+    ("/v1/completions", {"prompt": [1, 99999]}, 400, None, "outside the vocabulary"),
+    ("/v1/completions", {"prompt": "", "max_tokens": 4}, 400, None, "prompt is empty"),
+    ("/v1/chat/completions", {"messages": "hi"}, 400, "messages", "messages must be"),
+    ("/v1/chat/completions", {"messages": [{"role": "user"}]}, 400, "messages", "messages must be"),
+])
+def test_bad_requests_get_their_status_and_an_openai_error(server, path, body, status, param, message):
+    kwargs = {"content": body} if isinstance(body, bytes) else {"json": body}
+    response = httpx.post(server.url + path, timeout=30, **kwargs)
+    assert response.status_code == status
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["param"] == param
+    assert message in error["message"]
+    assert server.healthy() and server.metrics()["nanopaged_requests_waiting"] == 0
+
+
+def test_too_many_waiting_requests_get_503_and_too_large_ones_400(qwen3_path):
+    server = Server(qwen3_path, *OPTIONS, "--max-waiting", "1", "--num-kvcache-blocks", "30")
+    try:
+        too_large = httpx.post(server.url + "/v1/completions", timeout=30,
+                               json={"prompt": random_prompts([400])[0], "max_tokens": 100})
+        assert too_large.status_code == 400
+        assert "needs up to 32 KV-cache blocks" in too_large.json()["error"]["message"]
+        def post(i):
+            return httpx.post(server.url + "/v1/completions", timeout=60,
+                              json={"prompt": random_prompts([400], seed=i)[0], "max_tokens": 4})
+        with concurrent.futures.ThreadPoolExecutor(16) as pool:
+            responses = list(pool.map(post, range(16)))
+        codes = sorted(r.status_code for r in responses)
+        assert set(codes) == {200, 503} and codes.count(200) >= 1
+        busy = next(r for r in responses if r.status_code == 503).json()["error"]
+        assert "more than 1 requests are waiting" in busy["message"] and busy["type"] == "server_error"
+        assert server.client.completions.create(model="tiny", prompt="hi", max_tokens=2).choices
+    finally:
+        assert server.stop()
+
+
+def test_sigterm_stops_the_server_and_its_tensor_parallel_workers(qwen3_path, offline):
+    server = Server(qwen3_path, *OPTIONS, "--tensor-parallel-size", "2")
+    children = psutil.Process(server.process.pid).children(recursive=True)
+    assert any("spawn" in " ".join(c.cmdline()) for c in children)
+    result = server.client.completions.create(model="tiny", prompt=[5, 6, 7], max_tokens=8, temperature=0)
+    assert result.choices[0].text == offline([5, 6, 7], temperature=0, max_tokens=8)[0][0]
+    assert server.stop()
+    psutil.wait_procs(children, timeout=30)
+    assert not any(c.is_running() and c.status() != psutil.STATUS_ZOMBIE for c in children)
