@@ -96,22 +96,6 @@ def decode_flash(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> 
                                    softmax_scale=scale, causal=True).squeeze(1)
 
 
-def attention_no_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                       cu_seqlens_q: torch.Tensor, scale: float) -> torch.Tensor:
-    """Plain causal prefill with no KV cache: the model runner's memory-profiling forward."""
-    out = torch.empty_like(q)
-    group = q.shape[1] // k.shape[1]
-    bounds = cu_seqlens_q.tolist()
-    for start, end in zip(bounds[:-1], bounds[1:]):
-        # (T, nh, hs) -> (nh, T, hs)
-        qi, ki, vi = (x[start:end].transpose(0, 1) for x in (q, k, v))
-        oi = F.scaled_dot_product_attention(qi, ki.repeat_interleave(group, 0),
-                                            vi.repeat_interleave(group, 0),
-                                            is_causal=True, scale=scale)
-        out[start:end] = oi.transpose(0, 1)
-    return out
-
-
 def prefill_triton(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     from nanopaged.triton_attention import prefill_paged
     return prefill_paged(q, k_cache, v_cache, meta.cu_seqlens_q, meta.context_lens,
@@ -137,9 +121,7 @@ def get_backend(name: str):
 class Attention(nn.Module):
     """Multi-head attention over the paged KV cache of one layer.
 
-    `k_cache` and `v_cache` are views into the engine's single KV tensor, set by the model runner
-    once it has sized the pool; before that (the memory-profiling forward) attention runs
-    without a cache.
+    `k_cache` and `v_cache` are views into the engine's single KV tensor, set by the model runner.
     """
 
     def __init__(self, head_dim: int, backend: str):
@@ -152,8 +134,6 @@ class Attention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         # q: (T, nh, hs), k/v: (T, nkv, hs)
-        if self.k_cache is None:
-            return attention_no_cache(q, k, v, meta.cu_seqlens_q, self.scale)
         self.store_kvcache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
         attend = self.prefill if meta.is_prefill else self.decode
         return attend(q, self.k_cache, self.v_cache, meta, self.scale)

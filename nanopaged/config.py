@@ -1,5 +1,6 @@
 """Engine configuration: every knob of `LLM(model, **kwargs)`, validated once."""
 import difflib
+import importlib.util
 import os
 import socket
 from dataclasses import dataclass, field, fields
@@ -11,27 +12,22 @@ from transformers import AutoConfig, GenerationConfig, PretrainedConfig
 from nanopaged.model import check_supported
 
 SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen2ForCausalLM", "LlamaForCausalLM")
-ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash")
-SCHEDULING_POLICIES = ("prefill-first", "mixed")
+CHOICES = {"device": (None, "cuda", "cpu"), "dtype": (None, "float32", "float16", "bfloat16"),
+           "attention_backend": ("auto", "torch", "triton", "flash"),
+           "scheduling": ("prefill-first", "mixed")}
+POSITIVE = ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "kvcache_block_size",
+            "num_kvcache_blocks", "tensor_parallel_size")
 # What the engine reads of a Hugging Face repository: configs, tokenizer files, weights.
 MODEL_FILES = ["*.json", "*.safetensors", "*.txt", "*.model", "*.tiktoken"]
 FLASH_BLOCK_SIZE_MULTIPLE = 256  # flash-attn's paged KV needs pages of a multiple of 256 tokens
 
 
 def flash_attn_available() -> bool:
-    try:
-        import flash_attn  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return importlib.util.find_spec("flash_attn") is not None
 
 
 def triton_available() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return importlib.util.find_spec("triton") is not None
 
 
 def triton_interpreted() -> bool:
@@ -98,15 +94,14 @@ class Config:
     def from_options(cls, model: str, **options) -> "Config":
         """`Config(model, **options)`, with unknown option names a ValueError naming them."""
         names = [f.name for f in fields(cls) if f.init]
-        for name in options:
-            if name not in names:
-                close = difflib.get_close_matches(name, names, n=1)
-                raise ValueError(f"unknown option {name!r}" + (f"; did you mean {close[0]!r}?" if close
-                                 else f"; the options are {', '.join(names[1:])}"))
+        for name in set(options) - set(names):
+            close = difflib.get_close_matches(name, names, n=1)
+            raise ValueError(f"unknown option {name!r}" + (f"; did you mean {close[0]!r}?" if close
+                             else f"; the options are {', '.join(names[1:])}"))
         return cls(model, **options)
 
     def __post_init__(self) -> None:
-        self._check_types()
+        self._check_values()
         self.model = resolve_model(self.model)
         self.hf_config = _read_checkpoint_config(self.model)
         architectures = getattr(self.hf_config, "architectures", None) or []
@@ -115,99 +110,72 @@ class Config:
                              f"{', '.join(SUPPORTED_ARCHITECTURES)}")
         check_supported(self.hf_config)
         self.eos_token_ids = _eos_token_ids(self.model, self.hf_config)
-        if self.scheduling not in SCHEDULING_POLICIES:
-            raise ValueError(f"scheduling must be one of {SCHEDULING_POLICIES}, got {self.scheduling!r}")
+        self.max_model_len = min(self.max_model_len, self.hf_config.max_position_embeddings)
         self._resolve_device_and_dtype()
         self._resolve_attention_backend()
-        self._validate_sizes()
-        self._validate_tensor_parallel()
+        self._check_tensor_parallel()
 
-    def _check_types(self) -> None:
+    def _check_values(self) -> None:
+        """Each option's type, range or choices, before anything is loaded."""
         for f in filter(lambda f: f.init, fields(self)):
             value, allowed = getattr(self, f.name), get_args(f.type) or (f.type,)
-            if isinstance(value, int) and float in allowed and not isinstance(value, bool):
-                continue
-            if not isinstance(value, allowed) or (isinstance(value, bool) and bool not in allowed):
+            if isinstance(value, bool) and bool not in allowed or not isinstance(
+                    value, allowed + ((int,) if float in allowed else ())):
                 names = " or ".join("None" if t is type(None) else t.__name__ for t in allowed)
                 raise ValueError(f"{f.name} must be {names}, got {value!r}")
+        for name in POSITIVE:
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name, choices in CHOICES.items():
+            value = str(self.dtype).removeprefix("torch.") if name == "dtype" and self.dtype else getattr(self, name)
+            if value not in choices:
+                raise ValueError(f"{name} must be one of {choices[1:] if None in choices else choices}, "
+                                 f"got {value!r}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.distributed_port is not None and not 0 < self.distributed_port < 65536:
+            raise ValueError(f"distributed_port must be in [1, 65535], got {self.distributed_port}")
 
     def _resolve_device_and_dtype(self) -> None:
         if self.device is None:
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
-        if self.device not in ("cuda", "cpu"):
-            raise ValueError(f"device must be 'cuda' or 'cpu', got {self.device!r}")
         if self.device == "cuda" and not torch.cuda.is_available():
             raise ValueError("device='cuda' was asked for but torch sees no CUDA GPU")
         if self.dtype is None:
             checkpoint_dtype = getattr(self.hf_config, "dtype", None) or torch.float32
             self.dtype = checkpoint_dtype if self.device == "cuda" else torch.float32
-        if isinstance(self.dtype, str):
-            if self.dtype not in ("float32", "float16", "bfloat16"):
-                raise ValueError(f"dtype must be float32, float16 or bfloat16, got {self.dtype!r}")
-            self.dtype = getattr(torch, self.dtype)
-        if self.dtype not in (torch.float32, torch.float16, torch.bfloat16):
-            raise ValueError(f"dtype must be float32, float16 or bfloat16, got {self.dtype}")
+        self.dtype = getattr(torch, self.dtype) if isinstance(self.dtype, str) else self.dtype
 
     def _resolve_attention_backend(self) -> None:
-        if self.attention_backend not in ATTENTION_BACKENDS:
-            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, "
-                             f"got {self.attention_backend!r}")
         on_gpu = self.device == "cuda"
         if self.attention_backend == "auto":
-            if on_gpu and self.dtype != torch.float32 and flash_attn_available():
-                self.attention_backend = "flash"
-            elif on_gpu and triton_available():
-                self.attention_backend = "triton"
-            else:
-                self.attention_backend = "torch"
-        elif self.attention_backend == "triton" and not on_gpu and not triton_interpreted():
-            raise ValueError("attention_backend='triton' needs a CUDA GPU (or TRITON_INTERPRET=1)")
-        elif self.attention_backend == "flash" and not on_gpu:
-            raise ValueError("attention_backend='flash' needs a CUDA GPU")
-        elif self.attention_backend == "flash" and not flash_attn_available():
-            raise ValueError("attention_backend='flash' but flash_attn is not importable")
-        elif self.attention_backend == "flash" and self.dtype == torch.float32:
-            raise ValueError("attention_backend='flash' needs dtype float16 or bfloat16")
-        elif self.attention_backend == "triton" and not triton_available():
-            raise ValueError("attention_backend='triton' but triton is not importable")
-
-    def _validate_sizes(self) -> None:
+            self.attention_backend = ("flash" if on_gpu and self.dtype != torch.float32 and flash_attn_available()
+                                      else "triton" if on_gpu and triton_available() else "torch")
+        needs = {"triton": [(on_gpu or triton_interpreted(), "a CUDA GPU (or TRITON_INTERPRET=1)"),
+                            (triton_available(), "triton to be importable")],
+                 "flash": [(on_gpu, "a CUDA GPU"), (flash_attn_available(), "flash_attn to be importable"),
+                           (self.dtype != torch.float32, "dtype float16 or bfloat16")]}
+        for met, what in needs.get(self.attention_backend, []):
+            if not met:
+                raise ValueError(f"attention_backend={self.attention_backend!r} needs {what}")
         if self.kvcache_block_size is None:
             self.kvcache_block_size = 256 if self.attention_backend == "flash" else 16
-        if self.kvcache_block_size < 1:
-            raise ValueError(f"kvcache_block_size must be >= 1, got {self.kvcache_block_size}")
-        if (self.attention_backend == "flash"
-                and self.kvcache_block_size % FLASH_BLOCK_SIZE_MULTIPLE != 0):
+        if self.attention_backend == "flash" and self.kvcache_block_size % FLASH_BLOCK_SIZE_MULTIPLE:
             raise ValueError(f"kvcache_block_size={self.kvcache_block_size} does not work with "
                              f"flash-attn, whose paged KV needs a multiple of "
                              f"{FLASH_BLOCK_SIZE_MULTIPLE}; use attention_backend='triton'")
-        for field in ("max_num_batched_tokens", "max_num_seqs", "max_model_len"):
-            if getattr(self, field) < 1:
-                raise ValueError(f"{field} must be >= 1, got {getattr(self, field)}")
-        self.max_model_len = min(self.max_model_len, self.hf_config.max_position_embeddings)
-        if not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1], "
-                             f"got {self.gpu_memory_utilization}")
-        if self.num_kvcache_blocks is not None and self.num_kvcache_blocks < 1:
-            raise ValueError(f"num_kvcache_blocks must be >= 1, got {self.num_kvcache_blocks}")
 
-    def _validate_tensor_parallel(self) -> None:
+    def _check_tensor_parallel(self) -> None:
         size = self.tensor_parallel_size
-        if size < 1:
-            raise ValueError(f"tensor_parallel_size must be >= 1, got {size}")
         if self.device == "cuda" and size > torch.cuda.device_count():
             raise ValueError(f"tensor_parallel_size={size} but only {torch.cuda.device_count()} "
                              f"CUDA GPU(s) are visible")
-        for field in ("num_attention_heads", "num_key_value_heads", "vocab_size",
-                      "intermediate_size"):
-            value = getattr(self.hf_config, field)
-            if value % size:
-                raise ValueError(f"the model's {field}={value} is not divisible by "
-                                 f"tensor_parallel_size={size}")
+        for name in ("num_attention_heads", "num_key_value_heads", "vocab_size", "intermediate_size"):
+            if getattr(self.hf_config, name) % size:
+                raise ValueError(f"the model's {name}={getattr(self.hf_config, name)} is not "
+                                 f"divisible by tensor_parallel_size={size}")
         if size > 1 and self.distributed_port is None:
             self.distributed_port = free_port()
-        if self.distributed_port is not None and not 0 < self.distributed_port < 65536:
-            raise ValueError(f"distributed_port must be in [1, 65535], got {self.distributed_port}")
 
 
 def _read_checkpoint_config(path: str) -> PretrainedConfig:

@@ -113,15 +113,19 @@ class ModelRunner:
         if num_blocks < 1:
             raise ValueError("not enough memory left for even one KV-cache block; lower "
                              "max_num_batched_tokens or raise gpu_memory_utilization")
+        self._make_kv_cache(num_blocks)
+        return num_blocks
+
+    def _make_kv_cache(self, num_blocks: int) -> None:
         attn = self.model.model.layers[0].self_attn
         layers = self.model.model.layers
+        self.kv_cache = None  # free the old one first
         self.kv_cache = torch.zeros(2, len(layers), num_blocks, self.block_size,
                                     attn.num_kv_heads, attn.head_dim,
                                     dtype=self.config.dtype, device=self.device)
         for i, layer in enumerate(layers):
             layer.self_attn.attn.k_cache = self.kv_cache[0, i]
             layer.self_attn.attn.v_cache = self.kv_cache[1, i]
-        return num_blocks
 
     def _kv_budget_cpu(self) -> int:
         available = _mem_available_bytes()
@@ -131,13 +135,14 @@ class ModelRunner:
     def _kv_budget_cuda(self) -> int:
         """Free GPU memory after a forward of the largest prefill the scheduler can issue, and
         after sampling the largest decode batch: what is left of `gpu_memory_utilization`."""
+        self._make_kv_cache(1)  # the profiling forward writes and reads one block over and over
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
         config = self.config
         seq_len = min(config.max_num_batched_tokens, config.max_model_len)
         num_seqs = max(1, min(config.max_num_batched_tokens // seq_len, config.max_num_seqs))
         seqs = [_dummy_sequence(seq_len, self.block_size) for _ in range(num_seqs)]
-        self.execute(self._prepare_prefill(seqs, np.zeros((0, 2), dtype=np.int64)))
+        self.execute(self.prepare_inputs(seqs, is_prefill=True))
         if self.sampler:
             vocab_size = self.config.hf_config.vocab_size
             logits = torch.randn(config.max_num_seqs, vocab_size, device=self.device)
@@ -285,7 +290,7 @@ def run_worker(config: Config, rank: int) -> None:
 
 
 def _dummy_sequence(length: int, block_size: int, **sampling) -> Sequence:
-    """A sequence for profiling runs: its tokens are computed in one step into no cache."""
+    """A sequence for profiling runs: its tokens are computed in one step, all into block 0."""
     seq = Sequence([0] * length, SamplingParams(**sampling), block_size)
     seq.num_scheduled_tokens = length
     seq.block_table = [0] * seq.num_blocks

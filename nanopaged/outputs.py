@@ -150,17 +150,14 @@ class Request:
 
     def output(self) -> RequestOutput:
         """The request's completions so far, their text brought up to date."""
-        outputs = []
+        outputs, with_logprobs = [], self.params.logprobs is not None
         for seq, detokenizer in zip(self.seqs, self.detokenizers):
             detokenizer.update(seq)
-            with_logprobs = self.params.logprobs is not None
             outputs.append(CompletionOutput(
                 index=seq.index, text=detokenizer.visible_text(seq.finish_reason is not None),
                 token_ids=seq.completion_token_ids,
                 cumulative_logprob=self.cumulative_logprobs[seq.index] if with_logprobs else None,
-                logprobs=self.logprobs[seq.index] if with_logprobs else None,
+                logprobs=list(self.logprobs[seq.index]) if with_logprobs else None,
                 finish_reason=seq.finish_reason, stop_reason=seq.stop_reason))
-        if self.finished and self.metrics.finish_time is None:
-            self.metrics.finish_time = time.perf_counter()
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outputs,
                              self.finished, self.seqs[0].num_cached_tokens, self.metrics)

@@ -178,14 +178,9 @@ def create_app(llm: LLM, model_name: str, max_waiting: int) -> FastAPI:
                                             "created": int(time.time()), "owned_by": "nanopaged"}]}
 
     @app.post("/v1/completions")
-    async def completions(request: Request):
-        return await serve(request, chat=False)
-
     @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
-        return await serve(request, chat=True)
-
-    async def serve(request: Request, chat: bool):
+    async def serve(request: Request):
+        chat = request.url.path.endswith("/chat/completions")
         try:
             body = await request.json()
         except ValueError:
@@ -209,7 +204,7 @@ def create_app(llm: LLM, model_name: str, max_waiting: int) -> FastAPI:
             for prompt in prompts:
                 request_ids.append(await asyncio.wrap_future(engine.submit(prompt, params, outbox)))
         except ValueError as error:
-            waiting["count"] -= len(prompts) - len(request_ids)
+            waiting["count"] -= len(prompts)
             for request_id in request_ids:
                 engine.abort(request_id)
             return bad_request(error)

@@ -30,7 +30,7 @@ def run(path: str, backend: str, dtype: str, enforce_eager: bool, prompts=PROMPT
     with LLM(path, dtype=dtype, attention_backend=backend, enforce_eager=enforce_eager,
              kvcache_block_size=block_size, max_model_len=1024, max_num_seqs=64,
              gpu_memory_utilization=0.3, tensor_parallel_size=tensor_parallel_size) as llm:
-        return [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
 
 
 def hf_greedy(path: str, dtype: torch.dtype, prompts) -> list[list[int]]:
@@ -45,17 +45,24 @@ def hf_greedy(path: str, dtype: torch.dtype, prompts) -> list[list[int]]:
     return outs
 
 
+@pytest.fixture
+def no_tf32():
+    """float32 matmuls in full precision, as transformers' reference runs them; restored after."""
+    saved = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32 = saved
+
+
 @pytest.mark.parametrize("enforce_eager", [True, False])
 @pytest.mark.parametrize("backend", [b for b in BACKENDS if b != "flash"])
-def test_float32_greedy_matches_transformers(gpu_path, backend, enforce_eager):
-    torch.backends.cuda.matmul.allow_tf32 = False
+def test_float32_greedy_matches_transformers(gpu_path, backend, enforce_eager, no_tf32):
     assert run(gpu_path, backend, "float32", enforce_eager) == hf_greedy(gpu_path, torch.float32, PROMPTS)
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
 @pytest.mark.parametrize("backend", [b for b in BACKENDS if b != "flash"])
-def test_two_gpus_float32_greedy_matches_transformers(gpu_path, backend):
-    torch.backends.cuda.matmul.allow_tf32 = False
+def test_two_gpus_float32_greedy_matches_transformers(gpu_path, backend, no_tf32):
     assert (run(gpu_path, backend, "float32", False, tensor_parallel_size=2)
             == hf_greedy(gpu_path, torch.float32, PROMPTS))
 
