@@ -132,6 +132,7 @@ class LLMEngine:
         try:
             seqs, is_prefill = self.scheduler.schedule()
             if not seqs:
+                assert self.is_finished(), "requests are queued but none can be scheduled"
                 return [], 0, False
             tokens, logprobs = self.model_runner.run(seqs, is_prefill, self.block_manager.block_copies)
             self.block_manager.commit()

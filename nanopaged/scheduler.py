@@ -14,8 +14,8 @@ class Scheduler:
     step can overflow the budget, and is then prefilled in chunks over several steps. Decode
     gives each running sequence one token, oldest first, up to the token budget; when the
     pool has no block for one, the newest running sequence is preempted: its blocks are freed
-    and it goes back to the front of `waiting`, to be recomputed later (its prefix blocks often
-    still sit in the cache).
+    and it goes back to the front of `waiting` (behind a prompt being prefilled in chunks), to be
+    recomputed later (its prefix blocks often still sit in the cache).
 
     The `prefill-first` policy runs a prefill step whenever a prompt can be admitted, else a
     decode step. The `mixed` policy (as vLLM V1 and Sarathi-Serve) decodes every running
@@ -91,7 +91,8 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.deallocate(seq)
-        self.waiting.appendleft(seq)
+        # first in line, but behind a prompt being prefilled in chunks: that one holds its blocks
+        self.waiting.insert(1 if self.waiting and self.waiting[0].block_table else 0, seq)
         self.num_preemptions += 1
 
     def postprocess(self, seqs: list[Sequence], token_ids: list[int]) -> list[Sequence]:

@@ -283,16 +283,16 @@ class Response:
         return self.envelope(sorted(choices, key=lambda c: c["index"]), usage=self.usage())
 
     async def events(self, include_usage: bool):
-        """Server-sent events: a chunk for each choice that grew in a step, then the usage if
-        asked for, then [DONE]."""
+        """Server-sent events: a chunk for each choice that got tokens in a step, then the usage
+        if asked for, then [DONE]."""
         sent: dict[int, tuple[int, int]] = {}  # choice -> characters and tokens sent
         try:
             async for output in self.outputs():
                 for index, c in self.choices(output):
                     chars, tokens = sent.get(index, (0, 0))
-                    if tokens == len(c.token_ids) or (len(c.text) == chars and not c.finished()):
-                        continue  # nothing new (or a character still incomplete)
-                    delta = c.text[chars:]
+                    if tokens == len(c.token_ids):
+                        continue  # no new token (another choice of the request advanced)
+                    delta = c.text[chars:]  # may be empty: a character still incomplete
                     sent[index] = (len(c.text), len(c.token_ids))
                     if self.chat:
                         body = {"delta": {"role": "assistant", "content": delta} if chars == tokens == 0

@@ -356,3 +356,18 @@ def test_length_stops_at_max_model_len():
     run_step(scheduler)
     run_step(scheduler)
     assert seq.finish_reason == "length" and len(seq) == 6
+
+
+def test_a_preempted_sequence_waits_behind_a_prompt_being_chunked():
+    """The chunked prompt holds its blocks: put in front of it, the preempted sequence could never
+    be admitted again, nor the prompt continue."""
+    scheduler = scheduler_of(num_blocks=4, max_num_batched_tokens=6, scheduling="mixed")
+    decoding = seq_of([1, 2, 3])
+    scheduler.add(decoding)
+    run_step(scheduler)
+    prompt = seq_of(list(range(100, 112)))  # 3 blocks, prefilled 5 tokens a step
+    scheduler.add(prompt)
+    run_step(scheduler)
+    assert prompt.num_computed_tokens == 5 and scheduler.block_manager.num_free_blocks == 0
+    scheduled, _ = scheduler.schedule()  # `decoding` needs a block: it is preempted
+    assert scheduled == [prompt] and list(scheduler.waiting) == [prompt, decoding]
