@@ -42,7 +42,9 @@ class SamplingParams:
         _check_int("top_k", self.top_k, -1)
         _check_int("min_tokens", self.min_tokens, 0)
         if self.max_tokens is not None:
-            _check_int("max_tokens", self.max_tokens, max(1, self.min_tokens))
+            _check_int("max_tokens", self.max_tokens, 1)
+            if self.max_tokens < self.min_tokens:
+                raise ValueError(f"max_tokens={self.max_tokens} is less than min_tokens={self.min_tokens}")
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS)
         if self.seed is not None:

@@ -96,7 +96,7 @@ def test_numpy_token_ids_are_token_ids(llm):
     (dict(n=0), "n must be >= 1, got 0"),
     (dict(n=2.0), "n must be an integer, got 2.0"),
     (dict(min_tokens=-1), "min_tokens must be >= 0, got -1"),
-    (dict(min_tokens=8, max_tokens=4), "max_tokens must be >= 8, got 4"),
+    (dict(min_tokens=8, max_tokens=4), "max_tokens=4 is less than min_tokens=8"),
     (dict(stop=""), "stop must be a non-empty string or a list of them, got ''"),
     (dict(stop=["ok", 3]), r"stop must be a non-empty string or a list of them, got \['ok', 3\]"),
     (dict(stop_token_ids=5), "stop_token_ids must be a list of token ids, got 5"),
