@@ -55,15 +55,19 @@ def main() -> None:
                      for q in QUESTIONS]
     params = SamplingParams(temperature=0.6, top_p=0.95, max_tokens=args.max_tokens, seed=0)
     if args.stream:
-        prompt = llm.tokenizer.apply_chat_template(conversations[0], tokenize=False,
-                                                   add_generation_prompt=True)
+        prompt = (llm.tokenizer.apply_chat_template(conversations[0], tokenize=False,
+                                                    add_generation_prompt=True)
+                  if llm.tokenizer.chat_template else QUESTIONS[0])
         for delta in llm.stream(prompt, params):
             print(delta, end="", flush=True)
         print()
         return
 
     start = time.perf_counter()
-    outputs = llm.chat(conversations, params)
+    if llm.tokenizer.chat_template:
+        outputs = llm.chat(conversations, params)
+    else:  # a base model: plain text prompts
+        outputs = llm.generate([f"{SYSTEM}\n{q}\n" for q in QUESTIONS], params)
     elapsed = time.perf_counter() - start
     for question, output in zip(QUESTIONS, outputs):
         completion = output.outputs[0]

@@ -118,12 +118,8 @@ class BlockManager:
     def can_append(self, seq: Sequence) -> bool:
         """Whether the pool can hold the K/V of the token that `seq` decodes next: in a new
         block, or in a copy of its last block when that block is shared."""
-        return not self._needs_block(seq) or self.num_free_blocks > 0
-
-    def _needs_block(self, seq: Sequence) -> bool:
-        if len(seq.token_ids) > len(seq.block_table) * self.block_size:
-            return True
-        return self.blocks[seq.block_table[-1]].ref_count > 1
+        full = len(seq.token_ids) > len(seq.block_table) * self.block_size
+        return self.num_free_blocks > 0 or not (full or self.blocks[seq.block_table[-1]].ref_count > 1)
 
     def may_append(self, seq: Sequence) -> None:
         """Makes room for the K/V of the token that `seq` decodes next (a new block when its last
@@ -132,7 +128,7 @@ class BlockManager:
         num_tokens = len(seq.token_ids)
         if num_tokens > len(seq.block_table) * self.block_size:
             seq.block_table.append(self._take_free_block())
-        elif self.blocks[seq.block_table[-1]].ref_count > 1:
+        elif self.blocks[seq.block_table[-1]].ref_count > 1:  # shared with another sample
             shared = self.blocks[seq.block_table[-1]]
             shared.ref_count -= 1
             seq.block_table[-1] = self._take_free_block()
