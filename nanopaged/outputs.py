@@ -79,13 +79,15 @@ class Detokenizer:
 
     def update(self, seq: Sequence) -> str | None:
         """Reads the tokens `seq` added since the last call; returns the stop string found, if any."""
+        if self.stopped:
+            return None
         new = seq.completion_token_ids[len(self.token_ids):]
         stopped_by_token = seq.finish_reason == "stop" and not isinstance(seq.stop_reason, str)
         if new and stopped_by_token and not self.params.include_stop_str_in_output:
             new = new[:-1]
-        if self.stopped or not (new or seq.finish_reason and self.read_offset < len(self.token_ids)):
-            return None
         self.token_ids += new
+        if self.read_offset == len(self.token_ids):
+            return None  # nothing left to decode
         skip = self.params.skip_special_tokens
         before = self.tokenizer.decode(self.token_ids[self.prefix_offset:self.read_offset], skip_special_tokens=skip)
         after = self.tokenizer.decode(self.token_ids[self.prefix_offset:], skip_special_tokens=skip)
