@@ -118,8 +118,10 @@ class BlockManager:
     def can_append(self, seq: Sequence) -> bool:
         """Whether the pool can hold the K/V of the token that `seq` decodes next: in a new
         block, or in a copy of its last block when that block is shared."""
+        if self.free_block_ids:
+            return True
         full = len(seq.token_ids) > len(seq.block_table) * self.block_size
-        return self.num_free_blocks > 0 or not (full or self.blocks[seq.block_table[-1]].ref_count > 1)
+        return not full and self.blocks[seq.block_table[-1]].ref_count == 1
 
     def may_append(self, seq: Sequence) -> None:
         """Makes room for the K/V of the token that `seq` decodes next (a new block when its last
@@ -162,12 +164,11 @@ class BlockManager:
         self.commit()
 
     def reclaim(self) -> None:
-        """Frees every block. Only for when no sequence holds any: it also returns blocks that
-        an allocation interrupted halfway (Ctrl-C) left counted as in use."""
+        """Frees every block. Only for when no sequence holds any: it also returns blocks that an
+        allocation or a release interrupted halfway (Ctrl-C) left out of the free list."""
         for block in self.blocks:
-            if block.ref_count:
-                block.ref_count = 0
-                self.free_block_ids[block.block_id] = None
+            block.ref_count = 0
+            self.free_block_ids.setdefault(block.block_id)
 
     def _cache_block(self, seq: Sequence, i: int) -> None:
         block = self.blocks[seq.block_table[i]]

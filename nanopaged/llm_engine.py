@@ -145,8 +145,8 @@ class LLMEngine:
                     self.scheduler.finish(seq, "stop", stop)
                 if seq.finish_reason is not None:
                     self.model_runner.sampler.release(seq)
-                if request.finished:
-                    request.metrics.finish_time = now
+                    if request.finished:
+                        request.metrics.finish_time = now
         except BaseException:
             self._abort_all()
             raise

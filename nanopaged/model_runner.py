@@ -242,7 +242,8 @@ class ModelRunner:
         logits = self.execute(inputs)
         if logits is None:
             return [], []
-        sampling = [s for seq in seqs if seq.samples_this_step for s in seq.samplers]
+        sampling = ([s for seq in seqs if seq.samples_this_step for s in seq.samplers]
+                    if inputs.is_prefill else seqs)  # in a decode step every sequence samples, once
         tokens, logprobs = self.sampler(logits, sampling)
         if self.workers and self.device.type == "cuda":
             parallel.wait_for_gpu(self.workers)

@@ -74,7 +74,8 @@ class Detokenizer:
         self.prefix_offset = self.read_offset = 0
         self.text = ""
         self.stopped = False
-        longest = max((len(s) for s in params.stop_strings), default=0)
+        self.stop_strings = params.stop_strings
+        longest = max((len(s) for s in self.stop_strings), default=0)
         self.held_back = 0 if params.include_stop_str_in_output else max(0, longest - 1)
 
     def update(self, seq: Sequence) -> str | None:
@@ -101,7 +102,7 @@ class Detokenizer:
         self.text += delta
         if seq.num_completion_tokens < self.params.min_tokens:
             return None
-        found = [(index, stop) for stop in self.params.stop_strings
+        found = [(index, stop) for stop in self.stop_strings
                  if (index := self.text.find(stop, max(0, old_length - len(stop) + 1))) >= 0]
         if not found:
             return None
@@ -146,7 +147,7 @@ class Request:
             self.logprobs[seq.index].append({t: Logprob(lp, rank, self.tokenizer.decode([t]))
                                              for t, lp, rank in entries})
             self.cumulative_logprobs[seq.index] += logprobs.logprob
-        if self.params.stop_strings:  # only these need the text at every step
+        if self.detokenizers[seq.index].stop_strings:  # only these need the text at every step
             return self.detokenizers[seq.index].update(seq)
         return None
 

@@ -107,23 +107,24 @@ class Scheduler:
             seq.num_scheduled_tokens = 0
             if seq.num_computed_tokens < len(seq.token_ids):
                 continue  # a prompt chunk: nothing sampled yet
-            for sampler in seq.samplers:
-                if sampler is not seq:
-                    self.block_manager.fork(seq, sampler)
-                    self.running.append(sampler)
-                sampler.token_ids.append(next(sampled))
-                advanced.append(sampler)
+            seq.token_ids.append(next(sampled))
+            advanced.append(seq)
+            for fork in seq.forks:  # before `seq` may finish and free its blocks
+                self.block_manager.fork(seq, fork)
+                self.running.append(fork)
+                fork.token_ids.append(next(sampled))
+                advanced.append(fork)
+                self._check_stop(fork)
             seq.forks = []
-        for seq in advanced:
             self._check_stop(seq)
         return advanced
 
     def _check_stop(self, seq: Sequence) -> None:
-        params, last = seq.sampling_params, seq.token_ids[-1]
-        if seq.num_completion_tokens >= params.min_tokens and last in seq.stop_token_ids:
+        params, num_tokens, last = seq.sampling_params, len(seq.token_ids), seq.token_ids[-1]
+        num_completion_tokens = num_tokens - seq.num_prompt_tokens
+        if last in seq.stop_token_ids and num_completion_tokens >= params.min_tokens:
             self.finish(seq, "stop", last if last in (params.stop_token_ids or ()) else None)
-        elif len(seq) >= min(seq.num_prompt_tokens + (params.max_tokens or self.max_model_len),
-                             self.max_model_len):
+        elif num_tokens >= self.max_model_len or num_completion_tokens == params.max_tokens:
             self.finish(seq, "length")
 
     def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:

@@ -173,6 +173,15 @@ def test_admission_counts_cached_free_blocks_against_the_free_pool():
     assert manager.can_allocate(seq)
 
 
+def test_reclaim_returns_blocks_that_an_interrupt_left_out_of_the_free_list():
+    manager = BlockManager(4, BLOCK)
+    manager.free_block_ids.popitem(last=False)  # taken, not yet counted (Ctrl-C in between)
+    block_id, _ = manager.free_block_ids.popitem(last=False)
+    manager.blocks[block_id].ref_count = 1  # counted, but in no block table
+    manager.reclaim()
+    assert manager.num_free_blocks == 4 and all(b.ref_count == 0 for b in manager.blocks)
+
+
 def test_append_takes_a_block_only_when_the_last_is_full():
     manager = BlockManager(3, BLOCK)
     seq = admit(manager, seq_of(list(range(4))))
