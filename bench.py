@@ -359,11 +359,11 @@ def _decode_step_time(llm, batch: int, context: int) -> float:
     cache slots); the prompts are prefilled first, untimed."""
     request_ids = _random_requests(llm, batch, context, seed=batch)
     while llm.scheduler.waiting:
-        llm.step()
-    seqs, is_prefill = llm.scheduler.schedule()
-    assert not is_prefill and len(seqs) == batch
-    seconds = best_time(lambda: llm.model_runner.run(seqs, False), repeat=20)
-    llm.block_manager.commit()
+        llm.run_step()
+    step = llm.scheduler.schedule()
+    assert not step.ragged and len(step.seqs) == batch
+    seconds = best_time(lambda: llm.model_runner.run(step), repeat=20)
+    llm.block_manager.commit()  # the step ran: its K/V is written
     for request_id in request_ids:
         llm.abort(request_id)
     return seconds
@@ -374,7 +374,7 @@ def _prefill_step_time(llm, count: int, context: int) -> float:
     times = []
     for seed in range(6):
         request_ids = _random_requests(llm, count, context, seed=1000 + seed)
-        elapsed, _ = timed(llm.step)
+        elapsed, _ = timed(llm.run_step)
         times.append(elapsed)
         for request_id in request_ids:
             llm.abort(request_id)
@@ -383,9 +383,22 @@ def _prefill_step_time(llm, count: int, context: int) -> float:
 
 # ---- host work per step ----
 
+class HostOnlyRunner:
+    """The model runner less the model: builds each step's inputs, then samples token 0."""
+
+    def __init__(self, runner):
+        self.runner = runner
+
+    def run(self, step):
+        from nanopaged.sampler import SamplerOutput
+        self.runner.prepare_inputs(step)
+        return SamplerOutput([[0]] * len(step.samplers), [None] * len(step.samplers))
+
+
 def host_times(model: str, args) -> list[dict]:
-    """Host time of one decode step without the model: schedule, build the inputs, record the
-    sampled tokens. The GPU waits that long between two steps."""
+    """Host time of one decode step without the model: the engine's own step (schedule, build
+    the inputs, apply the sampled tokens) with the forward left out. The GPU waits that long
+    between two steps."""
     from nanopaged import LLM, SamplingParams
     rows = []
     max_model_len = args.context + 512
@@ -393,21 +406,17 @@ def host_times(model: str, args) -> list[dict]:
         for block_size in (16, 256):
             llm = LLM(model, device="cpu", kvcache_block_size=block_size, max_model_len=max_model_len,
                       num_kvcache_blocks=batch * -(-max_model_len // block_size))
-            scheduler, runner = llm.scheduler, llm.model_runner
+            llm.model_runner = HostOnlyRunner(llm.model_runner)
             g = torch.Generator().manual_seed(0)
             params = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=max_model_len)
+            vocab_size = llm.config.hf_config.vocab_size
             for _ in range(batch):
-                vocab_size = llm.config.hf_config.vocab_size
-                llm.add_request(torch.randint(0, vocab_size, (args.context,), generator=g).tolist(), params)
-            while scheduler.waiting:  # prefill, as if sampled
-                seqs, _ = scheduler.schedule()
-                scheduler.postprocess(seqs, [0] * sum(seq.samples_this_step for seq in seqs))
-            def decode_step():
-                seqs, _ = scheduler.schedule()
-                runner.prepare_inputs(seqs, False)
-                scheduler.postprocess(seqs, [0] * len(seqs))
+                llm.add_request(torch.randint(0, vocab_size, (args.context,), generator=g).tolist(),
+                                params)
+            while llm.scheduler.waiting:
+                llm.run_step()
             rows.append(dict(kind=f"decode b={batch} block={block_size}",
-                             ms=best_time(decode_step, repeat=100) * 1e3))
+                             ms=best_time(llm.run_step, repeat=100) * 1e3))
     return rows
 
 

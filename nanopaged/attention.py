@@ -19,17 +19,17 @@ from torch import nn
 class AttentionMetadata:
     """What attention needs to know about one step's batch, built by the model runner.
 
-    Prefill steps run a ragged batch of query tokens: sequence i owns queries
-    `cu_seqlens_q[i]:cu_seqlens_q[i+1]`, which are its last tokens among `context_lens[i]`.
-    Decode steps run one query per sequence. Padding rows (CUDA-graph batches) have slot -1
-    and context length 0.
+    A ragged step (prompt chunks, maybe beside decodes) runs any number of queries per
+    sequence: sequence i owns queries `cu_seqlens_q[i]:cu_seqlens_q[i+1]`, which are its last
+    tokens among `context_lens[i]`. Otherwise every sequence runs one query (a decode).
+    Padding rows (CUDA-graph batches) have slot -1 and context length 0.
     """
-    is_prefill: bool
+    ragged: bool
     slot_mapping: torch.Tensor            # (num_tokens,) int64 cache slot of each new token
     context_lens: torch.Tensor            # (num_seqs,) int32 tokens in the cache after this step
-    block_tables: torch.Tensor | None     # (num_seqs, max_blocks) int32, -1 past the end
+    block_tables: torch.Tensor            # (num_seqs, max_blocks) int32, -1 past the end
     max_seqlen_k: int
-    cu_seqlens_q: torch.Tensor | None = None  # (num_seqs + 1,) int32, prefill only
+    cu_seqlens_q: torch.Tensor | None = None  # (num_seqs + 1,) int32, ragged steps only
     cu_seqlens_k: torch.Tensor | None = None
     max_seqlen_q: int = 1
 
@@ -135,5 +135,5 @@ class Attention(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         # q: (T, nh, hs), k/v: (T, nkv, hs)
         self.store_kvcache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
-        attend = self.prefill if meta.is_prefill else self.decode
+        attend = self.prefill if meta.ragged else self.decode
         return attend(q, self.k_cache, self.v_cache, meta, self.scale)

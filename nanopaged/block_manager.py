@@ -41,8 +41,7 @@ class BlockManager:
     A block's hash is entered when the step that fills it is scheduled, so that later sequences
     of the same step can share it, but it is only *committed* once that step has run: after a
     failed step, `rollback` forgets every hash the step entered, because their K/V was never
-    written. A shared block that a sequence must write into is first copied (copy-on-write):
-    `block_copies` lists the (source, destination) copies the next step must make first.
+    written. A shared block that a sequence must write into is first copied (copy-on-write).
     """
 
     def __init__(self, num_blocks: int, block_size: int):
@@ -51,7 +50,6 @@ class BlockManager:
         self.hash_to_block: dict[int, int] = {}
         self.free_block_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.uncommitted: list[int] = []  # blocks hashed by the step being scheduled or run
-        self.block_copies: list[tuple[int, int]] = []
 
     @property
     def num_blocks(self) -> int:
@@ -77,24 +75,24 @@ class BlockManager:
             hits.append(block_id)
         return hits
 
-    def can_allocate(self, seq: Sequence) -> bool:
-        """Whether the pool can hold all of `seq`'s tokens. A cached block counts against the
-        free blocks only when nobody uses it (it is then one of them)."""
-        hits = self._cached_prefix(seq)
-        hits_in_use = sum(1 for b in hits if self.blocks[b].ref_count > 0)
-        return seq.num_blocks - hits_in_use <= self.num_free_blocks
-
-    def allocate(self, seq: Sequence) -> None:
-        """Give `seq` blocks for all its tokens, reusing cached prefix blocks. Call only after
-        `can_allocate(seq)` returned True."""
+    def allocate(self, seq: Sequence) -> bool:
+        """Gives `seq` blocks for all its tokens, reusing cached prefix blocks; returns False,
+        changing nothing, when the pool cannot hold them. A cached block counts against the free
+        blocks only when nobody uses it (it is then one of them)."""
         assert not seq.block_table
         hits = self._cached_prefix(seq)
+        hits_in_use = sum(1 for b in hits if self.blocks[b].ref_count > 0)
+        if seq.num_blocks - hits_in_use > self.num_free_blocks:
+            return False
         for block_id in hits:
             self._share(block_id)
-        seq.block_table = hits + [self._take_free_block() for _ in range(seq.num_blocks - len(hits))]
+        seq.block_table = list(hits)
+        for _ in range(seq.num_blocks - len(hits)):
+            seq.block_table.append(self._take_free_block())
         seq.num_computed_tokens = len(hits) * self.block_size
         if seq.num_completion_tokens == 0:  # first admission, not a recompute after preemption
             seq.num_cached_tokens = seq.num_computed_tokens
+        return True
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """Gives `child` (a sample of the same prompt) a share of every block of `parent`."""
@@ -123,45 +121,43 @@ class BlockManager:
         full = len(seq.token_ids) > len(seq.block_table) * self.block_size
         return not full and self.blocks[seq.block_table[-1]].ref_count == 1
 
-    def may_append(self, seq: Sequence) -> None:
-        """Makes room for the K/V of the token that `seq` decodes next (a new block when its last
-        one is full, a private copy when it is shared); when that token fills its block, enters
-        the block in the prefix cache."""
-        num_tokens = len(seq.token_ids)
+    def may_append(self, seq: Sequence) -> tuple[int, int] | None:
+        """Makes room for the K/V of the token that `seq` decodes next: a new block when its last
+        one is full, a private copy when it is shared (copy-on-write; returns the (source,
+        destination) copy that the step must make before it runs). When that token fills its
+        block, enters the block in the prefix cache."""
+        num_tokens, copy = len(seq.token_ids), None
         if num_tokens > len(seq.block_table) * self.block_size:
             seq.block_table.append(self._take_free_block())
         elif self.blocks[seq.block_table[-1]].ref_count > 1:  # shared with another sample
             shared = self.blocks[seq.block_table[-1]]
             shared.ref_count -= 1
             seq.block_table[-1] = self._take_free_block()
-            self.block_copies.append((shared.block_id, seq.block_table[-1]))
+            copy = (shared.block_id, seq.block_table[-1])
         if num_tokens % self.block_size == 0:
             self._cache_block(seq, num_tokens // self.block_size - 1)
+        return copy
 
-    def cache_full_blocks(self, seq: Sequence) -> None:
-        """Enter in the prefix cache the blocks that this step's tokens fill.
+    def cache_full_blocks(self, seq: Sequence, num_tokens: int) -> None:
+        """Enters in the prefix cache the blocks that the next `num_tokens` tokens of `seq` fill.
 
         Called when the step is scheduled: the step writes their K/V in every layer before any
         attention reads it, so a sequence scheduled later in the same step may share them.
         """
         first = seq.num_computed_tokens // self.block_size
-        last = (seq.num_computed_tokens + seq.num_scheduled_tokens) // self.block_size
+        last = (seq.num_computed_tokens + num_tokens) // self.block_size
         for i in range(first, last):
             self._cache_block(seq, i)
 
     def commit(self) -> None:
         """The step ran: the hashes it entered now name K/V that is in the cache."""
         self.uncommitted.clear()
-        self.block_copies.clear()
 
     def rollback(self) -> None:
         """The step failed: forget the hashes it entered, whose K/V may never have been written."""
         for block_id in self.uncommitted:
-            block = self.blocks[block_id]
-            if self.hash_to_block.get(block.hash) == block_id:
-                del self.hash_to_block[block.hash]
-            block.hash, block.token_ids = None, []
-        self.commit()
+            self._forget_hash(self.blocks[block_id])
+        self.uncommitted.clear()
 
     def reclaim(self) -> None:
         """Frees every block. Only for when no sequence holds any: it also returns blocks that an
@@ -174,11 +170,17 @@ class BlockManager:
         block = self.blocks[seq.block_table[i]]
         if block.hash is not None:  # a cache hit: already registered
             return
+        # journalled before the hash exists, so that no interrupt can leave a hash unjournalled
+        self.uncommitted.append(block.block_id)
         parent = self.blocks[seq.block_table[i - 1]].hash if i > 0 else None
         block.token_ids = seq.block_tokens(i)
         block.hash = hash_block(parent, block.token_ids)
-        self.hash_to_block.setdefault(block.hash, block.block_id)  # the first copy stays the one found
-        self.uncommitted.append(block.block_id)
+        self.hash_to_block.setdefault(block.hash, block.block_id)  # the first copy stays found
+
+    def _forget_hash(self, block: Block) -> None:
+        if block.hash is not None and self.hash_to_block.get(block.hash) == block.block_id:
+            del self.hash_to_block[block.hash]
+        block.hash, block.token_ids = None, []
 
     def _share(self, block_id: int) -> None:
         block = self.blocks[block_id]
@@ -189,9 +191,6 @@ class BlockManager:
     def _take_free_block(self) -> int:
         block_id, _ = self.free_block_ids.popitem(last=False)
         block = self.blocks[block_id]
-        if block.hash is not None:
-            if self.hash_to_block.get(block.hash) == block_id:
-                del self.hash_to_block[block.hash]
-            block.hash, block.token_ids = None, []
+        self._forget_hash(block)
         block.ref_count = 1
         return block_id

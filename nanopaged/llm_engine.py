@@ -1,9 +1,11 @@
-"""The engine loop: requests in, schedule a step, run it, record the tokens, outputs out."""
+"""The engine loop: requests in, schedule a step, run it, apply what it sampled, outputs out."""
 import itertools
 import os
 import time
+import warnings
 import weakref
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import numpy as np
 from tqdm.auto import tqdm
@@ -13,13 +15,25 @@ from nanopaged.block_manager import BlockManager
 from nanopaged.config import Config
 from nanopaged.model_runner import ModelRunner
 from nanopaged.outputs import Request, RequestOutput
+from nanopaged.sampler import SamplerOutput, TokenLogprobs
 from nanopaged.sampling_params import SamplingParams
-from nanopaged.scheduler import Scheduler
+from nanopaged.scheduler import ScheduledStep, Scheduler
 from nanopaged.sequence import Sequence
 
 # A text, token ids, or vLLM's {"prompt": text} / {"prompt_token_ids": ids}.
 Prompt = str | list[int] | dict
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+
+
+@dataclass
+class EngineStats:
+    """A snapshot of the engine's load: what `/metrics` serves."""
+    num_unfinished_requests: int
+    num_waiting_seqs: int  # not yet prefilled, or preempted
+    num_running_seqs: int
+    num_free_blocks: int
+    num_blocks: int
+    num_preemptions: int
 
 
 class LLMEngine:
@@ -30,7 +44,9 @@ class LLMEngine:
     `generate`, `chat` and `stream` refuse to start while such requests are unfinished (their
     outputs would be lost). Every request is checked before anything is queued: bad input is a
     ValueError and leaves the engine as it was. A step that raises (an error, Ctrl-C) aborts
-    every unfinished request; the prefix cache keeps only K/V that was written.
+    every unfinished request; the prefix cache keeps only K/V that was written. A failure in one
+    request's own bookkeeping (its text, its stop strings) ends that request alone, with its
+    `error` set.
     """
 
     def __init__(self, model: str, **options):
@@ -53,7 +69,9 @@ class LLMEngine:
                     request_id: str | None = None) -> str:
         """Queues one request (after checking it); returns its id."""
         self._check_open()
-        request = self._make_request(prompt, sampling_params, request_id)
+        return self._enqueue(self._make_request(prompt, sampling_params, request_id))
+
+    def _enqueue(self, request: Request) -> str:
         self.requests[request.request_id] = request
         self.scheduler.add(request.seqs[0])  # its other samples fork from it once it is prefilled
         return request.request_id
@@ -65,101 +83,155 @@ class LLMEngine:
             raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
         params.validate()
         text, token_ids = self._tokenize(prompt)
-        config, vocab_size = self.config, self.config.hf_config.vocab_size
-        if len(token_ids) >= config.max_model_len:
-            raise ValueError(f"prompt has {len(token_ids)} tokens; it must be shorter than "
-                             f"max_model_len={config.max_model_len}")
-        longest = min(len(token_ids) + (params.max_tokens or config.max_model_len), config.max_model_len)
-        blocks_needed = -(-longest // config.kvcache_block_size)
-        if blocks_needed > self.block_manager.num_blocks:
-            raise ValueError(f"request needs up to {blocks_needed} KV-cache blocks ({longest} tokens) "
-                             f"but the pool has only {self.block_manager.num_blocks}; lower "
-                             f"max_tokens or give the cache more memory")
-        if params.n > config.max_num_seqs:
-            raise ValueError(f"n={params.n} samples cannot run at once with max_num_seqs={config.max_num_seqs}")
-        if any(t >= vocab_size for t in params.stop_token_ids or ()):
-            raise ValueError(f"stop_token_ids {params.stop_token_ids} reach outside the vocabulary [0, {vocab_size})")
-        request_id = str(next(self._request_ids)) if request_id is None else request_id
+        self._check_fits(token_ids, params)
+        if request_id is None:
+            request_id = next(i for i in map(str, self._request_ids) if i not in self.requests)
         if not isinstance(request_id, str) or request_id in self.requests:
             raise ValueError(f"request_id must be a string not in use, got {request_id!r}")
         stop_token_ids = frozenset(params.stop_token_ids or ()) | (
             frozenset() if params.ignore_eos else self.eos_token_ids)
-        seqs = [Sequence(token_ids, params, config.kvcache_block_size, stop_token_ids, request_id, i)
-                for i in range(params.n)]
+        seqs = [Sequence(token_ids, params, self.config.kvcache_block_size, stop_token_ids,
+                         request_id, i) for i in range(params.n)]
         seqs[0].forks = seqs[1:]
         return Request(request_id, text, token_ids, params, seqs, self.tokenizer)
+
+    def _check_fits(self, token_ids: list[int], params: SamplingParams) -> None:
+        """Whether the engine can ever run the request: its length, its blocks, its samples."""
+        config, vocab_size = self.config, self.config.hf_config.vocab_size
+        if len(token_ids) >= config.max_model_len:
+            raise ValueError(f"prompt has {len(token_ids)} tokens; it must be shorter than "
+                             f"max_model_len={config.max_model_len}")
+        longest = min(len(token_ids) + (params.max_tokens or config.max_model_len),
+                      config.max_model_len)
+        blocks_needed = -(-longest // config.kvcache_block_size)
+        if blocks_needed > self.block_manager.num_blocks:
+            raise ValueError(f"request needs up to {blocks_needed} KV-cache blocks ({longest} "
+                             f"tokens) but the pool has only {self.block_manager.num_blocks}; "
+                             f"lower max_tokens or give the cache more memory")
+        if params.n > config.max_num_seqs:
+            raise ValueError(f"n={params.n} samples cannot run at once with "
+                             f"max_num_seqs={config.max_num_seqs}")
+        if any(t >= vocab_size for t in params.stop_token_ids or ()):
+            raise ValueError(f"stop_token_ids {params.stop_token_ids} reach outside the "
+                             f"vocabulary [0, {vocab_size})")
 
     def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
             if set(prompt) not in ({"prompt"}, {"prompt_token_ids"}):
-                raise ValueError(f"a prompt dict takes the key 'prompt' (a text) or 'prompt_token_ids', "
-                                 f"as vLLM's TextPrompt and TokensPrompt; got keys {sorted(prompt)}")
+                raise ValueError(f"a prompt dict takes the key 'prompt' (a text) or "
+                                 f"'prompt_token_ids', as vLLM's TextPrompt and TokensPrompt; "
+                                 f"got keys {sorted(prompt)}")
             prompt = next(iter(prompt.values()))
         if isinstance(prompt, str):
+            check_text(prompt, "prompt")
             text, token_ids = prompt, self.tokenizer.encode(prompt)
         elif isinstance(prompt, (list, tuple)):
             text, token_ids = None, [_token_id(t) for t in prompt]
         else:
-            raise ValueError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+            raise ValueError(f"a prompt must be a string or a list of token ids, got "
+                             f"{type(prompt).__name__}")
         if not token_ids:
             raise ValueError("prompt is empty")
         vocab_size = self.config.hf_config.vocab_size
         outside = next((t for t in token_ids if not 0 <= t < vocab_size), None)
         if outside is not None:
             raise ValueError(f"token id {outside} is outside the vocabulary [0, {vocab_size})"
-                             + (": the tokenizer does not match the model" if text is not None else ""))
+                             + (": the tokenizer does not match the model" if text else ""))
         return text, token_ids
 
     def abort(self, request_id: str) -> None:
         """Drops a request and frees its blocks; an unknown or finished id is ignored."""
-        request = self.requests.pop(request_id, None)
+        request = self.requests.get(request_id)
         if request is not None:
             self.scheduler.abort(request.seqs)
-            for seq in request.seqs:
-                self.model_runner.sampler.release(seq)
+            del self.requests[request_id]
 
     # ---- steps ----
 
     def step(self) -> list[RequestOutput]:
         """Runs one step; returns an output (cumulative so far) for every request that got
         tokens in it, `finished` on its last. Returns [] when nothing is queued."""
-        self._check_open()
-        return [self._output(request) for request in self._step()[0]]
+        return [self._output(request) for request in self.run_step()[1]]
 
-    def _step(self) -> tuple[list[Request], int, bool]:
-        """Returns the requests that advanced, the number of tokens run, and whether any was a
-        prompt token."""
+    def run_step(self) -> tuple[ScheduledStep, list[Request]]:
+        """`step()` without the outputs: schedules a step, runs it and applies what it sampled;
+        returns the step and the requests that got tokens in it. `generate` loops on this."""
+        self._check_open()
         try:
-            seqs, is_prefill = self.scheduler.schedule()
-            if not seqs:
-                assert self.is_finished(), "requests are queued but none can be scheduled"
-                return [], 0, False
-            tokens, logprobs = self.model_runner.run(seqs, is_prefill, self.block_manager.block_copies)
-            self.block_manager.commit()
-            advanced = {}
-            now = time.perf_counter()
-            for seq, seq_logprobs in zip(self.scheduler.postprocess(seqs, tokens), logprobs):
-                request = advanced[seq.request_id] = self.requests[seq.request_id]
-                stop = request.record(seq, seq_logprobs, now)
-                if stop is not None:
-                    self.scheduler.finish(seq, "stop", stop)
-                if seq.finish_reason is not None:
-                    self.model_runner.sampler.release(seq)
-                    if request.finished:
-                        request.metrics.finish_time = now
+            step = self.scheduler.schedule()
+            if not step.seqs:
+                assert self.scheduler.is_finished(), "requests are queued but none can run"
+                return step, []
+            sampled = self.model_runner.run(step)
+            self.block_manager.commit()  # the step's K/V is written: its hashes may be served
+            return step, self._apply(step, sampled)
         except BaseException:
             self._abort_all()
             raise
-        num_tokens = sum(seq.num_scheduled_tokens for seq in seqs) if is_prefill else len(seqs)
-        return list(advanced.values()), num_tokens, is_prefill
+
+    def _apply(self, step: ScheduledStep, sampled: SamplerOutput) -> list[Request]:
+        """Appends each sampling row's tokens to its sequence, deciding after each token whether
+        the sequence stops; finished sequences leave the scheduler with their blocks freed.
+        Returns the requests that got tokens, in the order of their first row."""
+        now, advanced = time.perf_counter(), {}
+        for seq, token_ids, logprobs in zip(step.samplers, sampled.token_ids, sampled.logprobs):
+            request = advanced[seq.request_id] = self.requests[seq.request_id]
+            if seq.finish_reason is not None:  # its request failed earlier in this step
+                continue
+            try:
+                self._append(request, seq, token_ids, logprobs, now)
+            except Exception as error:  # one request's own failure ends it alone
+                self._fail(request, error)
+        return list(advanced.values())
+
+    def _append(self, request: Request, seq: Sequence, token_ids: list[int],
+                logprobs: list[TokenLogprobs] | None, now: float) -> None:
+        for i, token_id in enumerate(token_ids):
+            seq.token_ids.append(token_id)
+            request.record(seq, None if logprobs is None else logprobs[i], now)
+            stop = self._stop(request, seq)
+            if stop is not None:
+                self.scheduler.finish(seq, *stop)
+                if request.finished:
+                    request.metrics.finish_time = now
+                return  # tokens after a stop are dropped
+
+    def _stop(self, request: Request, seq: Sequence) -> tuple[str, int | str | None] | None:
+        """Whether `seq` stops at its last token, and why, decided in vLLM's order: not before
+        min_tokens, then EOS and the stop token ids, stop strings, max_model_len, max_tokens."""
+        params, last = seq.sampling_params, seq.token_ids[-1]
+        if last in seq.stop_token_ids and seq.num_completion_tokens >= params.min_tokens:
+            return "stop", last if last in (params.stop_token_ids or ()) else None
+        stop_string = request.stop_string(seq)  # None before min_tokens
+        if stop_string is not None:
+            return "stop", stop_string
+        if len(seq) >= self.config.max_model_len or seq.num_completion_tokens == params.max_tokens:
+            return "length", None
+        return None
+
+    def _fail(self, request: Request, error: Exception) -> None:
+        request.error = f"{type(error).__name__}: {error}"
+        request.metrics.finish_time = time.perf_counter()
+        self.scheduler.abort(request.seqs)
 
     def _output(self, request: Request) -> RequestOutput:
-        if request.finished:
+        """The request's output so far; a finished request leaves the engine with it."""
+        try:
+            output = request.output()
+        except Exception as error:
+            self._fail(request, error)
+            output = request.output(with_text=False)
+        if output.finished:
             self.requests.pop(request.request_id, None)
-        return request.output()
+        return output
 
     def is_finished(self) -> bool:
         return self.scheduler.is_finished()
+
+    def stats(self) -> EngineStats:
+        scheduler, pool = self.scheduler, self.block_manager
+        return EngineStats(len(self.requests), len(scheduler.waiting), len(scheduler.running),
+                           pool.num_free_blocks, pool.num_blocks, scheduler.num_preemptions)
 
     def _abort_all(self) -> None:
         """After a failed or interrupted step: nothing half-run stays behind."""
@@ -175,37 +247,33 @@ class LLMEngine:
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Generates the completions of every prompt; returns one output per prompt, in order."""
         self._check_idle("generate")
-        if isinstance(prompts, (str, dict)) or _is_token_ids(prompts):
-            prompts = [prompts]
-        if not isinstance(prompts, (list, tuple)):
-            raise ValueError(f"prompts must be a prompt or a list of prompts, got {type(prompts).__name__}"
-                             + (" (pass array.tolist())" if isinstance(prompts, np.ndarray) else ""))
-        if not isinstance(sampling_params, (list, tuple)):
-            sampling_params = [sampling_params] * len(prompts)
-        if len(sampling_params) != len(prompts):
-            raise ValueError(f"got {len(prompts)} prompts but {len(sampling_params)} sampling params")
+        prompts, sampling_params = _as_batch(prompts, sampling_params)
         requests = [self._make_request(p, sp) for p, sp in zip(prompts, sampling_params)]
-        for request in requests:
-            self.requests[request.request_id] = request
-            self.scheduler.add(request.seqs[0])
-        self._run(len(requests), use_tqdm)
-        return [self._output(request) for request in requests]
+        try:
+            for request in requests:
+                self._enqueue(request)
+            self._run(len(requests), use_tqdm)
+            outputs = [self._output(request) for request in requests]
+        finally:
+            if self.requests:  # interrupted: no request of this call may stay behind
+                self._abort_all()
+        for output in outputs:
+            if output.error is not None:
+                warnings.warn(f"request {output.request_id} failed: {output.error}")
+        return outputs
 
     def _run(self, num_requests: int, use_tqdm: bool) -> None:
         bar = tqdm(total=num_requests, desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
         rates = {"prefill": 0.0, "decode": 0.0}
-        try:
+        with bar:
             while not self.is_finished():
                 start = time.perf_counter()
-                advanced, num_tokens, is_prefill = self._step()
-                rates["prefill" if is_prefill else "decode"] = num_tokens / (time.perf_counter() - start)
+                step, advanced = self.run_step()
+                seconds = time.perf_counter() - start
+                rates["prefill" if step.ragged else "decode"] = step.num_scheduled_tokens / seconds
                 bar.set_postfix_str(", ".join(f"{k} {v:,.0f} tok/s" for k, v in rates.items()),
                                     refresh=False)  # update() redraws, at most every 0.1 s
                 bar.update(sum(request.finished for request in advanced))
-        finally:
-            bar.close()
-            if not self.is_finished():  # interrupted between two steps
-                self._abort_all()
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | list[SamplingParams] | None = None,
@@ -216,28 +284,41 @@ class LLMEngine:
             raise ValueError("the checkpoint's tokenizer has no chat template; pass chat_template= "
                              "or format the prompt yourself and call generate()")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [{"prompt_token_ids": self.tokenizer.apply_chat_template(
-            conversation, chat_template=chat_template, add_generation_prompt=True, tokenize=True,
-            return_dict=False)} for conversation in conversations]
+        prompts = [{"prompt_token_ids": self.render_chat(conversation, chat_template)}
+                   for conversation in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
-    def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[str]:
+    def render_chat(self, messages: list[dict], chat_template: str | None = None) -> list[int]:
+        """The token ids of a conversation through the chat template, ready for a reply."""
+        try:
+            return self.tokenizer.apply_chat_template(
+                messages, chat_template=chat_template, add_generation_prompt=True,
+                tokenize=True, return_dict=False)
+        except Exception as error:
+            raise ValueError(f"cannot render the conversation with the chat template: "
+                             f"{type(error).__name__}: {error}") from None
+
+    def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None
+               ) -> Iterator[str]:
         """Yields the text of one completion as it grows: `for delta in llm.stream(prompt):`.
         Leaving the loop early aborts the request."""
         self._check_idle("stream")
         if sampling_params is not None and getattr(sampling_params, "n", 1) != 1:
-            raise ValueError("stream() follows one completion; for n > 1 use add_request() and step()")
-        request_id = self.add_request(prompt, sampling_params)
+            raise ValueError("stream() follows one completion; for n > 1 use add_request() "
+                             "and step()")
+        request = self._make_request(prompt, sampling_params)
         shown = 0
         try:
-            while request_id in self.requests:
+            self._enqueue(request)
+            while request.request_id in self.requests:
                 for output in self.step():
                     text = output.outputs[0].text
                     if text[shown:]:
                         yield text[shown:]
                     shown = len(text)
         finally:
-            self.abort(request_id)
+            if self.requests:  # left early, or interrupted
+                self._abort_all()
 
     # ---- life ----
 
@@ -248,8 +329,9 @@ class LLMEngine:
     def _check_idle(self, method: str) -> None:
         self._check_open()
         if self.requests:
-            raise ValueError(f"{len(self.requests)} requests added with add_request() are unfinished; "
-                             f"run step() until is_finished() or abort() them before {method}()")
+            raise ValueError(f"{len(self.requests)} requests added with add_request() are "
+                             f"unfinished; run step() until is_finished() or abort() them "
+                             f"before {method}()")
 
     def close(self) -> None:
         """Stops the tensor-parallel worker processes, if any. The engine is unusable after."""
@@ -266,10 +348,35 @@ class LLM(LLMEngine):
     """The user-facing engine, named as in vLLM."""
 
 
+def check_text(text: str, what: str) -> None:
+    """A ValueError naming `what` when `text` cannot be encoded (a lone UTF-16 surrogate)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise ValueError(f"{what} is not valid Unicode: it holds the lone surrogate "
+                         f"{text[error.start]!r} at position {error.start}") from None
+
+
+def _as_batch(prompts, sampling_params) -> tuple[list, list]:
+    """`generate`'s arguments as a list of prompts and a list of as many sampling params."""
+    if isinstance(prompts, (str, dict)) or _is_token_ids(prompts):
+        prompts = [prompts]
+    if not isinstance(prompts, (list, tuple)):
+        raise ValueError(f"prompts must be a prompt or a list of prompts, got "
+                         f"{type(prompts).__name__}"
+                         + (" (pass array.tolist())" if isinstance(prompts, np.ndarray) else ""))
+    if not isinstance(sampling_params, (list, tuple)):
+        sampling_params = [sampling_params] * len(prompts)
+    if len(sampling_params) != len(prompts):
+        raise ValueError(f"got {len(prompts)} prompts but {len(sampling_params)} sampling params")
+    return list(prompts), list(sampling_params)
+
+
 def _load_tokenizer(path: str) -> PreTrainedTokenizerBase:
     # without these, transformers makes an empty tokenizer rather than fail
     if not any(os.path.exists(os.path.join(path, f)) for f in TOKENIZER_FILES):
-        raise ValueError(f"cannot load the tokenizer of {path!r}: it has none of {', '.join(TOKENIZER_FILES)}")
+        raise ValueError(f"cannot load the tokenizer of {path!r}: it has none of "
+                         f"{', '.join(TOKENIZER_FILES)}")
     try:
         return AutoTokenizer.from_pretrained(path)
     except Exception as error:
@@ -277,7 +384,8 @@ def _load_tokenizer(path: str) -> PreTrainedTokenizerBase:
 
 
 def _is_token_ids(prompt) -> bool:
-    return isinstance(prompt, (list, tuple)) and len(prompt) > 0 and isinstance(prompt[0], (int, np.integer))
+    return (isinstance(prompt, (list, tuple)) and len(prompt) > 0
+            and isinstance(prompt[0], (int, np.integer)))
 
 
 def _token_id(value) -> int:

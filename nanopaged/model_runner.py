@@ -12,8 +12,9 @@ from nanopaged.config import Config
 from nanopaged.cuda_graphs import DecodeGraphs
 from nanopaged.loader import load_weights
 from nanopaged.model import CausalLM
-from nanopaged.sampler import Sampler, TokenLogprobs
+from nanopaged.sampler import Sampler, SamplerOutput
 from nanopaged.sampling_params import SamplingParams
+from nanopaged.scheduler import ScheduledStep
 from nanopaged.sequence import Sequence
 
 # On CPU the KV cache takes at most this share of the RAM available at start-up.
@@ -23,10 +24,10 @@ CPU_KV_CACHE_FRACTION = 0.25
 @dataclass
 class StepInputs:
     """One step's model inputs as host arrays: built by rank 0, sent as they are to the other
-    ranks. Prefill steps fill the `cu_seqlens` (a ragged batch); `logits_indices` picks the
-    rows whose next token is sampled (a row twice for two samples of one prompt);
-    `block_copies` (K, 2) lists the copy-on-write block copies to make before the step."""
-    is_prefill: bool
+    ranks. Ragged steps (prompt chunks) fill the `cu_seqlens`; `logits_indices` picks the rows
+    whose next token is sampled (a row twice for two samples of one prompt); `block_copies`
+    (K, 2) lists the copy-on-write block copies to make before the step."""
+    ragged: bool
     block_copies: np.ndarray
     input_ids: np.ndarray
     positions: np.ndarray
@@ -141,13 +142,12 @@ class ModelRunner:
         config = self.config
         seq_len = min(config.max_num_batched_tokens, config.max_model_len)
         num_seqs = max(1, min(config.max_num_batched_tokens // seq_len, config.max_num_seqs))
-        seqs = [_dummy_sequence(seq_len, self.block_size) for _ in range(num_seqs)]
-        self.execute(self.prepare_inputs(seqs, is_prefill=True))
+        self.execute(self.prepare_inputs(_profiling_step(num_seqs, seq_len, self.block_size)))
         if self.sampler:
             vocab_size = self.config.hf_config.vocab_size
             logits = torch.randn(config.max_num_seqs, vocab_size, device=self.device)
-            self.sampler(logits, [_dummy_sequence(1, self.block_size, temperature=1.0, top_p=0.9)
-                                  for _ in range(config.max_num_seqs)])
+            params = SamplingParams(temperature=1.0, top_p=0.9)
+            self.sampler(logits, [Sequence([0], params, 1)] * config.max_num_seqs)
             del logits
         torch.cuda.synchronize()
         free, total = torch.cuda.mem_get_info()
@@ -159,49 +159,45 @@ class ModelRunner:
     def _compile_sampler(self) -> None:
         """torch.compile specialises on batches of one: compile both kinds now, not mid-run."""
         vocab_size = self.config.hf_config.vocab_size
+        seq = Sequence([0], SamplingParams(temperature=1.0), 1)
         for batch_size in (1, 2):
             logits = torch.randn(batch_size, vocab_size, device=self.device)
-            self.sampler(logits, [_dummy_sequence(1, self.block_size, temperature=1.0)] * batch_size)
+            self.sampler(logits, [seq] * batch_size)
 
     # ---- inputs ----
 
-    def prepare_inputs(self, seqs: list[Sequence], is_prefill: bool,
-                       block_copies: list[tuple[int, int]] = ()) -> StepInputs:
+    def prepare_inputs(self, step: ScheduledStep) -> StepInputs:
         """The step's model inputs, as host arrays: all the host work of a step but scheduling."""
-        copies = np.array(block_copies, dtype=np.int64).reshape(-1, 2)
-        return self._prepare_prefill(seqs, copies) if is_prefill else self._prepare_decode(seqs, copies)
+        copies = np.array(step.block_copies, dtype=np.int64).reshape(-1, 2)
+        return self._prepare_ragged(step, copies) if step.ragged else self._prepare_decode(step, copies)
 
-    def _prepare_prefill(self, seqs: list[Sequence], block_copies: np.ndarray) -> StepInputs:
-        input_ids, positions, slots, logits_indices = [], [], [], []
-        cu_seqlens_q, cu_seqlens_k = [0], [0]
-        for seq in seqs:
-            start, end = seq.num_computed_tokens, seq.num_computed_tokens + seq.num_scheduled_tokens
-            pos = np.arange(start, end)
-            input_ids.append(np.asarray(seq.token_ids[start:end]))
+    def _prepare_ragged(self, step: ScheduledStep, block_copies: np.ndarray) -> StepInputs:
+        input_ids, positions, slots = [], [], []
+        for seq, start, num_tokens in zip(step.seqs, step.starts, step.num_tokens):
+            pos = np.arange(start, start + num_tokens)
+            input_ids.append(np.asarray(seq.token_ids[start:start + num_tokens]))
             positions.append(pos)
             slots.append(self._slots(seq, pos))
-            cu_seqlens_q.append(cu_seqlens_q[-1] + end - start)
-            cu_seqlens_k.append(cu_seqlens_k[-1] + end)
-            if seq.samples_this_step:
-                logits_indices += [cu_seqlens_q[-1] - 1] * len(seq.samplers)
+        cu_seqlens_q = np.cumsum([0, *step.num_tokens])
+        context_lens = np.add(step.starts, step.num_tokens)
         return StepInputs(
-            is_prefill=True, block_copies=block_copies, input_ids=np.concatenate(input_ids),
+            ragged=True, block_copies=block_copies, input_ids=np.concatenate(input_ids),
             positions=np.concatenate(positions), slot_mapping=np.concatenate(slots),
-            context_lens=np.diff(cu_seqlens_k), block_tables=self._block_tables(seqs),
-            logits_indices=np.array(logits_indices, dtype=np.int64),
-            cu_seqlens_q=np.array(cu_seqlens_q), cu_seqlens_k=np.array(cu_seqlens_k),
-            max_seqlen_q=max(s.num_scheduled_tokens for s in seqs))
+            context_lens=context_lens, block_tables=self._block_tables(step.seqs),
+            logits_indices=cu_seqlens_q[1:][step.sample_rows] - 1,
+            cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=np.cumsum([0, *context_lens]),
+            max_seqlen_q=max(step.num_tokens))
 
-    def _prepare_decode(self, seqs: list[Sequence], block_copies: np.ndarray) -> StepInputs:
-        positions = np.array([len(seq.token_ids) for seq in seqs]) - 1
+    def _prepare_decode(self, step: ScheduledStep, block_copies: np.ndarray) -> StepInputs:
+        positions = np.array(step.starts)
         # the token being decoded lives in the last block of its sequence
-        last_blocks = np.array([seq.block_table[-1] for seq in seqs])
+        last_blocks = np.array([seq.block_table[-1] for seq in step.seqs])
         return StepInputs(
-            is_prefill=False, block_copies=block_copies,
-            input_ids=np.array([seq.token_ids[-1] for seq in seqs]),
-            positions=positions, slot_mapping=last_blocks * self.block_size + positions % self.block_size,
-            context_lens=positions + 1, block_tables=self._block_tables(seqs),
-            logits_indices=np.arange(len(seqs)))
+            ragged=False, block_copies=block_copies,
+            input_ids=np.array([seq.token_ids[-1] for seq in step.seqs]), positions=positions,
+            slot_mapping=last_blocks * self.block_size + positions % self.block_size,
+            context_lens=positions + 1, block_tables=self._block_tables(step.seqs),
+            logits_indices=np.arange(len(step.seqs)))
 
     def _slots(self, seq: Sequence, positions: np.ndarray) -> np.ndarray:
         block_table = np.asarray(seq.block_table)
@@ -226,28 +222,24 @@ class ModelRunner:
     # ---- running ----
 
     @torch.inference_mode()
-    def run(self, seqs: list[Sequence], is_prefill: bool, block_copies: list[tuple[int, int]] = ()
-            ) -> tuple[list[int], list[TokenLogprobs | None]]:
-        """One step (rank 0): first makes the `block_copies`, then returns the next token of
-        every sequence that samples (see `Sequence.samplers`), and its logprobs if asked for."""
-        inputs = self.prepare_inputs(seqs, is_prefill, block_copies)
+    def run(self, step: ScheduledStep) -> SamplerOutput:
+        """One step (rank 0): makes its block copies, runs the model, and samples every row of
+        `step.samplers`."""
+        inputs = self.prepare_inputs(step)
         if not self.workers:
-            return self._run_and_sample(inputs, seqs)
+            return self._run_and_sample(inputs, step)
         with parallel.in_lockstep(self.workers):
             parallel.broadcast(inputs, self.control_group, self.workers)
-            return self._run_and_sample(inputs, seqs)
+            return self._run_and_sample(inputs, step)
 
-    def _run_and_sample(self, inputs: StepInputs, seqs: list[Sequence]
-                        ) -> tuple[list[int], list[TokenLogprobs | None]]:
+    def _run_and_sample(self, inputs: StepInputs, step: ScheduledStep) -> SamplerOutput:
         logits = self.execute(inputs)
         if logits is None:
-            return [], []
-        sampling = ([s for seq in seqs if seq.samples_this_step for s in seq.samplers]
-                    if inputs.is_prefill else seqs)  # in a decode step every sequence samples, once
-        tokens, logprobs = self.sampler(logits, sampling)
+            return SamplerOutput([], [])
+        sampled = self.sampler(logits, step.samplers)
         if self.workers and self.device.type == "cuda":
             parallel.wait_for_gpu(self.workers)
-        return tokens.tolist(), logprobs
+        return sampled
 
     @torch.inference_mode()
     def execute(self, inputs: StepInputs) -> torch.Tensor | None:
@@ -257,7 +249,7 @@ class ModelRunner:
             source, destination = torch.as_tensor(inputs.block_copies, device=self.device).T
             self.kv_cache[:, :, destination] = self.kv_cache[:, :, source]
         meta = AttentionMetadata(
-            is_prefill=inputs.is_prefill,
+            ragged=inputs.ragged,
             slot_mapping=self._to_device(inputs.slot_mapping, torch.int64),
             context_lens=self._to_device(inputs.context_lens, torch.int32),
             block_tables=self._to_device(inputs.block_tables, torch.int32),
@@ -269,13 +261,13 @@ class ModelRunner:
                                  self._to_device(inputs.positions, torch.int64), meta)
         if len(inputs.logits_indices) == 0:
             return None
-        if inputs.is_prefill:  # a decode step samples every row, once
+        if inputs.ragged:  # a decode step samples every row, once
             hidden = hidden[self._to_device(inputs.logits_indices, torch.int64)]
         return self.model.compute_logits(hidden)
 
     def _run_model(self, input_ids: torch.Tensor, positions: torch.Tensor,
                    meta: AttentionMetadata) -> torch.Tensor:
-        if meta.is_prefill or self.graphs is None or input_ids.shape[0] > self.graphs.max_batch:
+        if meta.ragged or self.graphs is None or input_ids.shape[0] > self.graphs.max_batch:
             return self.model(input_ids, positions, meta)
         return self.graphs.replay(input_ids, positions, meta)
 
@@ -290,12 +282,14 @@ def run_worker(config: Config, rank: int) -> None:
     runner.close()
 
 
-def _dummy_sequence(length: int, block_size: int, **sampling) -> Sequence:
-    """A sequence for profiling runs: its tokens are computed in one step, all into block 0."""
-    seq = Sequence([0] * length, SamplingParams(**sampling), block_size)
-    seq.num_scheduled_tokens = length
-    seq.block_table = [0] * seq.num_blocks
-    return seq
+def _profiling_step(num_seqs: int, length: int, block_size: int) -> ScheduledStep:
+    """The largest prefill step: `num_seqs` prompts of `length` tokens, all in block 0."""
+    step = ScheduledStep()
+    for _ in range(num_seqs):
+        seq = Sequence([0] * length, SamplingParams(), block_size)
+        seq.block_table = [0] * seq.num_blocks
+        step.add(seq, length)
+    return step
 
 
 def _mem_available_bytes() -> int:

@@ -22,7 +22,7 @@ class Logprob:
 class CompletionOutput:
     """One completion of a request. `token_ids` keeps a stop token; `text` drops it and a stop
     string unless `include_stop_str_in_output`. `finish_reason` is "stop" (EOS, a stop token or
-    string, named by `stop_reason`; None for EOS) or "length", and None while it runs."""
+    string, named by `stop_reason`; None for EOS), "length" or "abort", and None while it runs."""
     index: int
     text: str
     token_ids: list[int]
@@ -46,7 +46,9 @@ class RequestMetrics:
 @dataclass
 class RequestOutput:
     """A request's completions so far (all of them once `finished`). `prompt` is None for a
-    prompt given as token ids; `num_cached_tokens` counts prompt tokens the prefix cache served."""
+    prompt given as token ids; `num_cached_tokens` counts prompt tokens the prefix cache served.
+    `error` says why a request that failed on its own ended (its completions then end with
+    finish_reason "abort")."""
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
@@ -54,24 +56,30 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int
     metrics: RequestMetrics
+    error: str | None = None
 
 
 class Detokenizer:
     """The text of one completion, decoded as its tokens come and cut at the first stop string.
 
     Each update decodes a short window only: the tokens since the last whole character, after
-    the tokens read before them (a tokenizer may decode a token differently at the start of a
-    text). A character split across tokens waits for its last byte, so the text grows by whole
-    characters, and the growth concatenates to the final text, `tokenizer.decode` of the
-    completion. While stop strings may still match, the text shown holds back their length
-    less one character.
+    the tokens read before them, starting with the prompt's last few (a tokenizer may decode a
+    token differently at the start of a text: SentencePiece drops a leading space). The window
+    moves on only when the text grew, so a special token that prints nothing never starts it. A
+    character split across tokens waits for its last byte, so the text grows by whole
+    characters, and the growth concatenates to the final text. While stop strings may still
+    match, the text shown holds back their length less one character.
     """
+    PROMPT_CONTEXT = 5  # prompt tokens decoded before the first completion token, as vLLM
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, params: SamplingParams):
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, params: SamplingParams,
+                 prompt_token_ids: list[int]):
         self.tokenizer = tokenizer
         self.params = params
-        self.token_ids: list[int] = []  # the completion's, less a stop token left out of the text
-        self.prefix_offset = self.read_offset = 0
+        # the window's tokens: the prompt's last few, then the completion's, less a stop token
+        self.token_ids = list(prompt_token_ids[-self.PROMPT_CONTEXT:])
+        self.prefix_offset, self.read_offset = 0, len(self.token_ids)
+        self.num_read = 0  # completion tokens read
         self.text = ""
         self.stopped = False
         self.stop_strings = params.stop_strings
@@ -79,23 +87,28 @@ class Detokenizer:
         self.held_back = 0 if params.include_stop_str_in_output else max(0, longest - 1)
 
     def update(self, seq: Sequence) -> str | None:
-        """Reads the tokens `seq` added since the last call; returns the stop string found, if any."""
+        """Reads the tokens `seq` added since the last call; returns the stop string found, if
+        any (none before `min_tokens`)."""
         if self.stopped:
             return None
-        new = seq.completion_token_ids[len(self.token_ids):]
+        new = seq.token_ids[seq.num_prompt_tokens + self.num_read:]
+        self.num_read += len(new)
         stopped_by_token = seq.finish_reason == "stop" and not isinstance(seq.stop_reason, str)
         if new and stopped_by_token and not self.params.include_stop_str_in_output:
             new = new[:-1]
         self.token_ids += new
         if self.read_offset == len(self.token_ids):
             return None  # nothing left to decode
-        skip = self.params.skip_special_tokens
-        before = self.tokenizer.decode(self.token_ids[self.prefix_offset:self.read_offset], skip_special_tokens=skip)
-        after = self.tokenizer.decode(self.token_ids[self.prefix_offset:], skip_special_tokens=skip)
-        if after.endswith("\ufffd") and seq.finish_reason is None:
-            return None  # a character split across tokens: wait for its other bytes
+        before = self._decode(self.token_ids[self.prefix_offset:self.read_offset])
+        after = self._decode(self.token_ids[self.prefix_offset:])
+        split = after.endswith("\ufffd") and seq.finish_reason is None
+        if len(after) <= len(before) or split:
+            return None  # no whole new character yet (or a special token that prints nothing)
         self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
         return self._append(after[len(before):], seq)
+
+    def _decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=self.params.skip_special_tokens)
 
     def _append(self, delta: str, seq: Sequence) -> str | None:
         old_length = len(self.text)
@@ -127,16 +140,17 @@ class Request:
         self.seqs = seqs
         self.tokenizer = tokenizer
         self.metrics = RequestMetrics(arrival_time=time.perf_counter())
-        self.detokenizers = [Detokenizer(tokenizer, params) for _ in seqs]
+        self.detokenizers = [Detokenizer(tokenizer, params, prompt_token_ids) for _ in seqs]
         self.logprobs: list[list[dict[int, Logprob]]] = [[] for _ in seqs]
         self.cumulative_logprobs = [0.0] * len(seqs)
+        self.error: str | None = None
 
     @property
     def finished(self) -> bool:
         return all(seq.finish_reason is not None for seq in self.seqs)
 
-    def record(self, seq: Sequence, logprobs: TokenLogprobs | None, now: float) -> str | None:
-        """Takes note of the token `seq` just got; returns the stop string its text now reaches."""
+    def record(self, seq: Sequence, logprobs: TokenLogprobs | None, now: float) -> None:
+        """Takes note of the token `seq` just got, and of its logprobs."""
         if self.metrics.first_token_time is None:
             self.metrics.first_token_time = now
         if logprobs is not None:
@@ -147,15 +161,19 @@ class Request:
             self.logprobs[seq.index].append({t: Logprob(lp, rank, self.tokenizer.decode([t]))
                                              for t, lp, rank in entries})
             self.cumulative_logprobs[seq.index] += logprobs.logprob
-        if self.detokenizers[seq.index].stop_strings:  # only these need the text at every step
+
+    def stop_string(self, seq: Sequence) -> str | None:
+        """The stop string that `seq`'s text now reaches, if any."""
+        if self.detokenizers[seq.index].stop_strings:  # only these need the text at every token
             return self.detokenizers[seq.index].update(seq)
         return None
 
-    def output(self) -> RequestOutput:
+    def output(self, with_text: bool = True) -> RequestOutput:
         """The request's completions so far, their text brought up to date."""
         outputs, with_logprobs = [], self.params.logprobs is not None
         for seq, detokenizer in zip(self.seqs, self.detokenizers):
-            detokenizer.update(seq)
+            if with_text:
+                detokenizer.update(seq)
             outputs.append(CompletionOutput(
                 index=seq.index, text=detokenizer.visible_text(seq.finish_reason is not None),
                 token_ids=seq.completion_token_ids,
@@ -163,4 +181,5 @@ class Request:
                 logprobs=list(self.logprobs[seq.index]) if with_logprobs else None,
                 finish_reason=seq.finish_reason, stop_reason=seq.stop_reason))
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outputs,
-                             self.finished, self.seqs[0].num_cached_tokens, self.metrics)
+                             self.finished, self.seqs[0].num_cached_tokens, self.metrics,
+                             self.error)

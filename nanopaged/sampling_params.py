@@ -1,8 +1,8 @@
 """How one request samples and when it stops, with vLLM's names and meanings."""
-import math
 from dataclasses import dataclass
 
 MAX_LOGPROBS = 20  # as vLLM's default max_logprobs
+FLOAT32_MAX = 3.4028234663852886e38  # the sampler works in float32
 
 
 @dataclass
@@ -49,14 +49,15 @@ class SamplingParams:
             _check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS)
         if self.seed is not None:
             _check_int("seed", self.seed, -2 ** 63, 2 ** 64 - 1)  # what torch.Generator takes
-        if not _is_number(self.temperature) or not 0 <= self.temperature < math.inf:
+        if not _is_number(self.temperature) or not 0 <= self.temperature <= FLOAT32_MAX:
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
         if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
         for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
-        if not all(isinstance(s, str) and s for s in self.stop_strings):
+        if self.stop is not None and not (isinstance(self.stop, (str, list, tuple)) and all(
+                isinstance(s, str) and s for s in self.stop_strings)):
             raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
         if not isinstance(self.stop_token_ids or [], (list, tuple, set)):
             raise ValueError(f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}")

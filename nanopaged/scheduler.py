@@ -1,37 +1,79 @@
-"""Decides which sequences run in the next step, and records what each step sampled."""
+"""Decides what the next step runs: which sequences, how many tokens each, which rows sample."""
 from collections import deque
+from dataclasses import dataclass, field
 
 from nanopaged.block_manager import BlockManager
 from nanopaged.config import Config
 from nanopaged.sequence import Sequence
 
 
+@dataclass
+class ScheduledStep:
+    """One step as the scheduler decided it: the record the runner and the engine work from.
+
+    The model runs `num_tokens[i]` tokens of `seqs[i]` from position `starts[i]`. Each row of
+    sampling is a sequence of `samplers`, sampled from the logits of the last token that
+    `seqs[sample_rows[j]]` runs: a sequence whose step reaches its last token samples once, and
+    on the step that ends its prompt its forks sample from the same row. A step is a plain
+    decode step when every sequence runs just its last token and samples once; any other step
+    (prompt chunks, forks) is `ragged`. `block_copies` lists the copy-on-write (source,
+    destination) block copies to make before the model runs.
+    """
+    seqs: list[Sequence] = field(default_factory=list)
+    starts: list[int] = field(default_factory=list)
+    num_tokens: list[int] = field(default_factory=list)
+    samplers: list[Sequence] = field(default_factory=list)
+    sample_rows: list[int] = field(default_factory=list)
+    ragged: bool = False
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
+
+    def add(self, seq: Sequence, num_tokens: int) -> None:
+        """Runs `num_tokens` more tokens of `seq`; it samples if they reach its last token."""
+        start = seq.num_computed_tokens
+        self.seqs.append(seq)
+        self.starts.append(start)
+        self.num_tokens.append(num_tokens)
+        self.ragged = self.ragged or num_tokens != 1 or start + 1 != len(seq)
+        if start + num_tokens == len(seq):
+            self.samplers.append(seq)
+            self.sample_rows.append(len(self.seqs) - 1)
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return sum(self.num_tokens)
+
+
 class Scheduler:
     """Two queues: `waiting` (not yet prefilled, or preempted) and `running` (decoding).
 
     Prefill admits waiting sequences in order while the token budget
-    (`max_num_batched_tokens`), `max_num_seqs` and free blocks allow; only the last prompt of a
-    step can overflow the budget, and is then prefilled in chunks over several steps. Decode
-    gives each running sequence one token, oldest first, up to the token budget; when the
-    pool has no block for one, the newest running sequence is preempted: its blocks are freed
-    and it goes back to the front of `waiting` (behind a prompt being prefilled in chunks), to be
-    recomputed later (its prefix blocks often still sit in the cache).
+    (`max_num_batched_tokens`), `max_num_seqs` (a request's n samples count n times) and free
+    blocks allow; only the last prompt of a step can overflow the budget, and is then prefilled
+    in chunks over several steps. Decode gives each running sequence one token, oldest first,
+    up to the token budget; when the pool has no block for one, the newest running sequence is
+    preempted: its blocks are freed and it goes back to the front of `waiting` (behind a prompt
+    being prefilled in chunks), to be recomputed later (its prefix blocks often still sit in the
+    cache).
 
     The `prefill-first` policy runs a prefill step whenever a prompt can be admitted, else a
-    decode step. The `mixed` policy (as vLLM V1 and Sarathi-Serve) decodes every running
-    sequence in each step and spends the rest of the budget on prefill chunks, so that a long
-    prompt never stalls the others' decoding.
+    decode step; but between two chunks of one prompt the running sequences decode, so that a
+    long prompt stalls them for at most one step of `max_num_batched_tokens` tokens at a time.
+    The `mixed` policy (as vLLM V1 and Sarathi-Serve) decodes every running sequence in each
+    step and spends the rest of the budget on prefill chunks.
+
+    A scheduled step is booked at once: each sequence's `num_computed_tokens` counts the tokens
+    the step computes, and a prompt's forks join `running` with a share of its blocks.
     """
 
     def __init__(self, config: Config, block_manager: BlockManager):
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
-        self.max_model_len = config.max_model_len
         self.mixed = config.scheduling == "mixed"
         self.block_manager = block_manager
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
         self.num_preemptions = 0
+        self.decode_next = False  # prefill-first: a prompt chunk ran, the decodes go next
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -39,45 +81,63 @@ class Scheduler:
     def is_finished(self) -> bool:
         return not self.waiting and not self.running
 
-    def schedule(self) -> tuple[list[Sequence], bool]:
-        """Returns the sequences of the next step (none when there is nothing to run) and whether
-        the step runs prompt tokens (a ragged batch) rather than only decodes. Sets each
-        sequence's `num_scheduled_tokens`."""
+    def schedule(self) -> ScheduledStep:
+        """The next step (with no sequences when there is nothing to run), booked."""
+        step = ScheduledStep()
         if self.mixed:
-            decode = self._schedule_decode()
-            prefill = self._schedule_prefill(self.max_num_batched_tokens - len(decode))
-            return decode + prefill, bool(prefill)
-        prefill = self._schedule_prefill(self.max_num_batched_tokens)
-        return (prefill, True) if prefill else (self._schedule_decode(), False)
+            self._schedule_decode(step)
+            self._schedule_prefill(step, self.max_num_batched_tokens - len(step.seqs))
+            return step
+        if not (self.decode_next and self.running):
+            self._schedule_prefill(step, self.max_num_batched_tokens)
+        if not step.seqs:
+            self._schedule_decode(step)
+        if not step.seqs:  # every running sequence was preempted
+            self._schedule_prefill(step, self.max_num_batched_tokens)
+        last = step.seqs[-1] if step.seqs else None
+        self.decode_next = last is not None and last.num_computed_tokens < len(last)
+        return step
 
-    def _schedule_prefill(self, budget: int) -> list[Sequence]:
-        scheduled: list[Sequence] = []
+    def _schedule_prefill(self, step: ScheduledStep, budget: int) -> None:
         while self.waiting and budget > 0:
             seq = self.waiting[0]
-            if not seq.block_table:  # a partly prefilled sequence keeps its blocks
-                num_seqs = len(self.running) + 1 + len(seq.forks)
-                if num_seqs > self.max_num_seqs or not self.block_manager.can_allocate(seq):
-                    break
-                self.block_manager.allocate(seq)
-            seq.num_scheduled_tokens = min(len(seq) - seq.num_computed_tokens, budget)
-            self.block_manager.cache_full_blocks(seq)
-            budget -= seq.num_scheduled_tokens
-            scheduled.append(seq)
-            if not seq.samples_this_step:
-                break  # the rest of its prompt is prefilled in the next step
+            # a partly prefilled sequence keeps its blocks
+            if not seq.block_table and (len(self.running) + 1 + len(seq.forks) > self.max_num_seqs
+                                        or not self.block_manager.allocate(seq)):
+                break
+            num_tokens = min(len(seq) - seq.num_computed_tokens, budget)
+            self.block_manager.cache_full_blocks(seq, num_tokens)
+            step.add(seq, num_tokens)
+            seq.num_computed_tokens += num_tokens
+            budget -= num_tokens
+            if seq.num_computed_tokens < len(seq):
+                break  # the rest of its prompt is prefilled in the next steps
             self.running.append(self.waiting.popleft())
-        return scheduled
+            self._fork(seq, step)
 
-    def _schedule_decode(self) -> list[Sequence]:
+    def _fork(self, seq: Sequence, step: ScheduledStep) -> None:
+        """On the step that ends its prompt, `seq`'s forks take a share of its blocks, sample
+        from its row, and run beside it from then on."""
+        step.ragged = step.ragged or bool(seq.forks)  # rows beyond one per sequence
+        for fork in seq.forks:
+            self.block_manager.fork(seq, fork)
+            step.samplers.append(fork)
+            step.sample_rows.append(step.sample_rows[-1])
+            self.running.append(fork)
+        seq.forks = []
+
+    def _schedule_decode(self, step: ScheduledStep) -> None:
         scheduled: list[Sequence] = []
         while self.running and len(scheduled) < self.max_num_batched_tokens:
             seq = self.running.popleft()
             if self._make_room(seq):
-                seq.num_scheduled_tokens = 1
-                self.block_manager.may_append(seq)
+                copy = self.block_manager.may_append(seq)
+                if copy is not None:
+                    step.block_copies.append(copy)
+                step.add(seq, 1)
+                seq.num_computed_tokens += 1
                 scheduled.append(seq)
         self.running.extendleft(reversed(scheduled))
-        return scheduled
 
     def _make_room(self, seq: Sequence) -> bool:
         """Preempts the newest running sequences until `seq` can append a token; preempts `seq`
@@ -95,43 +155,11 @@ class Scheduler:
         self.waiting.insert(1 if self.waiting and self.waiting[0].block_table else 0, seq)
         self.num_preemptions += 1
 
-    def postprocess(self, seqs: list[Sequence], token_ids: list[int]) -> list[Sequence]:
-        """Records the step's sampled tokens, one per sampling sequence in step order (see
-        `Sequence.samplers`): a prompt that ends in this step hands its forks their share of its
-        blocks. Returns the sequences that got a token, in that order; those that finished are
-        out of the queues, with their blocks freed and `finish_reason` set."""
-        sampled = iter(token_ids)
-        advanced = []
-        for seq in seqs:
-            seq.num_computed_tokens += seq.num_scheduled_tokens
-            seq.num_scheduled_tokens = 0
-            if seq.num_computed_tokens < len(seq.token_ids):
-                continue  # a prompt chunk: nothing sampled yet
-            seq.token_ids.append(next(sampled))
-            advanced.append(seq)
-            for fork in seq.forks:  # before `seq` may finish and free its blocks
-                self.block_manager.fork(seq, fork)
-                self.running.append(fork)
-                fork.token_ids.append(next(sampled))
-                advanced.append(fork)
-                self._check_stop(fork)
-            seq.forks = []
-            self._check_stop(seq)
-        return advanced
-
-    def _check_stop(self, seq: Sequence) -> None:
-        params, num_tokens, last = seq.sampling_params, len(seq.token_ids), seq.token_ids[-1]
-        num_completion_tokens = num_tokens - seq.num_prompt_tokens
-        if last in seq.stop_token_ids and num_completion_tokens >= params.min_tokens:
-            self.finish(seq, "stop", last if last in (params.stop_token_ids or ()) else None)
-        elif num_tokens >= self.max_model_len or num_completion_tokens == params.max_tokens:
-            self.finish(seq, "length")
-
     def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
         """Ends a running sequence: out of the queue, its blocks freed (their hashes stay)."""
         seq.finish_reason, seq.stop_reason = reason, stop_reason
-        self.block_manager.deallocate(seq)
         self.running.remove(seq)
+        self.block_manager.deallocate(seq)
 
     def abort(self, seqs: list[Sequence]) -> None:
         """Drops unfinished sequences wherever they are, and frees their blocks."""
@@ -142,3 +170,5 @@ class Scheduler:
                 self.running.remove(seq)
             if seq.block_table:
                 self.block_manager.deallocate(seq)
+            if seq.finish_reason is None:
+                seq.finish_reason = "abort"

@@ -1,6 +1,8 @@
 """One sequence as the engine tracks it: its tokens and where their K/V lives."""
 from itertools import count
 
+import torch
+
 from nanopaged.sampling_params import SamplingParams
 
 
@@ -8,12 +10,13 @@ class Sequence:
     """A prompt and one completion of it.
 
     `block_table[i]` is the KV-cache block holding tokens `[i*block_size, (i+1)*block_size)`.
-    `num_computed_tokens` counts the leading tokens whose K/V are already in those blocks;
-    the model still has to run over the rest. `num_cached_tokens` is how many prompt tokens
-    the prefix cache served at admission.
+    `num_computed_tokens` counts the leading tokens whose K/V the scheduled steps have computed
+    (or are computing); the model still has to run over the rest. `num_cached_tokens` is how
+    many prompt tokens the prefix cache served at admission.
 
     A request for `n` samples has n sequences, `index` 0 to n-1. Only sample 0 is queued: the
-    others wait in its `forks` until its prompt is prefilled, then share its blocks.
+    others wait in its `forks` until the step that ends its prompt, then share its blocks.
+    A seeded sequence draws its random numbers from its own `generator`.
     """
     _ids = count()
 
@@ -31,10 +34,14 @@ class Sequence:
         self.block_table: list[int] = []
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0
-        self.num_scheduled_tokens = 0  # tokens the current step runs the model over
         self.forks: list[Sequence] = []
-        self.finish_reason: str | None = None  # "stop" or "length"
+        self.finish_reason: str | None = None  # "stop", "length" or "abort"
         self.stop_reason: int | str | None = None  # the stop token id or stop string, if any
+        self.generator: torch.Generator | None = None
+        if sampling_params.seed is not None:
+            # sample 0 is what n=1 gives; the others get their own, fixed, seeds
+            seed = sampling_params.seed if index == 0 else hash((sampling_params.seed, index))
+            self.generator = torch.Generator().manual_seed(seed)
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -54,14 +61,3 @@ class Sequence:
 
     def block_tokens(self, i: int) -> list[int]:
         return self.token_ids[i * self.block_size:(i + 1) * self.block_size]
-
-    @property
-    def samples_this_step(self) -> bool:
-        """Whether the current step reaches the last token, so the model samples the next one."""
-        return self.num_computed_tokens + self.num_scheduled_tokens == len(self.token_ids)
-
-    @property
-    def samplers(self) -> list["Sequence"]:
-        """The sequences that sample from this one's logits this step: itself and, on the step
-        that ends its prompt, its forks."""
-        return [self, *self.forks]

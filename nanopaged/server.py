@@ -39,11 +39,14 @@ class EngineLoop:
         self.thread = threading.Thread(target=self._run, name="nanopaged-engine", daemon=True)
         self.thread.start()
 
-    def submit(self, prompt, params: SamplingParams, outbox: asyncio.Queue) -> Future:
-        """Queues a request; the future gives its id, or the ValueError that rejected it. Its
-        outputs, and an exception if a step fails, will be put in `outbox`."""
+    def submit(self, request_id: str, prompt, params: SamplingParams,
+               outbox: asyncio.Queue) -> Future:
+        """Queues a request; the future is done once the engine took it, or holds the error
+        (a ValueError: the client's fault) that rejected it. Its outputs, and an exception if a
+        step fails, will be put in `outbox`."""
         future: Future = Future()
-        self.inbox.put((self._add, (prompt, params, asyncio.get_running_loop(), outbox, future)))
+        loop = asyncio.get_running_loop()
+        self.inbox.put((self._add, (request_id, prompt, params, loop, outbox, future)))
         return future
 
     def abort(self, request_id: str) -> None:
@@ -54,28 +57,30 @@ class EngineLoop:
         self.inbox.put((lambda: None, ()))
         self.thread.join()
 
-    def _add(self, prompt, params, loop, outbox, future: Future) -> None:
+    def _add(self, request_id: str, prompt, params, loop, outbox, future: Future) -> None:
         try:
-            request_id = self.llm.add_request(prompt, params)
-        except ValueError as error:
+            self.llm.add_request(prompt, params, request_id=request_id)
+        except Exception as error:  # a ValueError is the client's fault; the loop goes on
             future.set_exception(error)
             return
         self.outboxes[request_id] = (loop, outbox)
-        future.set_result(request_id)
+        future.set_result(None)
 
     def _abort(self, request_id: str) -> None:
         self.llm.abort(request_id)
         self.outboxes.pop(request_id, None)
 
     def _run(self) -> None:
+        """Serves the inbox and steps the engine until stopped. Nothing a request does can end
+        this loop: a failed step fails the requests it held, and the loop goes on."""
         while self.running:
-            if self.llm.is_finished():
-                function, args = self.inbox.get()  # idle: sleep until work arrives
-                function(*args)
-            while not self.inbox.empty():
-                function, args = self.inbox.get()
-                function(*args)
             try:
+                if self.llm.is_finished():
+                    function, args = self.inbox.get()  # idle: sleep until work arrives
+                    function(*args)
+                while not self.inbox.empty():
+                    function, args = self.inbox.get()
+                    function(*args)
                 outputs = self.llm.step()
             except Exception as error:  # the engine has aborted every request: tell their handlers
                 for loop, outbox in self.outboxes.values():
@@ -83,7 +88,8 @@ class EngineLoop:
                 self.outboxes.clear()
                 continue
             for output in outputs:
-                loop, outbox = (self.outboxes.pop if output.finished else self.outboxes.get)(output.request_id)
+                take = self.outboxes.pop if output.finished else self.outboxes.get
+                loop, outbox = take(output.request_id)
                 loop.call_soon_threadsafe(outbox.put_nowait, output)
 
 
@@ -120,16 +126,26 @@ def completion_prompts(body: dict) -> list:
     raise ValueError(f"prompt must be a string, a list of token ids or a list of those, got {prompt!r}")
 
 
-def chat_prompt(body: dict, tokenizer) -> dict:
+def chat_prompt(body: dict, llm: LLM) -> dict:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages or not all(
-            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-            for m in messages):
-        raise ValueError("messages must be a non-empty list of {role, content} objects with string content")
-    if not tokenizer.chat_template:
+            isinstance(m, dict) and isinstance(m.get("role"), str)
+            and isinstance(m.get("content"), str) for m in messages):
+        raise ValueError("messages must be a non-empty list of {role, content} objects with "
+                         "string content")
+    if not llm.tokenizer.chat_template:
         raise ValueError("messages cannot be used: the model's tokenizer has no chat template")
-    return {"prompt_token_ids": tokenizer.apply_chat_template(
-        messages, add_generation_prompt=True, tokenize=True, return_dict=False)}
+    return {"prompt_token_ids": llm.render_chat(messages)}
+
+
+def stream_options(body: dict) -> bool:
+    """Whether a streamed response ends with the usage."""
+    options = body.get("stream_options")
+    if options is None:
+        return False
+    if not isinstance(options, dict):
+        raise ValueError(f"stream_options must be an object, got {options!r}")
+    return bool(options.get("include_usage"))
 
 
 def logprobs_json(completion, start: int, top: int, chat: bool) -> dict | None:
@@ -148,9 +164,26 @@ def logprobs_json(completion, start: int, top: int, chat: bool) -> dict | None:
                         for t, entries in pairs]}
 
 
+class Admission:
+    """Counts the requests that wait for their first token, and turns away those beyond a
+    limit (503) rather than queue them without bound."""
+
+    def __init__(self, limit: int):
+        self.limit, self.waiting = limit, 0
+
+    def enter(self, count: int) -> bool:
+        if self.waiting + count > self.limit:
+            return False
+        self.waiting += count
+        return True
+
+    def leave(self, count: int = 1) -> None:
+        self.waiting -= count
+
+
 def create_app(llm: LLM, model_name: str, max_waiting: int) -> FastAPI:
     engine = EngineLoop(llm)
-    waiting = {"count": 0}  # submitted requests that have produced nothing yet
+    admission = Admission(max_waiting)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -166,11 +199,12 @@ def create_app(llm: LLM, model_name: str, max_waiting: int) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics():
-        pool, scheduler = llm.block_manager, llm.scheduler
-        return PlainTextResponse(f"nanopaged_kv_blocks_free {pool.num_free_blocks}\n"
-                                 f"nanopaged_kv_blocks_total {pool.num_blocks}\n"
-                                 f"nanopaged_requests_waiting {waiting['count']}\n"
-                                 f"nanopaged_sequences_running {len(scheduler.running)}\n")
+        stats = llm.stats()
+        return PlainTextResponse(f"nanopaged_kv_blocks_free {stats.num_free_blocks}\n"
+                                 f"nanopaged_kv_blocks_total {stats.num_blocks}\n"
+                                 f"nanopaged_requests_waiting {admission.waiting}\n"
+                                 f"nanopaged_sequences_running {stats.num_running_seqs}\n"
+                                 f"nanopaged_preemptions_total {stats.num_preemptions}\n")
 
     @app.get("/v1/models")
     async def models():
@@ -183,34 +217,29 @@ def create_app(llm: LLM, model_name: str, max_waiting: int) -> FastAPI:
         chat = request.url.path.endswith("/chat/completions")
         try:
             body = await request.json()
-        except ValueError:
-            return error_response(400, "the request body is not valid JSON")
+        except (ValueError, RecursionError):
+            return error_response(400, "the request body is not valid JSON (or nests too deep)")
         if not isinstance(body, dict):
             return error_response(400, "the request body must be a JSON object")
         if body.get("model", model_name) != model_name:
             return error_response(404, f"the model {body['model']!r} does not exist; this server "
                                   f"serves {model_name!r}", "model", "model_not_found")
         try:
-            prompts = [chat_prompt(body, llm.tokenizer)] if chat else completion_prompts(body)
+            prompts = [chat_prompt(body, llm)] if chat else completion_prompts(body)
             params = sampling_params(body, chat)
+            include_usage = stream_options(body)
         except ValueError as error:
             return bad_request(error)
-        if waiting["count"] + len(prompts) > max_waiting:
+        if not admission.enter(len(prompts)):
             return error_response(503, f"more than {max_waiting} requests are waiting; retry later")
-        outbox: asyncio.Queue = asyncio.Queue()
-        request_ids: list[str] = []
-        waiting["count"] += len(prompts)
+        response = Response(request, engine, admission, len(prompts), params, chat, model_name)
         try:
-            for prompt in prompts:
-                request_ids.append(await asyncio.wrap_future(engine.submit(prompt, params, outbox)))
+            await response.submit(prompts)
         except ValueError as error:
-            waiting["count"] -= len(prompts)
-            for request_id in request_ids:
-                engine.abort(request_id)
             return bad_request(error)
-        response = Response(request, engine, outbox, request_ids, waiting, params, chat, model_name)
+        except Exception as error:
+            return error_response(500, f"the engine could not take the request: {error}")
         if body.get("stream"):
-            include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
             return StreamingResponse(response.events(include_usage), media_type="text/event-stream")
         try:
             return await response.whole()
@@ -221,41 +250,70 @@ def create_app(llm: LLM, model_name: str, max_waiting: int) -> FastAPI:
 
 
 class Response:
-    """The outputs of one HTTP request's engine requests (one per prompt), as OpenAI's JSON."""
+    """The outputs of one HTTP request's engine requests (one per prompt), as OpenAI's JSON.
 
-    def __init__(self, request: Request, engine: EngineLoop, outbox: asyncio.Queue,
-                 request_ids: list[str], waiting: dict, params: SamplingParams, chat: bool,
-                 model_name: str):
-        self.request, self.engine, self.outbox, self.waiting = request, engine, outbox, waiting
-        self.index = {request_id: i for i, request_id in enumerate(request_ids)}
+    It holds the request's `admission` until each engine request has produced its first output
+    or ended, and aborts what is unfinished when the client goes away or anything fails.
+    """
+
+    def __init__(self, request: Request, engine: EngineLoop, admission: Admission,
+                 num_prompts: int, params: SamplingParams, chat: bool, model_name: str):
+        self.request, self.engine, self.admission = request, engine, admission
+        self.num_admitted = num_prompts  # still counted as waiting
+        self.outbox: asyncio.Queue = asyncio.Queue()
+        self.params = params
         self.n, self.top, self.chat, self.model_name = params.n, params.logprobs, chat, model_name
         self.latest: dict[str, RequestOutput] = {}
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
+        # engine request id -> prompt index
+        self.index = {f"{self.id}-{i}": i for i in range(num_prompts)}
+
+    async def submit(self, prompts: list) -> None:
+        """Hands every prompt to the engine; on a failure, withdraws them all."""
+        futures = [self.engine.submit(request_id, prompt, self.params, self.outbox)
+                   for request_id, prompt in zip(self.index, prompts)]
+        try:
+            for future in futures:
+                await asyncio.wrap_future(future)
+        except BaseException:
+            self._release(set(self.index))
+            raise
+
+    def _release(self, unfinished: set[str]) -> None:
+        self.admission.leave(self.num_admitted)
+        self.num_admitted = 0
+        for request_id in unfinished:
+            self.engine.abort(request_id)
 
     async def outputs(self):
         """Yields each output as it comes; aborts what is unfinished if the client goes away."""
-        unfinished = set(self.index)
+        unfinished, checked = set(self.index), time.monotonic()
         try:
             while unfinished:
                 try:
                     output = await asyncio.wait_for(self.outbox.get(), timeout=0.5)
                 except asyncio.TimeoutError:
+                    output = None
+                if time.monotonic() - checked >= 0.5:  # whether outputs flow or not
                     if await self.request.is_disconnected():
                         return
+                    checked = time.monotonic()
+                if output is None:
                     continue
                 if isinstance(output, Exception):
                     raise RuntimeError(f"the engine failed: {output}")
                 if output.request_id not in self.latest:
-                    self.waiting["count"] -= 1
+                    self.admission.leave()
+                    self.num_admitted -= 1
                 self.latest[output.request_id] = output
                 if output.finished:
                     unfinished.discard(output.request_id)
+                if output.error is not None:
+                    raise RuntimeError(f"the request failed: {output.error}")
                 yield output
         finally:
-            self.waiting["count"] -= len(self.index) - len(self.latest)  # those that never started
-            for request_id in unfinished:
-                self.engine.abort(request_id)
+            self._release(unfinished)
 
     def choices(self, output: RequestOutput) -> list[tuple[int, object]]:
         return [(self.index[output.request_id] * self.n + c.index, c) for c in output.outputs]
@@ -303,8 +361,10 @@ class Response:
                               "logprobs": logprobs_json(c, tokens, self.top, self.chat)}
                     yield f"data: {json.dumps(self.envelope([choice], chunk=True))}\n\n"
         except RuntimeError as error:
-            body = {"error": {"message": str(error), "type": "server_error", "param": None, "code": None}}
+            body = {"error": {"message": str(error), "type": "server_error", "param": None,
+                              "code": None}}
             yield f"data: {json.dumps(body)}\n\n"
+            yield "data: [DONE]\n\n"
             return
         if include_usage:
             yield f"data: {json.dumps(self.envelope([], chunk=True, usage=self.usage()))}\n\n"

@@ -64,6 +64,14 @@ def hf_greedy():
     return lambda path, prompts, max_tokens: [_hf_greedy(path, tuple(p), max_tokens) for p in prompts]
 
 
+def added_text(tokenizer, prompt_ids: list[int], completion_ids: list[int]) -> str:
+    """The text a completion adds to its prompt's: what its `text` must be (special tokens
+    skipped)."""
+    def decode(ids):
+        return tokenizer.decode(ids, skip_special_tokens=True)
+    return decode(list(prompt_ids) + list(completion_ids))[len(decode(prompt_ids)):]
+
+
 def random_prompts(lengths: list[int], vocab_size: int = 512, seed: int = 0) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(3, vocab_size, (n,), generator=g).tolist() for n in lengths]

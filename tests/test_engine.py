@@ -2,7 +2,7 @@
 import pytest
 
 from nanopaged import LLM, SamplingParams
-from conftest import ARCHITECTURES, random_prompts
+from conftest import ARCHITECTURES, added_text, random_prompts
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24)
 PROMPTS = random_prompts([1, 5, 17, 40, 100, 3])
@@ -24,7 +24,8 @@ def test_outputs_carry_text_and_finish_reason(qwen3_path, hf_greedy):
     [out] = llm.generate(["Paged attention stores the cache in blocks."],
                          SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
     assert out.outputs[0].finish_reason in ("stop", "length")
-    assert out.outputs[0].text == llm.tokenizer.decode(out.outputs[0].token_ids, skip_special_tokens=True)
+    assert out.outputs[0].text == added_text(llm.tokenizer, out.prompt_token_ids,
+                                             out.outputs[0].token_ids)
     assert out.outputs[0].token_ids == hf_greedy(qwen3_path, [out.prompt_token_ids], 8)[0]
 
 
@@ -145,9 +146,10 @@ def test_mixed_scheduling_gives_the_tokens_of_prefill_first(backend, qwen3_path,
     llm = LLM(qwen3_path, max_model_len=512, kvcache_block_size=16, attention_backend=backend,
               scheduling="mixed", max_num_batched_tokens=32)
     run, step_kinds = llm.model_runner.run, set()
-    def recording_run(seqs, is_prefill, copies=()):
-        step_kinds.add((is_prefill, any(s.num_scheduled_tokens == 1 and s.num_completion_tokens for s in seqs)))
-        return run(seqs, is_prefill, copies)
+    def recording_run(step):
+        decodes = any(n == 1 and s.num_completion_tokens for s, n in zip(step.seqs, step.num_tokens))
+        step_kinds.add((step.ragged, decodes))
+        return run(step)
     llm.model_runner.run = recording_run
     ids = [llm.add_request(p, params) for p in prompts[:2]]
     outputs = {}
@@ -157,3 +159,22 @@ def test_mixed_scheduling_gives_the_tokens_of_prefill_first(backend, qwen3_path,
         outputs.update({o.request_id: o for o in llm.step() if o.finished})
     assert llm.is_finished() and (True, True) in step_kinds  # a step mixed a prompt and decodes
     assert [outputs[i].outputs[0].token_ids for i in ids] == hf_greedy(qwen3_path, prompts, 12)
+
+
+def test_mixed_steps_of_one_prompt_token_beside_decodes(qwen3_path, hf_greedy):
+    """A budget that leaves one token a step for a prompt: a token inside the prompt, then its
+    last one, whose row its second sample shares, beside the decodes of the others."""
+    prompts = random_prompts([6, 9, 5], seed=9)
+    llm = LLM(qwen3_path, max_model_len=512, kvcache_block_size=4, scheduling="mixed",
+              max_num_batched_tokens=3)
+    params = SamplingParams(temperature=0, max_tokens=10)
+    ids = [llm.add_request(p, params) for p in prompts[:2]]
+    outputs = {}
+    for _ in range(8):  # both prompts are in; both decode
+        outputs.update({o.request_id: o for o in llm.step()})
+    ids.append(llm.add_request(prompts[2], SamplingParams(temperature=0, max_tokens=10, n=2)))
+    while not llm.is_finished():
+        outputs.update({o.request_id: o for o in llm.step()})
+    expected = hf_greedy(qwen3_path, prompts, 10)
+    assert [outputs[i].outputs[0].token_ids for i in ids] == expected
+    assert outputs[ids[2]].outputs[1].token_ids == expected[2]

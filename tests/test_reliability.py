@@ -37,7 +37,7 @@ def nth(kind: str, n: int):
     """should_fail for the n-th (from 1) prefill or decode forward."""
     calls = {"prefill": 0, "decode": 0}
     def should_fail(meta):
-        key = "prefill" if meta.is_prefill else "decode"
+        key = "prefill" if meta.ragged else "decode"
         calls[key] += 1
         return key == kind and calls[key] == n
     return should_fail
@@ -54,7 +54,7 @@ def assert_engine_is_clean(llm) -> None:
     assert llm.is_finished() and not llm.requests
     assert llm.block_manager.num_free_blocks == llm.block_manager.num_blocks
     assert all(block.ref_count == 0 for block in llm.block_manager.blocks)
-    assert not llm.block_manager.uncommitted and not llm.model_runner.sampler.generators
+    assert not llm.block_manager.uncommitted
 
 
 def completions(outputs) -> list[list[int]]:

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from nanopaged import LLM, SamplingParams
-from conftest import random_prompts
+from conftest import added_text, random_prompts
 
 POEM = "Write a short poem about the sea."  # greedy: '�rselfche memory memory ...'
 
@@ -102,7 +102,7 @@ def test_stop_token_ids_and_min_tokens_match_transformers(llm, qwen3_path, hf_mo
     assert completion.token_ids == expected and expected[-1] == 511
     assert len(expected) == (5 if min_tokens == 0 else min_tokens + expected[min_tokens:].index(511) + 1)
     assert (completion.finish_reason, completion.stop_reason) == ("stop", 511)
-    assert completion.text == llm.tokenizer.decode(expected[:-1], skip_special_tokens=True)
+    assert completion.text == added_text(llm.tokenizer, prompt_ids, expected[:-1])
     kept = llm.generate(POEM, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True,
                                              stop_token_ids=[511], include_stop_str_in_output=True),
                         use_tqdm=False)[0].outputs[0]
@@ -113,9 +113,10 @@ def test_eos_stops_with_no_stop_reason(llm):
     eos = next(iter(llm.eos_token_ids))
     outputs = llm.generate(random_prompts([4] * 32, seed=1),
                            SamplingParams(temperature=1.0, max_tokens=300, seed=0), use_tqdm=False)
-    stopped = [o.outputs[0] for o in outputs if o.outputs[0].finish_reason == "stop"]
-    assert stopped and all(c.token_ids[-1] == eos and c.stop_reason is None for c in stopped)
-    assert all(c.text == llm.tokenizer.decode(c.token_ids[:-1], skip_special_tokens=True) for c in stopped)
+    stopped = [(o.prompt_token_ids, o.outputs[0]) for o in outputs
+               if o.outputs[0].finish_reason == "stop"]
+    assert stopped and all(c.token_ids[-1] == eos and c.stop_reason is None for _, c in stopped)
+    assert all(c.text == added_text(llm.tokenizer, p, c.token_ids[:-1]) for p, c in stopped)
 
 
 # ---- n samples of one prompt ----
@@ -125,9 +126,9 @@ def test_n_samples_share_the_prompt_blocks_and_compute_it_once(qwen3_path):
     prompt = random_prompts([100], seed=51)[0]  # 6 full blocks and 4 tokens
     params = SamplingParams(n=8, temperature=1.0, max_tokens=20, ignore_eos=True, seed=7)
     prefill_tokens, run = [0], llm.model_runner.run
-    def counting_run(seqs, is_prefill, copies=()):
-        prefill_tokens[0] += sum(s.num_scheduled_tokens for s in seqs) if is_prefill else 0
-        return run(seqs, is_prefill, copies)
+    def counting_run(step):
+        prefill_tokens[0] += step.num_scheduled_tokens if step.ragged else 0
+        return run(step)
     llm.model_runner.run = counting_run
     llm.add_request(prompt, params)
     peak, outputs = 0, []
@@ -178,18 +179,18 @@ def test_streamed_text_grows_by_whole_characters_to_the_final_text(llm):
                 deltas.setdefault(key, []).append(completion.text[len(old):])
                 texts[key] = completion.text
                 if output.finished:
-                    finals[key] = completion
+                    finals[key] = (output.prompt_token_ids, completion)
     assert len(finals) == len(prompts) + 1
     split_characters = 0
-    for key, completion in finals.items():
+    for key, (prompt_ids, completion) in finals.items():
         assert "".join(deltas[key]) == completion.text
         if "\ufffd" not in completion.text:
             assert not any("\ufffd" in delta for delta in deltas[key])
         if completion.finish_reason == "length" and completion.stop_reason is None:
-            assert completion.text == llm.tokenizer.decode(completion.token_ids, skip_special_tokens=True)
+            assert completion.text == added_text(llm.tokenizer, prompt_ids, completion.token_ids)
         split_characters += sum(len(c.encode()) > 1 and c != "\ufffd" for c in completion.text)
     assert split_characters > 0  # multi-byte characters did arrive over several tokens
-    assert any(c.stop_reason in ("ti", "ck") for c in finals.values())
+    assert any(c.stop_reason in ("ti", "ck") for _, c in finals.values())
 
 
 def test_stream_yields_the_text_of_generate(llm):

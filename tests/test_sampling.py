@@ -45,7 +45,7 @@ def test_a_tiny_temperature_samples_the_argmax(qwen3_path):
 def _sample_many(logits: torch.Tensor, params: SamplingParams, n: int = 400) -> set[int]:
     sampler = Sampler(torch.device("cpu"))
     seqs = [Sequence([1], params, 16) for _ in range(n)]
-    return set(sampler(logits.expand(n, -1).clone(), seqs)[0].tolist())
+    return {t for [t] in sampler(logits.expand(n, -1).clone(), seqs).token_ids}
 
 
 def test_top_k_keeps_only_the_k_most_likely():

@@ -1,12 +1,11 @@
-"""The block pool, its prefix cache and the scheduler, one stated policy at a time (no model)."""
-from types import SimpleNamespace
-
+"""The block pool, its prefix cache and the scheduler, one stated policy at a time. The
+scheduler's steps run through the engine's own step, with a stand-in for the model."""
 import pytest
 
+from nanopaged import LLM, SamplingParams
 from nanopaged import block_manager as bm
 from nanopaged.block_manager import BlockManager
-from nanopaged.sampling_params import SamplingParams
-from nanopaged.scheduler import Scheduler
+from nanopaged.sampler import SamplerOutput
 from nanopaged.sequence import Sequence
 
 BLOCK = 4
@@ -18,29 +17,11 @@ def seq_of(tokens: list[int], **params) -> Sequence:
 
 def admit(manager: BlockManager, seq: Sequence) -> Sequence:
     """Allocate and compute the whole sequence, as a prefill step would."""
-    assert manager.can_allocate(seq)
-    manager.allocate(seq)
-    seq.num_scheduled_tokens = len(seq) - seq.num_computed_tokens
-    manager.cache_full_blocks(seq)
+    assert manager.allocate(seq)
+    manager.cache_full_blocks(seq, len(seq) - seq.num_computed_tokens)
     manager.commit()
-    seq.num_computed_tokens, seq.num_scheduled_tokens = len(seq), 0
+    seq.num_computed_tokens = len(seq)
     return seq
-
-
-def scheduler_of(num_blocks: int = 64, max_num_seqs: int = 8, max_num_batched_tokens: int = 64,
-                 scheduling: str = "prefill-first", max_model_len: int = 256) -> Scheduler:
-    config = SimpleNamespace(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                             max_model_len=max_model_len, scheduling=scheduling)
-    return Scheduler(config, BlockManager(num_blocks, BLOCK))
-
-
-def run_step(scheduler: Scheduler, token: int = 7) -> tuple[list[Sequence], bool]:
-    """Schedules a step and records `token` for every sequence that samples in it."""
-    seqs, is_prefill = scheduler.schedule()
-    scheduler.block_manager.commit()
-    samplers = [s for seq in seqs if seq.samples_this_step for s in seq.samplers]
-    scheduler.postprocess(seqs, [token] * len(samplers))
-    return seqs, is_prefill
 
 
 # ---- the block pool and its prefix cache ----
@@ -110,17 +91,15 @@ def test_identical_prefixes_scheduled_in_the_same_step_share_blocks():
     a, b = seq_of(list(range(9))), seq_of(list(range(9)))
     for seq in (a, b):  # both admitted before either is computed, as in one prefill step
         manager.allocate(seq)
-        seq.num_scheduled_tokens = len(seq) - seq.num_computed_tokens
-        manager.cache_full_blocks(seq)
-    assert b.block_table[:2] == a.block_table[:2] and b.num_scheduled_tokens == 1
+        manager.cache_full_blocks(seq, len(seq) - seq.num_computed_tokens)
+    assert b.block_table[:2] == a.block_table[:2] and b.num_computed_tokens == 8
 
 
 def test_chunk_registers_only_the_blocks_it_fills():
     manager = BlockManager(8, BLOCK)
     a = seq_of(list(range(12)))
     manager.allocate(a)
-    a.num_scheduled_tokens = 6  # first chunk: one full block and half of the next
-    manager.cache_full_blocks(a)
+    manager.cache_full_blocks(a, 6)  # first chunk: one full block and half of the next
     manager.commit()
     b = seq_of(list(range(12)))
     manager.allocate(b)
@@ -132,8 +111,7 @@ def test_rollback_forgets_the_hashes_of_a_step_that_did_not_run():
     committed = admit(manager, seq_of(list(range(5))))  # block [0..3] committed
     failed = seq_of(list(range(9)))
     manager.allocate(failed)
-    failed.num_scheduled_tokens = len(failed) - failed.num_computed_tokens
-    manager.cache_full_blocks(failed)  # enters block [4..7]: the step would have written it
+    manager.cache_full_blocks(failed, len(failed))  # enters block [4..7], as its step would
     manager.rollback()
     manager.deallocate(failed)
     manager.deallocate(committed)
@@ -157,10 +135,10 @@ def test_eviction_frees_the_tail_first_and_reuses_the_oldest_free_block():
 def test_admission_does_not_count_cached_blocks_already_in_use():
     manager = BlockManager(4, BLOCK)
     admit(manager, seq_of(list(range(10))))  # 3 blocks in use, 1 free
-    sharer = seq_of(list(range(8)) + [60, 61])  # 3 blocks, the first 2 cached and in use
-    assert manager.can_allocate(sharer)
     stranger = seq_of(list(range(100, 106)))  # 2 blocks, none cached
-    assert not manager.can_allocate(stranger)
+    assert not manager.allocate(stranger) and not stranger.block_table
+    sharer = seq_of(list(range(8)) + [60, 61])  # 3 blocks, the first 2 cached and in use
+    assert manager.allocate(sharer) and manager.num_free_blocks == 0
 
 
 def test_admission_counts_cached_free_blocks_against_the_free_pool():
@@ -168,9 +146,10 @@ def test_admission_counts_cached_free_blocks_against_the_free_pool():
     manager.deallocate(admit(manager, seq_of(list(range(12)))))  # 3 cached free blocks
     holder = admit(manager, seq_of([70, 71]))  # evicts the tail: 2 cached blocks left, both free
     seq = seq_of(list(range(12)))  # 3 blocks, 2 hits that are free: needs 3 free blocks
-    assert manager.num_free_blocks == 2 and not manager.can_allocate(seq)
+    assert manager.num_free_blocks == 2 and not manager.allocate(seq)
+    assert sorted(b.ref_count for b in manager.blocks) == [0, 0, 1]  # nothing changed
     manager.deallocate(holder)
-    assert manager.can_allocate(seq)
+    assert manager.allocate(seq) and seq.num_computed_tokens == 8
 
 
 def test_reclaim_returns_blocks_that_an_interrupt_left_out_of_the_free_list():
@@ -209,13 +188,11 @@ def test_fork_shares_every_block_and_copies_the_last_on_write():
     assert child.block_table == parent.block_table
     assert [manager.blocks[b].ref_count for b in parent.block_table] == [2, 2]
     child.token_ids.append(9)
-    manager.may_append(child)  # writes into the shared partial block: copy it first
+    copy = manager.may_append(child)  # writes into the shared partial block: copy it first
     assert child.block_table[0] == parent.block_table[0]
-    assert child.block_table[1] != parent.block_table[1]
-    assert manager.block_copies == [(parent.block_table[1], child.block_table[1])]
+    assert copy == (parent.block_table[1], child.block_table[1]) and copy[0] != copy[1]
     parent.token_ids.append(8)
-    manager.may_append(parent)  # now the only holder: writes in place
-    assert manager.block_copies == [(parent.block_table[1], child.block_table[1])]
+    assert manager.may_append(parent) is None  # now the only holder: writes in place
     assert [manager.blocks[b].ref_count for b in parent.block_table] == [2, 1]
 
 
@@ -236,147 +213,220 @@ def test_deallocate_returns_every_block():
     assert manager.num_free_blocks == 8 and all(b.ref_count == 0 for b in manager.blocks)
 
 
-# ---- the scheduler ----
+# ---- the scheduler, through the engine's step ----
 
-def test_prefill_admits_in_order_and_chunks_only_the_last_prompt():
-    scheduler = scheduler_of(max_num_batched_tokens=20)
-    seqs = [seq_of(list(range(start, start + n))) for start, n in ((0, 8), (100, 9), (200, 10), (300, 3))]
-    for seq in seqs:
-        scheduler.add(seq)
-    scheduled, is_prefill = scheduler.schedule()
-    assert is_prefill and scheduled == seqs[:3]
-    assert [s.num_scheduled_tokens for s in scheduled] == [8, 9, 3]  # the third is cut
-    assert list(scheduler.waiting) == seqs[2:] and list(scheduler.running) == seqs[:2]
+class ScriptedRunner:
+    """Stands in for the model: records every step, and samples `token` on every row."""
 
+    def __init__(self, token: int = 7):
+        self.token, self.steps = token, []
 
-def test_each_admitted_sequence_counts_once_against_max_num_seqs():
-    scheduler = scheduler_of(max_num_seqs=8)
-    for _ in range(8):
-        scheduler.add(seq_of([1, 2, 3]))
-    scheduled, _ = scheduler.schedule()
-    assert len(scheduled) == 8
-    scheduler.add(seq_of([1, 2, 3]))
-    run_step(scheduler)
-    assert scheduler.schedule() == (list(scheduler.running), False)  # the ninth waits
+    def run(self, step):
+        self.steps.append(step)
+        return SamplerOutput([[self.token] for _ in step.samplers], [None] * len(step.samplers))
 
 
-def test_the_samples_of_a_request_count_against_max_num_seqs():
-    scheduler = scheduler_of(max_num_seqs=4)
-    scheduler.add(seq_of([1, 2]))
-    leader = seq_of([3, 4, 5])
-    leader.forks = [seq_of([3, 4, 5]) for _ in range(3)]
-    scheduler.add(leader)
-    scheduled, _ = scheduler.schedule()
-    assert scheduled[0].token_ids == [1, 2] and len(scheduled) == 1
+@pytest.fixture
+def engine(qwen3_path):
+    """engine(**options) -> an LLM whose steps run a ScriptedRunner, with BLOCK-token blocks."""
+    def make(num_blocks=64, max_num_seqs=8, max_num_batched_tokens=64, scheduling="prefill-first",
+             max_model_len=256) -> LLM:
+        llm = LLM(qwen3_path, kvcache_block_size=BLOCK, num_kvcache_blocks=num_blocks,
+                  max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                  scheduling=scheduling, max_model_len=max_model_len)
+        llm.model_runner = ScriptedRunner()
+        return llm
+    return make
 
 
-def test_forks_share_the_prompt_and_run_after_it_is_prefilled():
-    scheduler = scheduler_of()
-    leader = seq_of(list(range(6)), n=3)
-    leader.forks = [seq_of(list(range(6))) for _ in range(2)]
+def add(llm: LLM, tokens: list[int], max_tokens: int = 8, **params) -> Sequence:
+    """Queues a request; returns its first sequence."""
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, **params)
+    return llm.requests[llm.add_request(tokens, params)].seqs[0]
+
+
+def last_step(llm: LLM) -> list[tuple[Sequence, int]]:
+    """(sequence, tokens it ran) for each sequence of the step that ran last."""
+    step = llm.model_runner.steps[-1]
+    return list(zip(step.seqs, step.num_tokens))
+
+
+def test_prefill_admits_in_order_and_chunks_only_the_last_prompt(engine):
+    llm = engine(max_num_batched_tokens=20)
+    seqs = [add(llm, list(range(s, s + n))) for s, n in ((10, 8), (100, 9), (200, 10), (300, 3))]
+    llm.step()
+    assert last_step(llm) == [(seqs[0], 8), (seqs[1], 9), (seqs[2], 3)]  # the third is cut
+    assert list(llm.scheduler.waiting) == seqs[2:] and list(llm.scheduler.running) == seqs[:2]
+    assert llm.model_runner.steps[-1].samplers == seqs[:2]  # a cut prompt samples nothing yet
+
+
+def test_each_admitted_sequence_counts_once_against_max_num_seqs(engine):
+    llm = engine(max_num_seqs=8)
+    seqs = [add(llm, [1, 2, 3]) for _ in range(9)]
+    llm.step()
+    assert [seq for seq, _ in last_step(llm)] == seqs[:8]
+    llm.step()
+    assert [seq for seq, _ in last_step(llm)] == seqs[:8]  # a decode step: the ninth waits
+    assert list(llm.scheduler.waiting) == seqs[8:]
+
+
+def test_the_samples_of_a_request_count_against_max_num_seqs(engine):
+    llm = engine(max_num_seqs=4)
+    first = add(llm, [1, 2])
+    add(llm, [3, 4, 5], n=4)  # 1 + 4 sequences would exceed 4
+    llm.step()
+    assert last_step(llm) == [(first, 2)]
+
+
+def test_the_samples_of_requests_admitted_together_count_against_max_num_seqs(engine):
+    llm = engine(max_num_seqs=4)
+    first, second = add(llm, [1, 2], n=2), add(llm, [3, 4], n=3)
+    llm.step()
+    assert last_step(llm) == [(first, 2)] and len(llm.scheduler.running) == 2
+    assert list(llm.scheduler.waiting) == [second]
+
+
+def test_forks_share_the_prompt_and_sample_from_its_row(engine):
+    llm = engine()
+    leader = add(llm, list(range(6)), n=3)
     forks = list(leader.forks)
-    scheduler.add(leader)
-    run_step(scheduler)
-    assert list(scheduler.running) == [leader, *forks] and leader.forks == []
-    assert all(f.block_table == leader.block_table and f.token_ids == leader.token_ids for f in forks)
-    seqs, is_prefill = scheduler.schedule()
-    assert seqs == [leader, *forks] and not is_prefill
-    assert len(scheduler.block_manager.block_copies) == 2  # the partial prompt block, twice
+    llm.step()
+    step = llm.model_runner.steps[-1]
+    assert step.samplers == [leader, *forks] and step.sample_rows == [0, 0, 0]
+    assert list(llm.scheduler.running) == [leader, *forks] and leader.forks == []
+    assert all(f.block_table == leader.block_table and f.token_ids == leader.token_ids
+               for f in forks)
+    llm.step()
+    assert last_step(llm) == [(leader, 1), (forks[0], 1), (forks[1], 1)]
+    assert len(llm.model_runner.steps[-1].block_copies) == 2  # the partial prompt block, twice
 
 
-def test_decode_preempts_the_newest_and_puts_it_at_the_front_of_waiting():
-    scheduler = scheduler_of(num_blocks=2)
-    old, new = seq_of([1, 2, 3, 4]), seq_of([5, 6, 7, 8])
-    queued = seq_of([9])
-    for seq in (old, new):
-        scheduler.add(seq)
-    run_step(scheduler)  # each has a full block and a fifth token to decode; the pool is empty
-    scheduler.add(queued)
-    seqs, is_prefill = scheduler.schedule()  # queued cannot be admitted: a decode step
-    assert not is_prefill and seqs == [old]  # new needs a block: preempted
-    assert list(scheduler.waiting) == [new, queued] and scheduler.num_preemptions == 1
-    assert new.block_table == [] and new.num_computed_tokens == 0
+def test_decode_preempts_the_newest_and_puts_it_at_the_front_of_waiting(engine):
+    llm = engine(num_blocks=4)
+    oldest = add(llm, [1, 2, 3, 4], max_tokens=2)  # its sampled token needs a second block
+    middle, newer, newest = (add(llm, [t, t + 1], max_tokens=2) for t in (10, 20, 30))
+    llm.step()  # the pool is full: one block each
+    queued = add(llm, [40], max_tokens=2)
+    llm.step()  # `oldest` needs a block: the newest running sequence gives up its own
+    assert last_step(llm) == [(oldest, 1), (middle, 1), (newer, 1)]
+    assert list(llm.scheduler.waiting) == [newest, queued] and llm.scheduler.num_preemptions == 1
+    assert newest.block_table == [] and newest.num_computed_tokens == 0
 
 
-def test_decode_preempts_the_sequence_itself_when_it_is_alone():
-    scheduler = scheduler_of(num_blocks=1)
-    seq = seq_of([1, 2, 3, 4])
-    scheduler.add(seq)
-    run_step(scheduler)  # the only block is full; the fifth token needs another
-    seqs, _ = scheduler.schedule()
-    assert seqs == [] and list(scheduler.waiting) == [seq]
+def test_a_preempted_sequence_is_recomputed_with_its_tokens(engine):
+    llm = engine(num_blocks=3)
+    first, second = add(llm, [1, 2, 3, 4], max_tokens=6), add(llm, [5, 6, 7], max_tokens=6)
+    llm.step()
+    llm.step()  # `first` takes the last block
+    llm.step()  # `second` needs a block: it is the newest, so it gives up its own
+    assert list(llm.scheduler.waiting) == [second] and len(second) == 5
+    while second not in llm.model_runner.steps[-1].seqs:
+        llm.step()
+    assert last_step(llm) == [(second, 5)]  # its prompt and its sampled tokens, recomputed
 
 
-def test_decode_batch_is_capped_by_the_token_budget_oldest_first():
-    scheduler = scheduler_of(max_num_batched_tokens=3, max_num_seqs=8)
-    seqs = [seq_of([i + 1]) for i in range(5)]
-    for seq in seqs:
-        scheduler.add(seq)
-    while scheduler.waiting:
-        run_step(scheduler)
-    scheduled, is_prefill = scheduler.schedule()
-    assert not is_prefill and scheduled == seqs[:3]
+def test_decode_preempts_the_sequence_itself_when_no_other_runs(engine):
+    llm = engine(num_blocks=4, max_num_batched_tokens=6)
+    alone = add(llm, [1, 2, 3, 4], max_tokens=4)  # its next token needs a second block
+    llm.step()
+    prompt = add(llm, list(range(100, 112)), max_tokens=4)  # 3 blocks, 6 tokens a step
+    llm.step()  # the prompt's first chunk takes the rest of the pool
+    llm.step()  # a decode step between chunks: `alone` needs a block and gives up its own;
+    # with nothing left to decode, the prompt's next chunk runs instead
+    assert last_step(llm) == [(prompt, 6)] and list(llm.scheduler.waiting) == [alone]
+    assert alone.block_table == [] and llm.scheduler.num_preemptions == 1
 
 
-def test_prefill_first_runs_prompts_before_decodes():
-    scheduler = scheduler_of()
-    first, second = seq_of([1, 2, 3]), seq_of([4, 5, 6])
-    scheduler.add(first)
-    run_step(scheduler)
-    scheduler.add(second)
-    scheduled, is_prefill = scheduler.schedule()
-    assert scheduled == [second] and is_prefill
+def test_decode_batch_is_capped_by_the_token_budget_oldest_first(engine):
+    llm = engine(max_num_batched_tokens=3)
+    seqs = [add(llm, [i + 1]) for i in range(5)]
+    while llm.scheduler.waiting:
+        llm.step()
+    llm.step()
+    assert [seq for seq, _ in last_step(llm)] == seqs[:3]
 
 
-def test_mixed_decodes_everyone_and_fills_the_budget_with_prefill_chunks():
-    scheduler = scheduler_of(max_num_batched_tokens=10, scheduling="mixed")
-    decoding = [seq_of([1, 2]), seq_of([3, 4])]
-    for seq in decoding:
-        scheduler.add(seq)
-    run_step(scheduler)
-    long_prompt = seq_of(list(range(30)))
-    scheduler.add(long_prompt)
-    scheduled, is_prefill = scheduler.schedule()
-    assert scheduled == decoding + [long_prompt] and is_prefill
-    assert [s.num_scheduled_tokens for s in scheduled] == [1, 1, 8]
+def test_prefill_first_runs_prompts_before_decodes(engine):
+    llm = engine()
+    first = add(llm, [1, 2, 3])
+    llm.step()
+    second = add(llm, [4, 5, 6])
+    llm.step()
+    assert last_step(llm) == [(second, 3)]
+
+
+def test_prefill_first_decodes_between_two_chunks_of_a_prompt(engine):
+    llm = engine(max_num_batched_tokens=8)
+    running = add(llm, [1, 2], max_tokens=20)
+    llm.step()
+    prompt = add(llm, list(range(10, 30)))
+    kinds = []
+    for _ in range(6):
+        llm.step()
+        kinds.append([(seq is prompt, n) for seq, n in last_step(llm)])
+    assert kinds == [[(True, 8)], [(False, 1)], [(True, 8)], [(False, 1)], [(True, 4)],
+                     [(False, 1), (True, 1)]]
+
+
+def test_mixed_decodes_everyone_and_fills_the_budget_with_prefill_chunks(engine):
+    llm = engine(max_num_batched_tokens=10, scheduling="mixed")
+    decoding = [add(llm, [1, 2]), add(llm, [3, 4])]
+    llm.step()
+    long_prompt = add(llm, list(range(30)))
+    llm.step()
+    assert last_step(llm) == [(decoding[0], 1), (decoding[1], 1), (long_prompt, 8)]
+    assert llm.model_runner.steps[-1].ragged
+
+
+def test_a_step_is_a_plain_decode_only_when_each_sequence_runs_its_last_token_once(engine):
+    llm = engine(max_num_batched_tokens=3, scheduling="mixed")
+    add(llm, [1, 2]), add(llm, [3, 4])
+    llm.step()
+    llm.step()
+    assert not llm.model_runner.steps[-1].ragged  # two decodes
+    prompt = add(llm, [5, 6, 7], n=2)
+    kinds = []
+    for _ in range(3):  # two decodes and one prompt token a step
+        llm.step()
+        step = llm.model_runner.steps[-1]
+        kinds.append((last_step(llm)[-1], len(step.samplers), step.ragged))
+    # a token inside the prompt, then its last token, whose row its fork samples too
+    assert kinds == [((prompt, 1), 2, True), ((prompt, 1), 2, True), ((prompt, 1), 4, True)]
+
+
+def test_a_preempted_sequence_waits_behind_a_prompt_being_chunked(engine):
+    """The chunked prompt holds its blocks: put in front of it, the preempted sequence could never
+    be admitted again, nor the prompt continue."""
+    llm = engine(num_blocks=4, max_num_batched_tokens=6, scheduling="mixed")
+    decoding = add(llm, [1, 2, 3], max_tokens=4)
+    llm.step()
+    prompt = add(llm, list(range(100, 112)), max_tokens=4)  # 3 blocks, 5 tokens a step
+    llm.step()
+    assert prompt.num_computed_tokens == 5 and llm.block_manager.num_free_blocks == 0
+    llm.step()  # `decoding` needs a block: it is preempted
+    assert last_step(llm) == [(prompt, 6)] and list(llm.scheduler.waiting) == [prompt, decoding]
 
 
 @pytest.mark.parametrize("params, tokens, reason, stop_reason", [
     (dict(max_tokens=3), [5, 5, 5], "length", None),
     (dict(max_tokens=9, stop_token_ids=[6]), [5, 6], "stop", 6),
     (dict(max_tokens=9, stop_token_ids=[6], min_tokens=3), [6, 5, 6], "stop", 6),
+    (dict(max_tokens=2, stop_token_ids=[6]), [5, 6], "stop", 6),  # a stop token beats max_tokens
 ])
-def test_postprocess_finishes_and_frees(params, tokens, reason, stop_reason):
-    scheduler = scheduler_of()
-    seq = seq_of([1, 2, 3], **params)
-    seq.stop_token_ids = frozenset(params.get("stop_token_ids", ()))
-    scheduler.add(seq)
+def test_a_step_finishes_and_frees(engine, params, tokens, reason, stop_reason):
+    llm = engine()
+    seq = add(llm, [1, 2, 3], **params)
     for token in tokens:
         assert seq.finish_reason is None
-        run_step(scheduler, token)
+        llm.model_runner.token = token
+        llm.step()
     assert (seq.finish_reason, seq.stop_reason) == (reason, stop_reason)
-    assert scheduler.is_finished() and scheduler.block_manager.num_free_blocks == 64
+    assert llm.is_finished() and llm.block_manager.num_free_blocks == 64
 
 
-def test_length_stops_at_max_model_len():
-    scheduler = scheduler_of(max_model_len=6)
-    seq = seq_of([1, 2, 3, 4], max_tokens=None)
-    scheduler.add(seq)
-    run_step(scheduler)
-    run_step(scheduler)
+def test_length_stops_at_max_model_len(engine):
+    llm = engine(max_model_len=6)
+    seq = add(llm, [1, 2, 3, 4], max_tokens=None)
+    llm.step()
+    llm.step()
     assert seq.finish_reason == "length" and len(seq) == 6
-
-
-def test_a_preempted_sequence_waits_behind_a_prompt_being_chunked():
-    """The chunked prompt holds its blocks: put in front of it, the preempted sequence could never
-    be admitted again, nor the prompt continue."""
-    scheduler = scheduler_of(num_blocks=4, max_num_batched_tokens=6, scheduling="mixed")
-    decoding = seq_of([1, 2, 3])
-    scheduler.add(decoding)
-    run_step(scheduler)
-    prompt = seq_of(list(range(100, 112)))  # 3 blocks, prefilled 5 tokens a step
-    scheduler.add(prompt)
-    run_step(scheduler)
-    assert prompt.num_computed_tokens == 5 and scheduler.block_manager.num_free_blocks == 0
-    scheduled, _ = scheduler.schedule()  # `decoding` needs a block: it is preempted
-    assert scheduled == [prompt] and list(scheduler.waiting) == [prompt, decoding]

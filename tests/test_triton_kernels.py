@@ -35,7 +35,7 @@ def test_decode_matches_reference(block_size, num_heads, num_kv_heads, split_tok
     context_lens = [1, 17, 300, 64, 129]
     k_cache, v_cache, tables = paged_cache(block_size, context_lens, num_kv_heads, seed=block_size)
     q = torch.randn(len(context_lens), num_heads, HEAD_DIM, device=DEVICE)
-    meta = AttentionMetadata(is_prefill=False, slot_mapping=torch.empty(0, device=DEVICE),
+    meta = AttentionMetadata(ragged=False, slot_mapping=torch.empty(0, device=DEVICE),
                              context_lens=torch.tensor(context_lens, dtype=torch.int32, device=DEVICE),
                              block_tables=tables, max_seqlen_k=max(context_lens))
     out = triton_attention.decode_paged(q, k_cache, v_cache, tables, meta.context_lens,
@@ -58,10 +58,10 @@ def test_decode_result_does_not_depend_on_empty_splits():
 def test_decode_padding_rows_with_no_context_are_finite():
     k_cache, v_cache, tables = paged_cache(16, [20, 5], 2, seed=1)
     q = torch.randn(2, 4, HEAD_DIM, device=DEVICE)
-    meta = AttentionMetadata(is_prefill=False, slot_mapping=torch.empty(0, device=DEVICE),
+    meta = AttentionMetadata(ragged=False, slot_mapping=torch.empty(0, device=DEVICE),
                              context_lens=torch.tensor([20, 0], dtype=torch.int32, device=DEVICE),
                              block_tables=tables, max_seqlen_k=20)
-    first = AttentionMetadata(is_prefill=False, slot_mapping=meta.slot_mapping,
+    first = AttentionMetadata(ragged=False, slot_mapping=meta.slot_mapping,
                               context_lens=meta.context_lens[:1], block_tables=tables[:1],
                               max_seqlen_k=20)
     ref = decode_torch(q[:1], k_cache, v_cache, first, 0.25)
@@ -82,7 +82,7 @@ def test_prefill_matches_reference_with_cached_prefixes(block_size, num_heads, n
     q_lens = [n for n, _ in shapes]
     cu = torch.tensor([0] + q_lens).cumsum(0).to(torch.int32)
     q = torch.randn(sum(q_lens), num_heads, HEAD_DIM, device=DEVICE)
-    meta = AttentionMetadata(is_prefill=True, slot_mapping=torch.empty(0, device=DEVICE),
+    meta = AttentionMetadata(ragged=True, slot_mapping=torch.empty(0, device=DEVICE),
                              context_lens=torch.tensor(context_lens, dtype=torch.int32, device=DEVICE),
                              block_tables=tables, max_seqlen_k=max(context_lens),
                              cu_seqlens_q=cu.to(DEVICE), max_seqlen_q=max(q_lens))
