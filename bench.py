@@ -330,15 +330,15 @@ def step_times(model: str, args) -> list[dict]:
                   max_num_batched_tokens=max(args.prefill_seqs * args.context, max(args.batch_sizes)))
         dtype_bytes = llm.config.dtype.itemsize
         for batch in args.batch_sizes:
-            seconds = _decode_step_time(llm, batch, args.context)
+            seconds, step = _decode_step_time(llm, batch, args.context)
             moved = (shape["params"] + batch * args.context * shape["kv_elements_per_token"]) * dtype_bytes
             rows.append(dict(backend=backend, kind=f"decode b={batch}", ms=seconds * 1e3,
-                             floor_ms=moved / device["bandwidth"] * 1e3))
-        seconds = _prefill_step_time(llm, args.prefill_seqs, args.context)
-        tokens = args.prefill_seqs * args.context
+                             floor_ms=moved / device["bandwidth"] * 1e3, tokens=len(step.seqs)))
+        seconds, tokens = _prefill_step_time(llm, args.prefill_seqs, args.context)
         flops = 2 * shape["params"] * tokens + shape["attention_flops_per_pair"] * args.prefill_seqs * args.context ** 2 // 2
         rows.append(dict(backend=backend, kind=f"prefill {tokens} tok", ms=seconds * 1e3,
-                         floor_ms=flops / device["flops"] * 1e3, tok_per_s=tokens / seconds))
+                         floor_ms=flops / device["flops"] * 1e3, tok_per_s=tokens / seconds,
+                         tokens=tokens))
         llm.close()
         del llm
         torch.cuda.empty_cache() if on_gpu else None
@@ -354,9 +354,9 @@ def _random_requests(llm, count: int, context: int, seed: int) -> list[str]:
             for _ in range(count)]
 
 
-def _decode_step_time(llm, batch: int, context: int) -> float:
+def _decode_step_time(llm, batch: int, context: int):
     """The same decode step of `batch` sequences, timed again and again (it rewrites the same
-    cache slots); the prompts are prefilled first, untimed."""
+    cache slots); the prompts are prefilled first, untimed. -> (seconds, the step)"""
     request_ids = _random_requests(llm, batch, context, seed=batch)
     while llm.scheduler.waiting:
         llm.run_step()
@@ -366,19 +366,20 @@ def _decode_step_time(llm, batch: int, context: int) -> float:
     llm.block_manager.commit()  # the step ran: its K/V is written
     for request_id in request_ids:
         llm.abort(request_id)
-    return seconds
+    return seconds, step
 
 
-def _prefill_step_time(llm, count: int, context: int) -> float:
-    """One step prefilling `count` new prompts (new each time: no prefix-cache hits)."""
+def _prefill_step_time(llm, count: int, context: int):
+    """One step prefilling `count` new prompts (new each time: no prefix-cache hits).
+    -> (seconds, tokens the step ran)"""
     times = []
     for seed in range(6):
         request_ids = _random_requests(llm, count, context, seed=1000 + seed)
-        elapsed, _ = timed(llm.run_step)
+        elapsed, (step, _) = timed(llm.run_step)
         times.append(elapsed)
         for request_id in request_ids:
             llm.abort(request_id)
-    return statistics.median(times[1:])
+    return statistics.median(times[1:]), step.num_scheduled_tokens
 
 
 # ---- host work per step ----
@@ -415,8 +416,11 @@ def host_times(model: str, args) -> list[dict]:
                                 params)
             while llm.scheduler.waiting:
                 llm.run_step()
-            rows.append(dict(kind=f"decode b={batch} block={block_size}",
-                             ms=best_time(llm.run_step, repeat=100) * 1e3))
+            generated = llm.stats().num_generated_tokens
+            ms = best_time(llm.run_step, repeat=100) * 1e3
+            tokens_per_step = (llm.stats().num_generated_tokens - generated) / 101
+            rows.append(dict(kind=f"decode b={batch} block={block_size}", ms=ms,
+                             tokens_per_step=tokens_per_step))
     return rows
 
 

@@ -34,6 +34,7 @@ class EngineStats:
     num_free_blocks: int
     num_blocks: int
     num_preemptions: int
+    num_generated_tokens: int
 
 
 class LLMEngine:
@@ -62,6 +63,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.config, self.block_manager)
         self.requests: dict[str, Request] = {}  # the unfinished ones
         self._request_ids = itertools.count()
+        self.num_generated_tokens = 0
 
     # ---- requests in ----
 
@@ -186,9 +188,13 @@ class LLMEngine:
 
     def _append(self, request: Request, seq: Sequence, token_ids: list[int],
                 logprobs: list[TokenLogprobs] | None, now: float) -> None:
+        if request.metrics.first_token_time is None:
+            request.metrics.first_token_time = now
         for i, token_id in enumerate(token_ids):
             seq.token_ids.append(token_id)
-            request.record(seq, None if logprobs is None else logprobs[i], now)
+            self.num_generated_tokens += 1
+            if logprobs is not None:
+                request.record_logprobs(seq, logprobs[i])
             stop = self._stop(request, seq)
             if stop is not None:
                 self.scheduler.finish(seq, *stop)
@@ -200,12 +206,15 @@ class LLMEngine:
         """Whether `seq` stops at its last token, and why, decided in vLLM's order: not before
         min_tokens, then EOS and the stop token ids, stop strings, max_model_len, max_tokens."""
         params, last = seq.sampling_params, seq.token_ids[-1]
-        if last in seq.stop_token_ids and seq.num_completion_tokens >= params.min_tokens:
+        num_completion_tokens = len(seq.token_ids) - seq.num_prompt_tokens
+        if last in seq.stop_token_ids and num_completion_tokens >= params.min_tokens:
             return "stop", last if last in (params.stop_token_ids or ()) else None
-        stop_string = request.stop_string(seq)  # None before min_tokens
-        if stop_string is not None:
-            return "stop", stop_string
-        if len(seq) >= self.config.max_model_len or seq.num_completion_tokens == params.max_tokens:
+        if request.detokenizers[seq.index].stop_strings:  # these need the text at every token
+            stop_string = request.detokenizers[seq.index].update(seq)  # None before min_tokens
+            if stop_string is not None:
+                return "stop", stop_string
+        if (num_completion_tokens == params.max_tokens
+                or len(seq.token_ids) >= self.config.max_model_len):
             return "length", None
         return None
 
@@ -231,7 +240,8 @@ class LLMEngine:
     def stats(self) -> EngineStats:
         scheduler, pool = self.scheduler, self.block_manager
         return EngineStats(len(self.requests), len(scheduler.waiting), len(scheduler.running),
-                           pool.num_free_blocks, pool.num_blocks, scheduler.num_preemptions)
+                           pool.num_free_blocks, pool.num_blocks, scheduler.num_preemptions,
+                           self.num_generated_tokens)
 
     def _abort_all(self) -> None:
         """After a failed or interrupted step: nothing half-run stays behind."""
@@ -290,6 +300,10 @@ class LLMEngine:
 
     def render_chat(self, messages: list[dict], chat_template: str | None = None) -> list[int]:
         """The token ids of a conversation through the chat template, ready for a reply."""
+        for i, message in enumerate(messages):
+            for key, value in message.items() if isinstance(message, dict) else ():
+                if isinstance(value, str):
+                    check_text(value, f"message {i}'s {key}")
         try:
             return self.tokenizer.apply_chat_template(
                 messages, chat_template=chat_template, add_generation_prompt=True,

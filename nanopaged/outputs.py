@@ -149,24 +149,14 @@ class Request:
     def finished(self) -> bool:
         return all(seq.finish_reason is not None for seq in self.seqs)
 
-    def record(self, seq: Sequence, logprobs: TokenLogprobs | None, now: float) -> None:
-        """Takes note of the token `seq` just got, and of its logprobs."""
-        if self.metrics.first_token_time is None:
-            self.metrics.first_token_time = now
-        if logprobs is not None:
-            token_id = seq.token_ids[-1]
-            entries = [(token_id, logprobs.logprob, logprobs.rank)]
-            entries += [(t, lp, rank) for rank, (t, lp) in
-                        enumerate(zip(logprobs.top_token_ids, logprobs.top_logprobs), start=1)]
-            self.logprobs[seq.index].append({t: Logprob(lp, rank, self.tokenizer.decode([t]))
-                                             for t, lp, rank in entries})
-            self.cumulative_logprobs[seq.index] += logprobs.logprob
-
-    def stop_string(self, seq: Sequence) -> str | None:
-        """The stop string that `seq`'s text now reaches, if any."""
-        if self.detokenizers[seq.index].stop_strings:  # only these need the text at every token
-            return self.detokenizers[seq.index].update(seq)
-        return None
+    def record_logprobs(self, seq: Sequence, logprobs: TokenLogprobs) -> None:
+        """Takes note of the logprobs of the token `seq` just got."""
+        entries = [(seq.token_ids[-1], logprobs.logprob, logprobs.rank)]
+        entries += [(t, lp, rank) for rank, (t, lp) in
+                    enumerate(zip(logprobs.top_token_ids, logprobs.top_logprobs), start=1)]
+        self.logprobs[seq.index].append({t: Logprob(lp, rank, self.tokenizer.decode([t]))
+                                         for t, lp, rank in entries})
+        self.cumulative_logprobs[seq.index] += logprobs.logprob
 
     def output(self, with_text: bool = True) -> RequestOutput:
         """The request's completions so far, their text brought up to date."""

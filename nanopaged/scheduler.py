@@ -38,6 +38,16 @@ class ScheduledStep:
             self.samplers.append(seq)
             self.sample_rows.append(len(self.seqs) - 1)
 
+    def add_decodes(self, seqs: list[Sequence]) -> None:
+        """Runs the last token of each of `seqs` (tokens its K/V does not hold yet), which
+        then samples once."""
+        first = len(self.seqs)
+        self.seqs += seqs
+        self.starts += [len(seq.token_ids) - 1 for seq in seqs]
+        self.num_tokens += [1] * len(seqs)
+        self.samplers += seqs
+        self.sample_rows += range(first, first + len(seqs))
+
     @property
     def num_scheduled_tokens(self) -> int:
         return sum(self.num_tokens)
@@ -134,10 +144,10 @@ class Scheduler:
                 copy = self.block_manager.may_append(seq)
                 if copy is not None:
                     step.block_copies.append(copy)
-                step.add(seq, 1)
                 seq.num_computed_tokens += 1
                 scheduled.append(seq)
         self.running.extendleft(reversed(scheduled))
+        step.add_decodes(scheduled)
 
     def _make_room(self, seq: Sequence) -> bool:
         """Preempts the newest running sequences until `seq` can append a token; preempts `seq`

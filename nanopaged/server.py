@@ -204,7 +204,9 @@ def create_app(llm: LLM, model_name: str, max_waiting: int) -> FastAPI:
                                  f"nanopaged_kv_blocks_total {stats.num_blocks}\n"
                                  f"nanopaged_requests_waiting {admission.waiting}\n"
                                  f"nanopaged_sequences_running {stats.num_running_seqs}\n"
-                                 f"nanopaged_preemptions_total {stats.num_preemptions}\n")
+                                 f"nanopaged_preemptions_total {stats.num_preemptions}\n"
+                                 f"nanopaged_generation_tokens_total "
+                                 f"{stats.num_generated_tokens}\n")
 
     @app.get("/v1/models")
     async def models():

@@ -7,9 +7,11 @@ import torch
 
 if not torch.cuda.is_available():  # run Triton kernels on CPU tensors; must precede importing triton
     os.environ.setdefault("TRITON_INTERPRET", "1")
-from transformers import AutoModelForCausalLM
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
-from nanopaged.random_checkpoint import TINY_QWEN3, write_random_checkpoint
+from nanopaged.random_checkpoint import CORPUS, TINY_QWEN3, write_random_checkpoint
+from nanopaged.sampler import SamplerOutput
 
 TINY = {
     "qwen3": TINY_QWEN3,
@@ -37,6 +39,38 @@ def checkpoint_root(tmp_path_factory) -> str:
 @pytest.fixture(scope="session")
 def qwen3_path(checkpoint_root) -> str:
     return checkpoint("qwen3", checkpoint_root)
+
+
+@pytest.fixture(scope="session")
+def metaspace_path(checkpoint_root) -> str:
+    """A Llama checkpoint whose tokenizer is SentencePiece-style (Metaspace), as Llama 2's and
+    Mistral's: a word's leading space is part of its token, and dropped at the start of a text."""
+    path = write_random_checkpoint(f"{checkpoint_root}/metaspace", TINY["llama"], seed=1)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if os.path.exists(f"{path}/{name}"):
+            os.remove(f"{path}/{name}")
+    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first")
+    tokenizer.decoder = decoders.Metaspace(prepend_scheme="first")
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"],
+                                  show_progress=False)
+    tokenizer.train_from_iterator([CORPUS], trainer)
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="</s>", bos_token="<s>",
+                            unk_token="<unk>").save_pretrained(path)
+    return path
+
+
+class ScriptedRunner:
+    """Stands in for the model runner: records every step, and samples the same token on every
+    row: `token`, or the next of `script` while it lasts."""
+
+    def __init__(self, token: int = 7, script: list[int] = ()):
+        self.token, self.script, self.steps = token, list(script), []
+
+    def run(self, step):
+        self.steps.append(step)
+        token = self.script.pop(0) if self.script else self.token
+        return SamplerOutput([[token] for _ in step.samplers], [None] * len(step.samplers))
 
 
 @pytest.fixture(scope="session")

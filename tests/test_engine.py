@@ -1,4 +1,6 @@
 """Greedy outputs are token-for-token those of transformers, however the engine gets there."""
+import re
+
 import pytest
 
 from nanopaged import LLM, SamplingParams
@@ -178,3 +180,11 @@ def test_mixed_steps_of_one_prompt_token_beside_decodes(qwen3_path, hf_greedy):
     expected = hf_greedy(qwen3_path, prompts, 10)
     assert [outputs[i].outputs[0].token_ids for i in ids] == expected
     assert outputs[ids[2]].outputs[1].token_ids == expected[2]
+
+
+def test_the_progress_bar_shows_the_prefill_and_decode_rates(qwen3_path, capsys):
+    LLM(qwen3_path, max_model_len=512).generate(PROMPTS, GREEDY, use_tqdm=True)
+    bar = capsys.readouterr().err
+    assert "Generating: 100%" in bar and f"{len(PROMPTS)}/{len(PROMPTS)}" in bar
+    prefill, decode = re.findall(r"prefill ([\d,]+) tok/s, decode ([\d,]+) tok/s", bar)[-1]
+    assert int(prefill.replace(",", "")) > 0 and int(decode.replace(",", "")) > 0

@@ -55,6 +55,9 @@ def mutated_params(**changes) -> SamplingParams:
     ([GOOD], SamplingParams(stop_token_ids=[600]), r"stop_token_ids \[600\] reach outside the vocabulary"),
     ([GOOD], mutated_params(temperature=-1.0), "temperature must be a finite number >= 0, got -1.0"),
     ([GOOD], mutated_params(max_tokens=2.5), "max_tokens must be an integer, got 2.5"),
+    ([GOOD, "ok \ud800"], GREEDY, r"prompt is not valid Unicode: .*'\\ud800' at position 3"),
+    ([GOOD], mutated_params(stop=True), "stop must be a non-empty string or a list of them"),
+    ([GOOD], mutated_params(temperature=10 ** 400), "temperature must be a finite number"),
 ])
 def test_bad_request_is_rejected_and_engine_still_works(llm, prompts, params, message):
     with pytest.raises(ValueError, match=message):
@@ -68,6 +71,42 @@ def test_bad_request_is_rejected_by_add_request_too(llm):
     with pytest.raises(ValueError, match="request_id must be a string not in use, got 7"):
         llm.add_request(GOOD, GREEDY, request_id=7)
     assert_untouched_and_working(llm)
+
+
+def test_huge_sampling_values_that_are_valid_sample_beside_the_others(llm):
+    huge = [SamplingParams(temperature=10 ** 30, max_tokens=4, seed=1),
+            SamplingParams(temperature=1.0, top_k=10 ** 30, max_tokens=4, seed=1)]
+    outputs = llm.generate([GOOD] * 3, huge + [GREEDY], use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outputs] == [4, 4, 4]
+    assert outputs[2].outputs[0].token_ids == llm.generate([GOOD], GREEDY, use_tqdm=False)[0] \
+        .outputs[0].token_ids
+
+
+def test_a_chat_message_that_cannot_be_rendered_is_a_value_error(llm):
+    with pytest.raises(ValueError, match="message 0's content is not valid Unicode"):
+        llm.chat([{"role": "user", "content": "hi \ud800"}], GREEDY, use_tqdm=False)
+    assert_untouched_and_working(llm)
+
+
+def test_automatic_request_ids_never_take_a_chosen_one(llm):
+    chosen = llm.add_request(GOOD, GREEDY, request_id="1")
+    automatic = [llm.add_request(GOOD, GREEDY) for _ in range(2)]
+    assert chosen == "1" and "1" not in automatic and len(set(automatic)) == 2
+    finished = set()
+    while not llm.is_finished():
+        finished |= {o.request_id for o in llm.step() if o.finished}
+    assert finished == {chosen, *automatic}
+
+
+def test_samples_of_requests_admitted_together_never_exceed_max_num_seqs(llm):
+    prompts = random_prompts([3, 5, 4], seed=12)
+    for prompt, n in zip(prompts, (2, 3, 1)):
+        llm.add_request(prompt, SamplingParams(n=n, max_tokens=2, ignore_eos=True))
+    running = []
+    while not llm.is_finished():
+        llm.step()
+        running.append(len(llm.scheduler.running))
+    assert running == [2, 0, 4, 0]  # max_num_seqs is 4: the third request waits once, then fits
 
 
 def test_numpy_token_ids_are_token_ids(llm):
@@ -106,6 +145,9 @@ def test_numpy_token_ids_are_token_ids(llm):
     (dict(logprobs=21), r"logprobs must be in \[0, 20\], got 21"),
     (dict(ignore_eos="yes"), "ignore_eos must be True or False, got 'yes'"),
     (dict(include_stop_str_in_output=1), "include_stop_str_in_output must be True or False"),
+    (dict(stop=True), "stop must be a non-empty string or a list of them, got True"),
+    (dict(stop=5), "stop must be a non-empty string or a list of them, got 5"),
+    (dict(temperature=10 ** 39), "temperature must be a finite number >= 0"),
 ])
 def test_invalid_sampling_values(kwargs, message):
     with pytest.raises(ValueError, match=message):

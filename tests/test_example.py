@@ -4,6 +4,8 @@ import os
 import subprocess
 import sys
 
+from nanopaged import LLM, SamplingParams
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -28,10 +30,18 @@ def test_a_model_that_cannot_be_loaded_is_an_error_not_random_text(tmp_path):
     assert "random-weight" not in result.stdout
 
 
-def test_stream_prints_the_answer(tmp_path, qwen3_path):
+def test_stream_prints_the_answer_that_generate_gives(tmp_path, qwen3_path):
     result = run_example(tmp_path, "--model", qwen3_path, "--stream", "--max-tokens", "16")
     assert result.returncode == 0, result.stderr[-2000:]
-    assert result.stdout.strip()
+    sys.path.insert(0, ROOT)
+    import example
+    llm = LLM(qwen3_path)
+    prompt = llm.tokenizer.apply_chat_template(
+        [{"role": "system", "content": example.SYSTEM}, {"role": "user", "content": example.QUESTIONS[0]}],
+        tokenize=False, add_generation_prompt=True)
+    params = SamplingParams(temperature=0.6, top_p=0.95, max_tokens=16, seed=0)
+    [output] = llm.generate(prompt, params, use_tqdm=False)
+    assert result.stdout == output.outputs[0].text + "\n"
 
 
 def test_help_names_the_default_model_and_the_stand_in(tmp_path):

@@ -1,5 +1,6 @@
 """A step that fails or is interrupted leaves the engine as correct as before: the prefix cache
 never serves K/V that was not written, the pool is whole, and later requests get the right tokens."""
+import os
 import random
 import sys
 from contextlib import contextmanager
@@ -7,6 +8,7 @@ from contextlib import contextmanager
 import pytest
 
 from nanopaged import LLM, SamplingParams
+from nanopaged.outputs import Request
 from conftest import random_prompts
 
 BLOCK = 16
@@ -112,35 +114,112 @@ def test_a_failed_step_aborts_step_api_requests_and_the_engine_goes_on(qwen3_pat
 @contextmanager
 def interrupted_at_line(n: int | None):
     """Raises KeyboardInterrupt at the n-th line nanopaged runs (as Ctrl-C at that moment would);
-    with n None, only counts the lines. Yields the count."""
-    count = [0]
+    with n None, only counts the lines. Yields the (file, function) of each line run."""
+    lines = []
     def trace_line(frame, event, arg):
         if event == "line":
-            count[0] += 1
-            if count[0] == n:
+            lines.append((os.path.basename(frame.f_code.co_filename), frame.f_code.co_name))
+            if len(lines) == n:
                 raise KeyboardInterrupt
         return trace_line
     sys.settrace(lambda frame, event, arg: trace_line if "nanopaged" in frame.f_code.co_filename else None)
     try:
-        yield count
+        yield lines
     finally:
         sys.settrace(None)
 
 
-def test_ctrl_c_at_random_moments_never_corrupts_later_requests(qwen3_path, hf_greedy):
-    prompts = random_prompts([40, 70, 33], seed=34)
-    prompts += [prompts[0][:32] + tail for tail in random_prompts([5, 20], seed=35)]
-    expected = hf_greedy(qwen3_path, prompts, 24)
-    options = dict(num_kvcache_blocks=12, max_num_batched_tokens=64)  # preemption and chunks too
-    llm = fresh_engine(qwen3_path, **options)
+def moments(lines: list[tuple[str, str]], where, count: int, seed: int) -> list[int]:
+    """`count` of the line numbers (from 1) whose (file, function) satisfies `where`."""
+    candidates = [i + 1 for i, line in enumerate(lines) if where(*line)]
+    return random.Random(seed).sample(candidates, min(count, len(candidates)))
+
+
+INTERRUPT_PROMPTS = random_prompts([40, 70, 33], seed=34)
+INTERRUPT_PROMPTS += [INTERRUPT_PROMPTS[0][:32] + tail for tail in random_prompts([5, 20], seed=35)]
+# preemption and chunks too
+INTERRUPT_OPTIONS = dict(num_kvcache_blocks=12, max_num_batched_tokens=64)
+
+
+@pytest.fixture(scope="module")
+def traced_generate(qwen3_path):
+    """The (file, function) of every line an uninterrupted `generate` runs."""
+    llm = fresh_engine(qwen3_path, **INTERRUPT_OPTIONS)
     with interrupted_at_line(None) as lines:
-        llm.generate(prompts, GREEDY, use_tqdm=False)
+        llm.generate(INTERRUPT_PROMPTS, GREEDY, use_tqdm=False)
     assert llm.scheduler.num_preemptions > 0
-    # most moments fall among the first prompts' steps, where a stale prefix would be made
-    moments = random.Random(0)
-    for n in moments.sample(range(1, lines[0] // 8), 8) + moments.sample(range(1, lines[0]), 4):
-        llm = fresh_engine(qwen3_path, **options)  # a cold cache, filled by the interrupted run
+    return lines
+
+
+def assert_ctrl_c_at_each_moment_is_harmless(qwen3_path, hf_greedy, at: list[int]) -> None:
+    expected = hf_greedy(qwen3_path, INTERRUPT_PROMPTS, 24)
+    for n in at:
+        llm = fresh_engine(qwen3_path, **INTERRUPT_OPTIONS)  # a cold cache, filled by the run
         with interrupted_at_line(n), pytest.raises(KeyboardInterrupt):
-            llm.generate(prompts, GREEDY, use_tqdm=False)
+            llm.generate(INTERRUPT_PROMPTS, GREEDY, use_tqdm=False)
         assert_engine_is_clean(llm)
-        assert completions(llm.generate(prompts, GREEDY, use_tqdm=False)) == expected
+        assert completions(llm.generate(INTERRUPT_PROMPTS, GREEDY, use_tqdm=False)) == expected
+
+
+def test_ctrl_c_at_random_moments_never_corrupts_later_requests(qwen3_path, hf_greedy,
+                                                                traced_generate):
+    # most moments fall among the first prompts' steps, where a stale prefix would be made
+    early = moments(traced_generate[:len(traced_generate) // 8], lambda *_: True, 8, seed=0)
+    anywhere = moments(traced_generate, lambda *_: True, 4, seed=1)
+    assert_ctrl_c_at_each_moment_is_harmless(qwen3_path, hf_greedy, early + anywhere)
+
+
+def test_ctrl_c_inside_the_prefix_cache_bookkeeping_is_harmless(qwen3_path, hf_greedy,
+                                                                  traced_generate):
+    """Every line of the first calls that enter a block's hash, and of the first rollbacks'
+    neighbours: the scheduler and the block manager at random."""
+    first_cache_blocks = [i + 1 for i, line in enumerate(traced_generate)
+                          if line == ("block_manager.py", "_cache_block")][:12]
+    pool = moments(traced_generate, lambda file, _: file in ("block_manager.py", "scheduler.py"),
+                   10, seed=2)
+    assert_ctrl_c_at_each_moment_is_harmless(qwen3_path, hf_greedy, first_cache_blocks + pool)
+
+
+def test_ctrl_c_outside_the_step_loop_is_harmless(qwen3_path, hf_greedy, traced_generate):
+    """While requests are checked and queued, and while their outputs are built."""
+    outside = moments(traced_generate, lambda file, function: file == "outputs.py" or function in (
+        "generate", "_enqueue", "_make_request", "_output", "_run"), 10, seed=3)
+    assert_ctrl_c_at_each_moment_is_harmless(qwen3_path, hf_greedy, outside)
+
+
+def test_ctrl_c_while_streaming_is_harmless(qwen3_path, hf_greedy):
+    prompt = INTERRUPT_PROMPTS[1]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=["never"])
+    llm = fresh_engine(qwen3_path, **INTERRUPT_OPTIONS)
+    with interrupted_at_line(None) as lines:
+        "".join(llm.stream(prompt, params))
+    for n in moments(lines, lambda *_: True, 8, seed=4):
+        llm = fresh_engine(qwen3_path, **INTERRUPT_OPTIONS)
+        with interrupted_at_line(n), pytest.raises(KeyboardInterrupt):
+            "".join(llm.stream(prompt, params))
+        assert_engine_is_clean(llm)
+        [output] = llm.generate([prompt], params, use_tqdm=False)
+        assert output.outputs[0].token_ids == hf_greedy(qwen3_path, [prompt], 24)[0]
+
+
+def test_a_failure_in_one_requests_bookkeeping_ends_that_request_alone(qwen3_path, hf_greedy,
+                                                                        monkeypatch):
+    """An exception while recording one request's token (its logprobs, its text) fails that
+    request, with its error; the others in the same steps finish as they would alone."""
+    llm = fresh_engine(qwen3_path)
+    prompts = random_prompts([20, 30, 25], seed=36)
+    record = Request.record_logprobs
+    def failing_record(self, seq, logprobs):
+        if self.request_id == "1" and seq.num_completion_tokens == 5:
+            raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "injected")
+        return record(self, seq, logprobs)
+    monkeypatch.setattr(Request, "record_logprobs", failing_record)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=1)
+    with pytest.warns(UserWarning, match="request 1 failed: UnicodeDecodeError"):
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+    expected = hf_greedy(qwen3_path, prompts, 24)
+    assert [completions(outputs)[i] for i in (0, 2)] == [expected[0], expected[2]]
+    failed = outputs[1]
+    assert failed.finished and failed.outputs[0].finish_reason == "abort"
+    assert "injected" in failed.error and failed.outputs[0].token_ids == expected[1][:5]
+    assert_engine_is_clean(llm)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from nanopaged import LLM, SamplingParams
-from conftest import added_text, random_prompts
+from conftest import ScriptedRunner, added_text, random_prompts
 
 POEM = "Write a short poem about the sea."  # greedy: '�rselfche memory memory ...'
 
@@ -89,6 +89,40 @@ def test_stop_strings_match_a_plain_reference(llm, qwen3_path, hf_model, stops, 
     assert (completion.token_ids, completion.text, completion.finish_reason,
             completion.stop_reason) == expected
     assert expected[2] == ("length" if "poem" in stops else "stop")
+
+
+@pytest.mark.parametrize("limit", ["max_tokens", "max_model_len"])
+def test_a_stop_string_completed_by_the_last_allowed_token_is_a_stop(llm, qwen3_path, hf_model,
+                                                                       limit):
+    """The token that completes a stop string also reaches the length limit: the sequence
+    finishes once, as "stop" with its text cut, and the request beside it is unharmed."""
+    prompt_ids = llm.tokenizer.encode(POEM)
+    tokens = hf_continuation(hf_model, qwen3_path, prompt_ids, 30, eos_token_id=None)
+    k = next(k for k in range(1, 31) if "che" in llm.tokenizer.decode(tokens[:k]))
+    engine = llm if limit == "max_tokens" else LLM(qwen3_path, max_model_len=len(prompt_ids) + k,
+                                                   kvcache_block_size=16)
+    stopped = SamplingParams(temperature=0, max_tokens=k if limit == "max_tokens" else None,
+                             stop=["che"], ignore_eos=True)
+    beside = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    first, second = engine.generate([POEM, [5, 6, 7]], [stopped, beside], use_tqdm=False)
+    expected = reference_stop(llm.tokenizer, tokens[:k], ["che"], False)
+    completion = first.outputs[0]
+    assert (completion.token_ids, completion.text, completion.finish_reason,
+            completion.stop_reason) == expected == (tokens[:k], expected[1], "stop", "che")
+    assert second.outputs[0].finish_reason == "length" and len(second.outputs[0].token_ids) == 3
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_eos_and_max_tokens_on_the_same_token_is_a_stop(llm):
+    eos = next(iter(llm.eos_token_ids))
+    llm.model_runner, runner = ScriptedRunner(script=[5, eos]), llm.model_runner
+    try:
+        [output] = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2), use_tqdm=False)
+    finally:
+        llm.model_runner = runner
+    completion = output.outputs[0]
+    assert (completion.token_ids, completion.finish_reason, completion.stop_reason) == \
+        ([5, eos], "stop", None)
 
 
 @pytest.mark.parametrize("min_tokens", [0, 7])
@@ -191,6 +225,43 @@ def test_streamed_text_grows_by_whole_characters_to_the_final_text(llm):
         split_characters += sum(len(c.encode()) > 1 and c != "\ufffd" for c in completion.text)
     assert split_characters > 0  # multi-byte characters did arrive over several tokens
     assert any(c.stop_reason in ("ti", "ck") for _, c in finals.values())
+
+
+def test_held_back_text_is_the_longest_stop_string_less_one_character(llm):
+    """While a stop string may still match, the text shown stops short of the decoded text
+    by the length of the longest stop string less one character."""
+    prompt = "Paged attention stores the key"
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop=["zzzzz", "q"])
+    llm.add_request(prompt, params)
+    prompt_ids, checked = llm.tokenizer.encode(prompt), 0
+    while not llm.is_finished():
+        for output in llm.step():
+            completion = output.outputs[0]
+            decoded = added_text(llm.tokenizer, prompt_ids, completion.token_ids)
+            if not output.finished and "\ufffd" not in decoded:
+                assert completion.text == decoded[:max(0, len(decoded) - 4)]
+                checked += 1
+    assert checked > 10 and completion.text == decoded
+
+
+@pytest.mark.parametrize("pattern", [["a", "b"], ["a", "</s>", "b"], ["</s>", "a", "<s>", "b"]])
+def test_sentencepiece_text_keeps_the_space_before_a_word(metaspace_path, pattern):
+    """With a Metaspace tokenizer a word's token carries its leading space: the completion's
+    first word, and a word after a special token that prints nothing, keep it."""
+    llm = LLM(metaspace_path, max_model_len=128, kvcache_block_size=16)
+    vocab = llm.tokenizer.get_vocab()
+    words = sorted((t for t in vocab if t.startswith("\u2581") and len(t) > 3), key=vocab.get)
+    tokens = {"a": words[0], "b": words[1], "</s>": "</s>", "<s>": "<s>"}
+    script = [vocab[tokens[name]] for name in pattern]
+    llm.model_runner = ScriptedRunner(script=script)
+    prompt = "Paged attention stores"
+    params = SamplingParams(max_tokens=len(script), ignore_eos=True)
+    [output] = llm.generate(prompt, params, use_tqdm=False)
+    text = output.outputs[0].text
+    assert text == " " + words[0][1:] + " " + words[1][1:]
+    assert text == added_text(llm.tokenizer, output.prompt_token_ids, script)
+    llm.model_runner.script = list(script)
+    assert "".join(llm.stream(prompt, params)) == text
 
 
 def test_stream_yields_the_text_of_generate(llm):

@@ -5,8 +5,8 @@ import pytest
 from nanopaged import LLM, SamplingParams
 from nanopaged import block_manager as bm
 from nanopaged.block_manager import BlockManager
-from nanopaged.sampler import SamplerOutput
 from nanopaged.sequence import Sequence
+from conftest import ScriptedRunner
 
 BLOCK = 4
 
@@ -214,17 +214,6 @@ def test_deallocate_returns_every_block():
 
 
 # ---- the scheduler, through the engine's step ----
-
-class ScriptedRunner:
-    """Stands in for the model: records every step, and samples `token` on every row."""
-
-    def __init__(self, token: int = 7):
-        self.token, self.steps = token, []
-
-    def run(self, step):
-        self.steps.append(step)
-        return SamplerOutput([[self.token] for _ in step.samplers], [None] * len(step.samplers))
-
 
 @pytest.fixture
 def engine(qwen3_path):

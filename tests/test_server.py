@@ -161,6 +161,14 @@ def test_a_dropped_stream_frees_its_blocks(server, offline):
     ("/v1/completions", {"prompt": "", "max_tokens": 4}, 400, None, "prompt is empty"),
     ("/v1/chat/completions", {"messages": "hi"}, 400, "messages", "messages must be"),
     ("/v1/chat/completions", {"messages": [{"role": "user"}]}, 400, "messages", "messages must be"),
+    ("/v1/completions", b'{"prompt": "\\ud800 hi"}', 400, None, "prompt is not valid Unicode"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\\ud800"}]}', 400,
+     None, "message 0's content is not valid Unicode"),
+    ("/v1/completions", {"prompt": "hi", "stop": True}, 400, "stop", "stop must be"),
+    ("/v1/completions", {"prompt": "hi", "stop": 5}, 400, "stop", "stop must be"),
+    ("/v1/completions", b"[" * 100000 + b"]" * 100000, 400, None, "not valid JSON"),
+    ("/v1/completions", {"prompt": "hi", "stream": True, "stream_options": "yes"}, 400,
+     "stream_options", "stream_options must be an object"),
 ])
 def test_bad_requests_get_their_status_and_an_openai_error(server, path, body, status, param, message):
     kwargs = {"content": body} if isinstance(body, bytes) else {"json": body}
@@ -170,6 +178,32 @@ def test_bad_requests_get_their_status_and_an_openai_error(server, path, body, s
     assert set(error) == {"message", "type", "param", "code"} and error["param"] == param
     assert message in error["message"]
     assert server.healthy() and server.metrics()["nanopaged_requests_waiting"] == 0
+
+
+def test_a_client_that_hangs_up_before_a_whole_response_frees_its_request(server):
+    """Not streamed: the server has nothing to send until the end, and must notice anyway."""
+    generated = server.metrics()["nanopaged_generation_tokens_total"]
+    body = {"prompt": random_prompts([10], seed=63)[0], "max_tokens": 500, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/v1/completions", timeout=0.3, json=body)
+    deadline = time.monotonic() + 30
+    while server.metrics()["nanopaged_sequences_running"] != 0:
+        assert time.monotonic() < deadline, server.metrics()
+        time.sleep(0.1)
+    metrics = server.metrics()
+    assert metrics["nanopaged_kv_blocks_free"] == metrics["nanopaged_kv_blocks_total"]
+    assert metrics["nanopaged_requests_waiting"] == 0
+    # aborted: it did not run its 500 steps to the end
+    assert metrics["nanopaged_generation_tokens_total"] - generated < 500
+
+
+def test_a_request_that_breaks_the_tokenizer_leaves_the_server_serving(server, offline):
+    bad = httpx.post(server.url + "/v1/completions", timeout=30,
+                     content=b'{"prompt": "\\ud800", "max_tokens": 4}')
+    assert bad.status_code == 400 and server.healthy()
+    texts, _ = offline([5, 6, 7], temperature=0, max_tokens=4)
+    assert server.client.completions.create(model="tiny", prompt=[5, 6, 7], max_tokens=4,
+                                            temperature=0).choices[0].text == texts[0]
 
 
 def test_too_many_waiting_requests_get_503_and_too_large_ones_400(qwen3_path):
