@@ -449,7 +449,9 @@ class NanopagedServer:
         self.port = free_port()
         self.command = [sys.executable, "-m", "nanopaged.server", model, "--port", str(self.port),
                         "--scheduling", policy, "--max-model-len", str(args.max_model_len),
-                        "--max-waiting", str(args.num_requests), "--log-level", "warning"]
+                        "--max-waiting", str(args.num_requests + 1), "--log-level", "warning"]
+        if args.max_num_batched_tokens:
+            self.command += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
 
     def __enter__(self) -> str:
         import httpx
@@ -469,26 +471,42 @@ class NanopagedServer:
 
 
 async def send_workload(url: str, work: Workload, rate: float, args) -> dict:
-    """Streams every request of the workload, started at Poisson arrival times of `rate` a second."""
+    """Streams every request of the workload, started at Poisson arrival times of `rate` a
+    second; with --long-prompt, one more request of that many prompt tokens arrives halfway,
+    and `itl_max_ms` shows how long it stalled the others' streams."""
     import httpx
-    async with httpx.AsyncClient(timeout=args.timeout, limits=httpx.Limits(max_connections=None)) as client:
+    limits = httpx.Limits(max_connections=None)
+    async with httpx.AsyncClient(timeout=args.timeout, limits=limits) as client:
         model = (await client.get(f"{url}/models")).json()["data"][0]["id"]
-        await stream_completion(client, url, model, work.prompts[0][::-1], 4, work.temperature)  # warm-up
-        gaps = torch.empty(len(work.prompts)).exponential_(generator=torch.Generator().manual_seed(args.seed))
+        warmup = work.prompts[0][::-1]
+        await stream_completion(client, url, model, warmup, 4, work.temperature)
+        g = torch.Generator().manual_seed(args.seed)
+        arrivals = (torch.empty(len(work.prompts)).exponential_(generator=g) / rate).cumsum(0)
         start = time.perf_counter()
         async def request_at(delay, prompt, max_tokens):
             await asyncio.sleep(delay)
             return await stream_completion(client, url, model, prompt, max_tokens, work.temperature)
-        arrivals = (gaps / rate).cumsum(0).tolist()
-        records = await asyncio.gather(*(request_at(a, p, n) for a, p, n in
-                                         zip(arrivals, work.prompts, work.output_lens)))
+        requests = [request_at(*r) for r in zip(arrivals.tolist(), work.prompts, work.output_lens)]
+        if args.long_prompt:
+            # reversed: no prefix-cache hits on the workload's prompts
+            tokens = [token for prompt in work.prompts for token in prompt[::-1]]
+            long_prompt = tokens[:args.long_prompt]
+            requests.append(request_at(arrivals[len(arrivals) // 2].item(), long_prompt, 1))
+        records = await asyncio.gather(*requests)
         duration = time.perf_counter() - start
+    long_record = records.pop() if args.long_prompt else None
+    return dict(serving_stats(records, duration), request_rate=rate,
+                long_prompt_ttft_ms=long_record and 1e3 * long_record["ttft"])
+
+
+def serving_stats(records: list[dict], duration: float) -> dict:
     ttft = [r["ttft"] for r in records]
     tpot = [(r["latency"] - r["ttft"]) / (r["tokens"] - 1) for r in records if r["tokens"] > 1]
     itl = [gap for r in records for gap in r["itl"]]
     output_tokens = sum(r["tokens"] for r in records)
-    return dict(request_rate=rate, duration=duration, requests_per_s=len(records) / duration,
+    return dict(duration=duration, requests_per_s=len(records) / duration,
                 output_tok_per_s=output_tokens / duration, output_tokens=output_tokens,
+                itl_max_ms=1e3 * max(itl),
                 **{f"{name}_{q}_ms": 1e3 * percentile(values, q) for name, values in
                    (("ttft", ttft), ("tpot", tpot), ("itl", itl)) for q in (50, 99)})
 
@@ -502,7 +520,8 @@ async def stream_completion(client, url: str, model: str, prompt: list[int], max
     times, tokens = [], 0
     async with client.stream("POST", f"{url}/completions", json=body) as response:
         if response.status_code != 200:
-            raise RuntimeError(f"{url}: HTTP {response.status_code}: {(await response.aread())[:300]!r}")
+            error = (await response.aread())[:300]
+            raise RuntimeError(f"{url}: HTTP {response.status_code}: {error!r}")
         async for line in response.aiter_lines():
             if not line.startswith("data:") or line == "data: [DONE]":
                 continue
@@ -516,13 +535,16 @@ async def stream_completion(client, url: str, model: str, prompt: list[int], max
 
 
 def print_serving(results: dict) -> None:
-    print(f"{'server':28} {'req/s in':>8} {'req/s':>6} {'out tok/s':>9} {'TTFT p50':>9} {'p99':>8} "
-          f"{'TPOT p50':>9} {'p99':>7} {'ITL p50':>8} {'p99':>7}  (ms)")
+    print(f"{'server':28} {'req/s in':>8} {'req/s':>6} {'out tok/s':>9} {'TTFT p50':>9} "
+          f"{'p99':>8} {'TPOT p50':>9} {'p99':>7} {'ITL p50':>8} {'p99':>7} {'max':>7}  (ms)")
     for server, rates in results.items():
         for rate, r in rates.items():
-            print(f"{server[:28]:28} {rate:8g} {r['requests_per_s']:6.2f} {r['output_tok_per_s']:9,.0f} "
-                  f"{r['ttft_50_ms']:9.1f} {r['ttft_99_ms']:8.1f} {r['tpot_50_ms']:9.2f} "
-                  f"{r['tpot_99_ms']:7.2f} {r['itl_50_ms']:8.2f} {r['itl_99_ms']:7.2f}")
+            print(f"{server[:28]:28} {rate:8g} {r['requests_per_s']:6.2f} "
+                  f"{r['output_tok_per_s']:9,.0f} {r['ttft_50_ms']:9.1f} {r['ttft_99_ms']:8.1f} "
+                  f"{r['tpot_50_ms']:9.2f} {r['tpot_99_ms']:7.2f} {r['itl_50_ms']:8.2f} "
+                  f"{r['itl_99_ms']:7.2f} {r['itl_max_ms']:7.1f}"
+                  + (f"  long prompt's TTFT {r['long_prompt_ttft_ms']:,.0f}"
+                     if r["long_prompt_ttft_ms"] else ""))
 
 
 # ---- the command line ----
@@ -566,6 +588,10 @@ def parse_args(argv=None):
     p.add_argument("--host", action="store_true", help="time the host's work per decode step")
     p.add_argument("--serve", action="store_true", help="time a server under requests that arrive over time")
     p.add_argument("--request-rate", type=float, nargs="+", help="with --serve: requests a second")
+    p.add_argument("--long-prompt", type=int, default=0,
+                   help="with --serve: one more request, of this many prompt tokens, halfway")
+    p.add_argument("--max-num-batched-tokens", type=int,
+                   help="with --serve: the servers' token budget per step (their chunk size)")
     p.add_argument("--url", help="with --serve: another OpenAI-compatible server, e.g. http://host:8000/v1")
     p.add_argument("--backends", help="with --steps: comma-separated (default: all available)")
     p.add_argument("--batch-sizes", type=int, nargs="+")

@@ -47,7 +47,8 @@ def _gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Ten
     """The cache rows of each sequence's blocks, whole blocks at a time (padding reads block
     0): (B, nb) block ids -> (B, nkv, nb * bs, hs)."""
     num_seqs, num_blocks = block_tables.shape
-    rows = cache.index_select(0, block_tables.flatten().clamp(min=0).long())  # faster than cache[...]
+    # index_select is faster here than cache[...]
+    rows = cache.index_select(0, block_tables.flatten().clamp(min=0).long())
     return rows.view(num_seqs, num_blocks * cache.shape[1], *cache.shape[2:]).transpose(1, 2)
 
 
@@ -68,8 +69,9 @@ def prefill_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         blocks = meta.block_tables[i:i + 1, :-(-context_len // block_size)]
         k, v = _gather_blocks(k_cache, blocks), _gather_blocks(v_cache, blocks)
         q_pos = torch.arange(context_len - (end - start), context_len, device=q.device)
-        mask = torch.arange(k.shape[2], device=q.device)[None, :] <= q_pos[:, None]   # (Q, L)
-        out[start:end] = _attend(q[start:end].transpose(0, 1)[None], k, v, mask, scale)[0].transpose(0, 1)
+        mask = torch.arange(k.shape[2], device=q.device)[None, :] <= q_pos[:, None]  # (Q, L)
+        queries = q[start:end].transpose(0, 1)[None]  # (1, nh, Q, hs)
+        out[start:end] = _attend(queries, k, v, mask, scale)[0].transpose(0, 1)
     return out
 
 

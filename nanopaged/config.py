@@ -7,11 +7,10 @@ from dataclasses import dataclass, field, fields
 from typing import get_args
 
 import torch
-from transformers import AutoConfig, GenerationConfig, PretrainedConfig
+from transformers import AutoConfig, PretrainedConfig
 
 from nanopaged.model import check_supported
 
-SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen2ForCausalLM", "LlamaForCausalLM")
 CHOICES = {"device": (None, "cuda", "cpu"), "dtype": (None, "float32", "float16", "bfloat16"),
            "attention_backend": ("auto", "torch", "triton", "flash"),
            "scheduling": ("prefill-first", "mixed")}
@@ -88,7 +87,6 @@ class Config:
     attention_backend: str = "auto"
     scheduling: str = "prefill-first"
     hf_config: PretrainedConfig = field(init=False)
-    eos_token_ids: frozenset[int] = field(init=False)
 
     @classmethod
     def from_options(cls, model: str, **options) -> "Config":
@@ -104,12 +102,7 @@ class Config:
         self._check_values()
         self.model = resolve_model(self.model)
         self.hf_config = _read_checkpoint_config(self.model)
-        architectures = getattr(self.hf_config, "architectures", None) or []
-        if not any(a in SUPPORTED_ARCHITECTURES for a in architectures):
-            raise ValueError(f"unsupported architecture {architectures}; nanopaged supports "
-                             f"{', '.join(SUPPORTED_ARCHITECTURES)}")
         check_supported(self.hf_config)
-        self.eos_token_ids = _eos_token_ids(self.model, self.hf_config)
         self.max_model_len = min(self.max_model_len, self.hf_config.max_position_embeddings)
         self._resolve_device_and_dtype()
         self._resolve_attention_backend()
@@ -127,14 +120,18 @@ class Config:
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name, choices in CHOICES.items():
-            value = str(self.dtype).removeprefix("torch.") if name == "dtype" and self.dtype else getattr(self, name)
+            value = getattr(self, name)
+            if name == "dtype" and value is not None:
+                value = str(value).removeprefix("torch.")
             if value not in choices:
-                raise ValueError(f"{name} must be one of {choices[1:] if None in choices else choices}, "
-                                 f"got {value!r}")
+                named = choices[1:] if None in choices else choices
+                raise ValueError(f"{name} must be one of {named}, got {value!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], "
+                             f"got {self.gpu_memory_utilization}")
         if self.distributed_port is not None and not 0 < self.distributed_port < 65536:
-            raise ValueError(f"distributed_port must be in [1, 65535], got {self.distributed_port}")
+            raise ValueError(f"distributed_port must be in [1, 65535], "
+                             f"got {self.distributed_port}")
 
     def _resolve_device_and_dtype(self) -> None:
         if self.device is None:
@@ -148,19 +145,22 @@ class Config:
 
     def _resolve_attention_backend(self) -> None:
         on_gpu = self.device == "cuda"
+        half = self.dtype != torch.float32
         if self.attention_backend == "auto":
-            self.attention_backend = ("flash" if on_gpu and self.dtype != torch.float32 and flash_attn_available()
+            self.attention_backend = ("flash" if on_gpu and half and flash_attn_available()
                                       else "triton" if on_gpu and triton_available() else "torch")
         needs = {"triton": [(on_gpu or triton_interpreted(), "a CUDA GPU (or TRITON_INTERPRET=1)"),
                             (triton_available(), "triton to be importable")],
-                 "flash": [(on_gpu, "a CUDA GPU"), (flash_attn_available(), "flash_attn to be importable"),
-                           (self.dtype != torch.float32, "dtype float16 or bfloat16")]}
+                 "flash": [(on_gpu, "a CUDA GPU"),
+                           (flash_attn_available(), "flash_attn to be importable"),
+                           (half, "dtype float16 or bfloat16")]}
         for met, what in needs.get(self.attention_backend, []):
             if not met:
                 raise ValueError(f"attention_backend={self.attention_backend!r} needs {what}")
         if self.kvcache_block_size is None:
             self.kvcache_block_size = 256 if self.attention_backend == "flash" else 16
-        if self.attention_backend == "flash" and self.kvcache_block_size % FLASH_BLOCK_SIZE_MULTIPLE:
+        flash = self.attention_backend == "flash"
+        if flash and self.kvcache_block_size % FLASH_BLOCK_SIZE_MULTIPLE:
             raise ValueError(f"kvcache_block_size={self.kvcache_block_size} does not work with "
                              f"flash-attn, whose paged KV needs a multiple of "
                              f"{FLASH_BLOCK_SIZE_MULTIPLE}; use attention_backend='triton'")
@@ -170,7 +170,8 @@ class Config:
         if self.device == "cuda" and size > torch.cuda.device_count():
             raise ValueError(f"tensor_parallel_size={size} but only {torch.cuda.device_count()} "
                              f"CUDA GPU(s) are visible")
-        for name in ("num_attention_heads", "num_key_value_heads", "vocab_size", "intermediate_size"):
+        for name in ("num_attention_heads", "num_key_value_heads", "vocab_size",
+                     "intermediate_size"):
             if getattr(self.hf_config, name) % size:
                 raise ValueError(f"the model's {name}={getattr(self.hf_config, name)} is not "
                                  f"divisible by tensor_parallel_size={size}")
@@ -185,13 +186,3 @@ def _read_checkpoint_config(path: str) -> PretrainedConfig:
         return AutoConfig.from_pretrained(path)
     except Exception as error:
         raise ValueError(f"cannot read {os.path.join(path, 'config.json')}: {error}") from None
-
-
-def _eos_token_ids(path: str, hf_config: PretrainedConfig) -> frozenset[int]:
-    """The generation config's EOS ids, else the model config's."""
-    eos = None
-    if os.path.exists(os.path.join(path, "generation_config.json")):
-        eos = GenerationConfig.from_pretrained(path).eos_token_id
-    if eos is None:
-        eos = getattr(hf_config, "eos_token_id", None)
-    return frozenset([] if eos is None else eos if isinstance(eos, list) else [eos])

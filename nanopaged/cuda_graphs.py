@@ -50,7 +50,8 @@ class DecodeGraphs:
         b = self.buffers
         meta = AttentionMetadata(
             ragged=False, slot_mapping=b["slot_mapping"][:batch_size],
-            context_lens=b["context_lens"][:batch_size], block_tables=b["block_tables"][:batch_size],
+            context_lens=b["context_lens"][:batch_size],
+            block_tables=b["block_tables"][:batch_size],
             max_seqlen_k=self.max_model_len)
         return b["input_ids"][:batch_size], b["positions"][:batch_size], meta
 

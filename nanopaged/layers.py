@@ -1,4 +1,5 @@
-"""The building blocks of the decoder, each sharded over tensor-parallel ranks when there are several.
+"""The building blocks of the decoder, each sharded over tensor-parallel ranks when there are
+several.
 
 A column-parallel linear splits its output features across ranks, a row-parallel one its input
 features (then sums the partial outputs with an all-reduce). With one rank both are plain
@@ -154,9 +155,12 @@ class ParallelLMHead(VocabParallelEmbedding):
         logits = F.linear(hidden, self.weight)
         if self.tp_size == 1:
             return logits
-        shards = [torch.empty_like(logits) for _ in range(self.tp_size)] if self.tp_rank == 0 else None
+        if self.tp_rank != 0:
+            dist.gather(logits, None, dst=0)
+            return None
+        shards = [torch.empty_like(logits) for _ in range(self.tp_size)]
         dist.gather(logits, shards, dst=0)
-        return torch.cat(shards, dim=-1) if self.tp_rank == 0 else None
+        return torch.cat(shards, dim=-1)
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

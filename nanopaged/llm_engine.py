@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import numpy as np
 from tqdm.auto import tqdm
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers import AutoTokenizer, GenerationConfig, PreTrainedTokenizerBase
 
 from nanopaged.block_manager import BlockManager
 from nanopaged.config import Config
@@ -53,8 +53,7 @@ class LLMEngine:
     def __init__(self, model: str, **options):
         self.config = Config.from_options(model, **options)
         self.tokenizer = _load_tokenizer(self.config.model)
-        eos = self.tokenizer.eos_token_id
-        self.eos_token_ids = self.config.eos_token_ids or frozenset([] if eos is None else [eos])
+        self.eos_token_ids = _eos_token_ids(self.config, self.tokenizer)
         self.model_runner = ModelRunner(self.config)
         # tensor-parallel workers exit when the engine is closed or garbage-collected
         self._finalizer = weakref.finalize(self, self.model_runner.close)
@@ -395,6 +394,16 @@ def _load_tokenizer(path: str) -> PreTrainedTokenizerBase:
         return AutoTokenizer.from_pretrained(path)
     except Exception as error:
         raise ValueError(f"cannot load the tokenizer of {path!r}: {error}") from None
+
+
+def _eos_token_ids(config: Config, tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:
+    """The generation config's EOS ids, else the model config's, else the tokenizer's."""
+    eos = None
+    if os.path.exists(os.path.join(config.model, "generation_config.json")):
+        eos = GenerationConfig.from_pretrained(config.model).eos_token_id
+    for fallback in (getattr(config.hf_config, "eos_token_id", None), tokenizer.eos_token_id):
+        eos = fallback if eos is None else eos
+    return frozenset([] if eos is None else eos if isinstance(eos, list) else [eos])
 
 
 def _is_token_ids(prompt) -> bool:

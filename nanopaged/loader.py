@@ -45,7 +45,8 @@ def _load_file(model: nn.Module, file: str, params: dict[str, nn.Parameter], unf
             try:
                 loader(param, f.get_tensor(name), *([] if shard_id is None else [shard_id]))
             except RuntimeError as error:  # a shape that does not fit the config
-                raise ValueError(f"weight {name!r} in {file} does not fit the model: {error}") from None
+                raise ValueError(f"weight {name!r} in {file} does not fit the model: "
+                                 f"{error}") from None
             unfilled.discard(param_name)
             if shard_id is not None:
                 param.loaded_shards = getattr(param, "loaded_shards", set()) | {shard_id}

@@ -20,16 +20,24 @@ def rope_parameters(config: PretrainedConfig) -> dict:
     return dict(getattr(config, "rope_scaling", None) or {}, rope_theta=config.rope_theta)
 
 
+ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen2ForCausalLM", "LlamaForCausalLM")
+
+
 def check_supported(config: PretrainedConfig) -> None:
-    """Raises ValueError naming a config field that asks for something this model does not do,
-    rather than run a silently different model."""
+    """Raises ValueError naming an architecture, or a config field, that asks for something this
+    model does not do, rather than run a silently different model."""
+    architectures = getattr(config, "architectures", None) or []
+    if not any(a in ARCHITECTURES for a in architectures):
+        raise ValueError(f"unsupported architecture {architectures}; nanopaged supports "
+                         f"{', '.join(ARCHITECTURES)}")
     rope = rope_parameters(config)
     layer_types = getattr(config, "layer_types", None)
     sliding = (any(t != "full_attention" for t in layer_types) if layer_types
                else getattr(config, "use_sliding_window", False))
     unsupported = {
         "hidden_act": config.hidden_act != "silu",
-        "rope_type": rope.get("rope_type", rope.get("type", "default")) not in ("default", "llama3"),
+        "rope_type": rope.get("rope_type", rope.get("type", "default"))
+        not in ("default", "llama3"),
         "partial_rotary_factor": rope.get("partial_rotary_factor",
                                           getattr(config, "partial_rotary_factor", 1.0)) != 1.0,
         "use_sliding_window / layer_types (sliding-window attention)": sliding,
@@ -38,8 +46,9 @@ def check_supported(config: PretrainedConfig) -> None:
     for name, bad in unsupported.items():
         if bad:
             value = getattr(config, name, None) or rope.get(name)
-            raise ValueError(f"the checkpoint's config has {name}" + (f"={value!r}" if value else "")
-                             + ", which nanopaged does not implement")
+            shown = f"{name}={value!r}" if value else name
+            raise ValueError(f"the checkpoint's config has {shown}, which nanopaged does not "
+                             f"implement")
 
 
 class DecoderAttention(nn.Module):
@@ -47,7 +56,8 @@ class DecoderAttention(nn.Module):
         super().__init__()
         _, tp_size = tp_rank_and_size()
         arch = config.architectures[0]
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.head_dim = (getattr(config, "head_dim", None)
+                         or config.hidden_size // config.num_attention_heads)
         self.num_heads = config.num_attention_heads // tp_size
         self.num_kv_heads = config.num_key_value_heads // tp_size
         qkv_bias = arch == "Qwen2ForCausalLM" or getattr(config, "attention_bias", False)

@@ -169,7 +169,9 @@ class ModelRunner:
     def prepare_inputs(self, step: ScheduledStep) -> StepInputs:
         """The step's model inputs, as host arrays: all the host work of a step but scheduling."""
         copies = np.array(step.block_copies, dtype=np.int64).reshape(-1, 2)
-        return self._prepare_ragged(step, copies) if step.ragged else self._prepare_decode(step, copies)
+        if step.ragged:
+            return self._prepare_ragged(step, copies)
+        return self._prepare_decode(step, copies)
 
     def _prepare_ragged(self, step: ScheduledStep, block_copies: np.ndarray) -> StepInputs:
         input_ids, positions, slots = [], [], []
@@ -201,7 +203,8 @@ class ModelRunner:
 
     def _slots(self, seq: Sequence, positions: np.ndarray) -> np.ndarray:
         block_table = np.asarray(seq.block_table)
-        return block_table[positions // self.block_size] * self.block_size + positions % self.block_size
+        blocks = block_table[positions // self.block_size]
+        return blocks * self.block_size + positions % self.block_size
 
     def _block_tables(self, seqs: list[Sequence]) -> np.ndarray:
         """(num_seqs, longest block table) int32, padded with -1."""

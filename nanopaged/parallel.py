@@ -57,7 +57,8 @@ def start_workers(config: Config, target: Callable[[Config, int], None]) -> list
 
 def _worker_main(target: Callable[[Config, int], None], config: Config, rank: int,
                  errors: mp.connection.Connection) -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is rank 0's to handle: it stops the workers
+    # Ctrl-C is rank 0's to handle: it stops the workers
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         target(config, rank)
     except BaseException:
@@ -76,7 +77,8 @@ def join_ranks(config: Config, rank: int, workers: list[mp.Process]) -> dist.Pro
         try:
             store = dist.TCPStore("127.0.0.1", port, size, is_master=True, wait_for_workers=False)
         except RuntimeError as error:
-            raise ValueError(f"cannot listen on 127.0.0.1:{port} (distributed_port): {error}") from None
+            raise ValueError(f"cannot listen on 127.0.0.1:{port} (distributed_port): "
+                             f"{error}") from None
         while not store.check([f"worker{r}" for r in range(1, size)]):
             if (dead := _dead_worker(workers)) is not None:
                 raise WorkerDied(_death_notice(dead))

@@ -14,10 +14,11 @@ def sample(logits: torch.Tensor, temperatures: torch.Tensor, uniform: torch.Tens
     `uniform` (in [0, 1)), or argmax(logits) where T is 0."""
     logits = logits.float()
     shifted = logits - logits.amax(dim=-1, keepdim=True)  # <= 0, so a tiny T cannot overflow
-    probs = torch.softmax(shifted / torch.where(temperatures > 0, temperatures, 1.0).unsqueeze(1), dim=-1)
+    sampling = temperatures > 0
+    probs = torch.softmax(shifted / torch.where(sampling, temperatures, 1.0).unsqueeze(1), dim=-1)
     cdf = probs.cumsum(dim=-1)
     sampled = torch.searchsorted(cdf, uniform.unsqueeze(1) * cdf[:, -1:], right=True).squeeze(1)
-    return torch.where(temperatures > 0, sampled.clamp(max=logits.shape[-1] - 1), logits.argmax(dim=-1))
+    return torch.where(sampling, sampled.clamp(max=logits.shape[-1] - 1), logits.argmax(dim=-1))
 
 
 @dataclass

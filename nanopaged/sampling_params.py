@@ -44,7 +44,8 @@ class SamplingParams:
         if self.max_tokens is not None:
             _check_int("max_tokens", self.max_tokens, 1)
             if self.max_tokens < self.min_tokens:
-                raise ValueError(f"max_tokens={self.max_tokens} is less than min_tokens={self.min_tokens}")
+                raise ValueError(f"max_tokens={self.max_tokens} is less than "
+                                 f"min_tokens={self.min_tokens}")
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS)
         if self.seed is not None:
@@ -58,9 +59,11 @@ class SamplingParams:
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.stop is not None and not (isinstance(self.stop, (str, list, tuple)) and all(
                 isinstance(s, str) and s for s in self.stop_strings)):
-            raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
+            raise ValueError(f"stop must be a non-empty string or a list of them, "
+                             f"got {self.stop!r}")
         if not isinstance(self.stop_token_ids or [], (list, tuple, set)):
-            raise ValueError(f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}")
+            raise ValueError(f"stop_token_ids must be a list of token ids, "
+                             f"got {self.stop_token_ids!r}")
         for token_id in self.stop_token_ids or []:
             _check_int("stop_token_ids", token_id, 0)
 

@@ -33,14 +33,16 @@ def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cac
 
 
 @triton.jit
-def _kv_tile(cache_ptr, block_table_ptr, pos, valid, kv_head,
-             NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr):
-    """K or V of the tokens at positions `pos` of one sequence, one head: (BLOCK_N, HEAD_DIM)."""
+def _kv_tiles(k_cache_ptr, v_cache_ptr, block_table_ptr, pos, valid, kv_head,
+              NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    """K and V of the tokens at positions `pos` of one sequence, one head: (BLOCK_N, HEAD_DIM)
+    each, found once through the block table."""
     block = tl.load(block_table_ptr + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
     slot = block * BLOCK_SIZE + pos % BLOCK_SIZE
     dims = tl.arange(0, HEAD_DIM)
     offsets = (slot * NUM_KV_HEADS + kv_head)[:, None] * HEAD_DIM + dims[None, :]
-    return tl.load(cache_ptr + offsets, mask=valid[:, None], other=0.0)
+    return (tl.load(k_cache_ptr + offsets, mask=valid[:, None], other=0.0),
+            tl.load(v_cache_ptr + offsets, mask=valid[:, None], other=0.0))
 
 
 # Integer arguments that change from step to step are not specialised on, or each new value
@@ -89,8 +91,8 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_le
         for tile in range(start, end, BLOCK_N):
             pos = tile + tl.arange(0, BLOCK_N)
             valid = pos < end
-            k = _kv_tile(k_cache_ptr, block_table_ptr, pos, valid, kv_head, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE)
-            v = _kv_tile(v_cache_ptr, block_table_ptr, pos, valid, kv_head, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE)
+            k, v = _kv_tiles(k_cache_ptr, v_cache_ptr, block_table_ptr, pos, valid, kv_head,
+                             NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE)
             m, l, acc = _attend_tile(q, k, v, valid[None, :], m, l, acc, scale, PRECISION)
         has_keys = l > 0  # false only for a padding row (context 0)
         l = tl.where(has_keys, l, 1.0)
@@ -141,7 +143,9 @@ def split_len(batch_size: int, num_kv_heads: int, device: torch.device) -> int:
 
     It depends on the batch size only through its next power of two, which is the same for a
     batch and the CUDA-graph size it is padded to: eager and graph decode split alike."""
-    num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    num_sms = 4
+    if device.type == "cuda":
+        num_sms = torch.cuda.get_device_properties(device).multi_processor_count
     programs = triton.next_power_of_2(batch_size) * num_kv_heads
     return 64 * triton.next_power_of_2(triton.cdiv(programs, 2 * num_sms))
 
@@ -160,7 +164,8 @@ def decode_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     out = torch.empty_like(q)
     partial = lse = out  # unused with a single split
     if num_splits > 1:
-        partial = torch.empty(batch_size, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
+        partial = torch.empty(batch_size, num_heads, num_splits, head_dim, dtype=torch.float32,
+                              device=q.device)
         lse = torch.empty(batch_size, num_heads, num_splits, dtype=torch.float32, device=q.device)
     _decode_kernel[(batch_size, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, out, partial, lse, scale,
@@ -204,8 +209,8 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, cu_seqlens_q_ptr, 
         for tile in range(0, end, BLOCK_N):
             pos = tile + tl.arange(0, BLOCK_N)
             valid = pos < end
-            k = _kv_tile(k_cache_ptr, block_table_ptr, pos, valid, kv_head, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE)
-            v = _kv_tile(v_cache_ptr, block_table_ptr, pos, valid, kv_head, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE)
+            k, v = _kv_tiles(k_cache_ptr, v_cache_ptr, block_table_ptr, pos, valid, kv_head,
+                             NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE)
             causal = valid[None, :] & (pos[None, :] <= q_pos[:, None])
             m, l, acc = _attend_tile(q, k, v, causal, m, l, acc, scale, PRECISION)
         out = acc / l[:, None]
@@ -213,8 +218,8 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, cu_seqlens_q_ptr, 
 
 
 def prefill_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                  cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, block_tables: torch.Tensor,
-                  max_seqlen_q: int, scale: float) -> torch.Tensor:
+                  cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor,
+                  block_tables: torch.Tensor, max_seqlen_q: int, scale: float) -> torch.Tensor:
     """q: (T, nh, hs), the ragged new queries of each sequence; the arguments are those of
     `attention.AttentionMetadata`."""
     num_heads, head_dim = q.shape[1], q.shape[2]

@@ -188,3 +188,19 @@ def test_the_progress_bar_shows_the_prefill_and_decode_rates(qwen3_path, capsys)
     assert "Generating: 100%" in bar and f"{len(PROMPTS)}/{len(PROMPTS)}" in bar
     prefill, decode = re.findall(r"prefill ([\d,]+) tok/s, decode ([\d,]+) tok/s", bar)[-1]
     assert int(prefill.replace(",", "")) > 0 and int(decode.replace(",", "")) > 0
+
+
+def test_chat_and_stream_refuse_too_while_step_api_requests_are_unfinished(qwen3_path):
+    llm = LLM(qwen3_path, max_model_len=512)
+    llm.add_request(PROMPTS[0], GREEDY)
+    for call in (lambda: llm.chat([{"role": "user", "content": "Hi"}], GREEDY),
+                 lambda: next(llm.stream("Hi", GREEDY))):
+        with pytest.raises(ValueError, match="1 requests added with add_request.* unfinished"):
+            call()
+    assert len(llm.requests) == 1 and len(llm.scheduler.waiting) == 1
+
+
+def test_a_cpu_pool_holds_max_num_seqs_sequences_of_max_model_len(qwen3_path):
+    """On CPU the pool is what the batch can use at most (when RAM allows, as here)."""
+    llm = LLM(qwen3_path, max_model_len=64, max_num_seqs=3, kvcache_block_size=16)
+    assert llm.block_manager.num_blocks == 3 * 64 // 16

@@ -57,3 +57,12 @@ def test_top_p_keeps_the_smallest_set_reaching_p():
     # probabilities 0.5, 0.3, 0.2: top_p=0.7 keeps the first two
     logits = torch.tensor([[0.5, 0.3, 0.2]]).log()
     assert _sample_many(logits, SamplingParams(top_p=0.7)) == {0, 1}
+
+
+def test_the_first_of_n_seeded_samples_is_the_single_sample(qwen3_path):
+    llm = LLM(qwen3_path, max_model_len=256)
+    params = dict(temperature=1.0, max_tokens=12, seed=77, ignore_eos=True)
+    [single] = llm.generate(PROMPTS[:1], SamplingParams(**params), use_tqdm=False)
+    [several] = llm.generate(PROMPTS[:1], SamplingParams(n=3, **params), use_tqdm=False)
+    samples = [c.token_ids for c in several.outputs]
+    assert samples[0] == single.outputs[0].token_ids and len(set(map(tuple, samples))) == 3

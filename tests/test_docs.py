@@ -1,0 +1,42 @@
+"""What the README promises holds: every option it lists, with the default it states, and the
+resolved values it describes on this machine."""
+import os
+import re
+from dataclasses import MISSING, fields
+
+from nanopaged import LLM, SamplingParams
+from nanopaged.config import Config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def readme_options() -> dict[str, str]:
+    """The README's option table: name -> its stated default."""
+    with open(os.path.join(ROOT, "README.md")) as f:
+        rows = re.findall(r"^\| `(\w+)` \| ([^|]*) \|", f.read(), re.MULTILINE)
+    return {name: default.strip() for name, default in rows}
+
+
+def test_the_readme_lists_every_option_with_its_default():
+    documented = readme_options()
+    options = {f.name: f.default for f in fields(Config) if f.init and f.name != "model"}
+    assert set(documented) == set(options)
+    for name, default in options.items():
+        if default is not MISSING and default is not None:  # a literal the table must state
+            stated = documented[name].split(":")[0].strip("` ")
+            assert stated == str(default), (name, stated, default)
+
+
+def test_the_defaults_the_readme_describes_on_a_cpu(qwen3_path):
+    config = LLM(qwen3_path).config
+    assert (config.device, config.dtype.__repr__(), config.attention_backend) == \
+        ("cpu", "torch.float32", "torch")
+    assert config.kvcache_block_size == 16  # without flash-attn
+    assert config.max_model_len == min(4096, config.hf_config.max_position_embeddings)
+
+
+def test_sampling_defaults_are_vllms():
+    params = SamplingParams()
+    assert (params.n, params.temperature, params.top_p, params.top_k, params.max_tokens,
+            params.min_tokens, params.logprobs, params.skip_special_tokens) == \
+        (1, 1.0, 1.0, 0, 16, 0, None, True)
