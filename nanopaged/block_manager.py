@@ -42,10 +42,13 @@ class BlockManager:
     of the same step can share it, but it is only *committed* once that step has run: after a
     failed step, `rollback` forgets every hash the step entered, because their K/V was never
     written. A shared block that a sequence must write into is first copied (copy-on-write).
+    Without `enable_prefix_caching`, and for a request that asks for its prompt's logprobs
+    (which must be computed to be reported), nothing is looked up.
     """
 
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
         self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.hash_to_block: dict[int, int] = {}
         self.free_block_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
@@ -66,6 +69,8 @@ class BlockManager:
         is always left to compute: the model needs it to produce the next token's logits.
         """
         hits, parent = [], None
+        if not self.enable_prefix_caching or seq.sampling_params.prompt_logprobs is not None:
+            return hits
         for i in range((len(seq) - 1) // self.block_size):
             token_ids = seq.block_tokens(i)
             parent = hash_block(parent, token_ids)
@@ -159,6 +164,14 @@ class BlockManager:
             self._forget_hash(self.blocks[block_id])
         self.uncommitted.clear()
 
+    def reset_prefix_cache(self) -> bool:
+        """Forgets every cached prefix; refuses (False) while any block is in use."""
+        if any(block.ref_count for block in self.blocks):
+            return False
+        for block in self.blocks:
+            self._forget_hash(block)
+        return True
+
     def reclaim(self) -> None:
         """Frees every block. Only for when no sequence holds any: it also returns blocks that an
         allocation or a release interrupted halfway (Ctrl-C) left out of the free list."""
@@ -168,7 +181,7 @@ class BlockManager:
 
     def _cache_block(self, seq: Sequence, i: int) -> None:
         block = self.blocks[seq.block_table[i]]
-        if block.hash is not None:  # a cache hit: already registered
+        if block.hash is not None or not self.enable_prefix_caching:  # a hit: registered
             return
         # journalled before the hash exists, so that no interrupt can leave a hash unjournalled
         self.uncommitted.append(block.block_id)

@@ -11,7 +11,10 @@ from transformers import AutoConfig, PretrainedConfig
 
 from nanopaged.model import check_supported
 
-CHOICES = {"device": (None, "cuda", "cpu"), "dtype": (None, "float32", "float16", "bfloat16"),
+# vLLM's dtype names, and what each means here ("auto": the checkpoint's on GPU)
+DTYPES = {None: None, "auto": None, "half": "float16", "float16": "float16",
+          "bfloat16": "bfloat16", "float": "float32", "float32": "float32"}
+CHOICES = {"device": (None, "cuda", "cpu"), "dtype": tuple(DTYPES),
            "attention_backend": ("auto", "torch", "triton", "flash"),
            "scheduling": ("prefill-first", "mixed")}
 POSITIVE = ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "kvcache_block_size",
@@ -64,20 +67,26 @@ def free_port() -> int:
 class Config:
     """Everything the engine needs to know, resolved from `LLM(model, **kwargs)`.
 
-    `model` is a checkpoint directory or a Hugging Face id (see `resolve_model`).
-    `None` means "choose for me": `device` picks cuda when available, `dtype` the checkpoint's
-    dtype on GPU and float32 on CPU, `attention_backend` "auto" picks flash-attn, then Triton
-    (both CUDA only), then plain PyTorch, and `kvcache_block_size` 256 with flash-attn and 16
-    otherwise. `num_kvcache_blocks` forces the size of the KV pool instead of sizing it from
-    free memory. `tensor_parallel_size` ranks meet on `distributed_port` of 127.0.0.1 (a free
-    port when None). `scheduling` is "prefill-first" or "mixed" (see `Scheduler`).
+    `model` is a checkpoint directory or a Hugging Face id (see `resolve_model`), `tokenizer`
+    another one to take the tokenizer from. `None` means "choose for me": `device` picks cuda
+    when available, `dtype` the checkpoint's dtype on GPU and float32 on CPU, `max_model_len`
+    the model's, `attention_backend` "auto" picks flash-attn, then Triton (both CUDA only),
+    then plain PyTorch, and `kvcache_block_size` 256 with flash-attn and 16 otherwise.
+    `num_kvcache_blocks` forces the size of the KV pool instead of sizing it from free memory.
+    `tensor_parallel_size` ranks meet on `distributed_port` of 127.0.0.1 (a free port when
+    None). `scheduling` is "prefill-first" or "mixed" (see `Scheduler`); without
+    `enable_chunked_prefill` a prompt is never split over steps. `seed` seeds the samples of
+    requests that bring no seed of their own. `generation_config` is where default sampling
+    settings come from: "auto" (the checkpoint's generation_config.json), "vllm" (none), or a
+    directory.
     """
     model: str
+    tokenizer: str | None = None
     device: str | None = None
     dtype: str | torch.dtype | None = None
     max_num_batched_tokens: int = 16384
     max_num_seqs: int = 512
-    max_model_len: int = 4096
+    max_model_len: int | None = None
     gpu_memory_utilization: float = 0.9
     kvcache_block_size: int | None = None
     num_kvcache_blocks: int | None = None
@@ -86,6 +95,10 @@ class Config:
     distributed_port: int | None = None
     attention_backend: str = "auto"
     scheduling: str = "prefill-first"
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    seed: int = 0
+    generation_config: str = "auto"
     hf_config: PretrainedConfig = field(init=False)
 
     @classmethod
@@ -101,9 +114,15 @@ class Config:
     def __post_init__(self) -> None:
         self._check_values()
         self.model = resolve_model(self.model)
+        self.tokenizer = resolve_model(self.tokenizer) if self.tokenizer else self.model
         self.hf_config = _read_checkpoint_config(self.model)
         check_supported(self.hf_config)
-        self.max_model_len = min(self.max_model_len, self.hf_config.max_position_embeddings)
+        longest = self.hf_config.max_position_embeddings
+        self.max_model_len = min(self.max_model_len or longest, longest)
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens} is smaller "
+                             f"than max_model_len={self.max_model_len}: without chunked prefill "
+                             f"longer prompts could never run; raise it or lower max_model_len")
         self._resolve_device_and_dtype()
         self._resolve_attention_backend()
         self._check_tensor_parallel()
@@ -138,10 +157,11 @@ class Config:
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
         if self.device == "cuda" and not torch.cuda.is_available():
             raise ValueError("device='cuda' was asked for but torch sees no CUDA GPU")
+        if isinstance(self.dtype, str):
+            self.dtype = DTYPES[self.dtype] and getattr(torch, DTYPES[self.dtype])
         if self.dtype is None:
             checkpoint_dtype = getattr(self.hf_config, "dtype", None) or torch.float32
             self.dtype = checkpoint_dtype if self.device == "cuda" else torch.float32
-        self.dtype = getattr(torch, self.dtype) if isinstance(self.dtype, str) else self.dtype
 
     def _resolve_attention_backend(self) -> None:
         on_gpu = self.device == "cuda"

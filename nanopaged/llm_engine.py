@@ -11,8 +11,11 @@ import numpy as np
 from tqdm.auto import tqdm
 from transformers import AutoTokenizer, GenerationConfig, PreTrainedTokenizerBase
 
+from nanopaged import chat
 from nanopaged.block_manager import BlockManager
+from nanopaged.compat import VLLMEngineAPI, generation_defaults, normalize_options
 from nanopaged.config import Config
+from nanopaged.logits_processors import bad_words_token_ids
 from nanopaged.model_runner import ModelRunner
 from nanopaged.outputs import Request, RequestOutput
 from nanopaged.sampler import SamplerOutput, TokenLogprobs
@@ -37,7 +40,7 @@ class EngineStats:
     num_generated_tokens: int
 
 
-class LLMEngine:
+class LLMEngine(VLLMEngineAPI):
     """The engine: `LLM(model, **config).generate(prompts, params)`, as in vLLM.
 
     Requests can also be run a step at a time: `add_request`, then `step()` until
@@ -51,14 +54,18 @@ class LLMEngine:
     """
 
     def __init__(self, model: str, **options):
-        self.config = Config.from_options(model, **options)
-        self.tokenizer = _load_tokenizer(self.config.model)
+        self.config = Config.from_options(model, **normalize_options(options))
+        self.tokenizer = _load_tokenizer(self.config.tokenizer)
         self.eos_token_ids = _eos_token_ids(self.config, self.tokenizer)
+        # the sampling settings of requests that bring none, as vLLM (checked now)
+        self.default_sampling = generation_defaults(self.config)
+        SamplingParams(**self.default_sampling)
         self.model_runner = ModelRunner(self.config)
         # tensor-parallel workers exit when the engine is closed or garbage-collected
         self._finalizer = weakref.finalize(self, self.model_runner.close)
         self.block_manager = BlockManager(self.model_runner.num_kvcache_blocks,
-                                          self.config.kvcache_block_size)
+                                          self.config.kvcache_block_size,
+                                          self.config.enable_prefix_caching)
         self.scheduler = Scheduler(self.config, self.block_manager)
         self.requests: dict[str, Request] = {}  # the unfinished ones
         self._request_ids = itertools.count()
@@ -68,8 +75,11 @@ class LLMEngine:
 
     def add_request(self, prompt: Prompt, sampling_params: SamplingParams | None = None,
                     request_id: str | None = None) -> str:
-        """Queues one request (after checking it); returns its id."""
+        """Queues one request (after checking it); returns its id. vLLM's order of arguments,
+        `add_request(request_id, prompt, params)`, works too."""
         self._check_open()
+        if not isinstance(sampling_params, (SamplingParams, type(None))):  # vLLM's order
+            request_id, prompt, sampling_params = prompt, sampling_params, request_id
         return self._enqueue(self._make_request(prompt, sampling_params, request_id))
 
     def _enqueue(self, request: Request) -> str:
@@ -79,12 +89,14 @@ class LLMEngine:
 
     def _make_request(self, prompt: Prompt, params: SamplingParams | None,
                       request_id: str | None = None) -> Request:
-        params = SamplingParams() if params is None else params
+        params = SamplingParams(**self.default_sampling) if params is None else params
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
         params.validate()
         text, token_ids = self._tokenize(prompt)
+        token_ids = token_ids[-(params.truncate_prompt_tokens or len(token_ids)):]
         self._check_fits(token_ids, params)
+        params.bad_words_token_ids = bad_words_token_ids(params, self.tokenizer)
         if request_id is None:
             request_id = next(i for i in map(str, self._request_ids) if i not in self.requests)
         if not isinstance(request_id, str) or request_id in self.requests:
@@ -112,19 +124,25 @@ class LLMEngine:
         if params.n > config.max_num_seqs:
             raise ValueError(f"n={params.n} samples cannot run at once with "
                              f"max_num_seqs={config.max_num_seqs}")
-        if any(t >= vocab_size for t in params.stop_token_ids or ()):
-            raise ValueError(f"stop_token_ids {params.stop_token_ids} reach outside the "
-                             f"vocabulary [0, {vocab_size})")
+        if (params.best_of or params.n) > params.n:
+            raise ValueError(f"best_of={params.best_of} > n={params.n} is not supported (nor by "
+                             f"vLLM's V1 engine); sample n and rank them by cumulative_logprob")
+        outside = [t for t in params.all_token_ids() if t >= vocab_size]
+        if outside:
+            raise ValueError(f"token ids {outside} (in stop_token_ids, allowed_token_ids or "
+                             f"logit_bias) reach outside the vocabulary [0, {vocab_size})")
 
     def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
-            if set(prompt) not in ({"prompt"}, {"prompt_token_ids"}):
+            if not prompt or not set(prompt) <= {"prompt", "prompt_token_ids"}:
                 raise ValueError(f"a prompt dict takes the key 'prompt' (a text) or "
                                  f"'prompt_token_ids', as vLLM's TextPrompt and TokensPrompt; "
                                  f"got keys {sorted(prompt)}")
+            if len(prompt) == 2:  # the text the token ids came from (a rendered chat)
+                return prompt["prompt"], self._tokenize(prompt["prompt_token_ids"])[1]
             prompt = next(iter(prompt.values()))
         if isinstance(prompt, str):
-            check_text(prompt, "prompt")
+            chat.check_text(prompt, "prompt")
             text, token_ids = prompt, self.tokenizer.encode(prompt)
         elif isinstance(prompt, (list, tuple)):
             text, token_ids = None, [_token_id(t) for t in prompt]
@@ -175,6 +193,12 @@ class LLMEngine:
         the sequence stops; finished sequences leave the scheduler with their blocks freed.
         Returns the requests that got tokens, in the order of their first row."""
         now, advanced = time.perf_counter(), {}
+        for i, logprobs in sampled.prompt_logprobs.items():
+            request = self.requests[step.seqs[i].request_id]
+            try:
+                request.record_prompt_logprobs(step.starts[i] + 1, logprobs)
+            except Exception as error:
+                self._fail(request, error)
         for seq, token_ids, logprobs in zip(step.samplers, sampled.token_ids, sampled.logprobs):
             request = advanced[seq.request_id] = self.requests[seq.request_id]
             if seq.finish_reason is not None:  # its request failed earlier in this step
@@ -286,30 +310,24 @@ class LLMEngine:
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | list[SamplingParams] | None = None,
-             use_tqdm: bool = True, chat_template: str | None = None) -> list[RequestOutput]:
-        """`generate` for one conversation (a list of {"role", "content"} messages) or a list of
-        them, each rendered by the tokenizer's chat template with the generation prompt added."""
-        if chat_template is None and not self.tokenizer.chat_template:
-            raise ValueError("the checkpoint's tokenizer has no chat template; pass chat_template= "
-                             "or format the prompt yourself and call generate()")
+             use_tqdm: bool = True, chat_template: str | None = None,
+             add_generation_prompt: bool = True, continue_final_message: bool = False,
+             tools: list[dict] | None = None, chat_template_kwargs: dict | None = None,
+             chat_template_content_format: str = "auto") -> list[RequestOutput]:
+        """`generate` for one conversation (a list of messages, see `chat.render`) or a list of
+        them, each rendered by the chat template, as vLLM's `LLM.chat`; each output's `prompt`
+        is the rendered text. Content parts render as a string ("auto" and "string" formats)."""
+        if chat_template_content_format not in ("auto", "string"):
+            raise ValueError(f"chat_template_content_format={chat_template_content_format!r} is "
+                             f"not supported: text parts always render as one string")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [{"prompt_token_ids": self.render_chat(conversation, chat_template)}
-                   for conversation in conversations]
+        prompts = []
+        for conversation in conversations if isinstance(conversations, list) else [None]:
+            text, token_ids = chat.render(self.tokenizer, conversation, chat_template,
+                                          add_generation_prompt, continue_final_message, tools,
+                                          chat_template_kwargs)
+            prompts.append({"prompt": text, "prompt_token_ids": token_ids})
         return self.generate(prompts, sampling_params, use_tqdm)
-
-    def render_chat(self, messages: list[dict], chat_template: str | None = None) -> list[int]:
-        """The token ids of a conversation through the chat template, ready for a reply."""
-        for i, message in enumerate(messages):
-            for key, value in message.items() if isinstance(message, dict) else ():
-                if isinstance(value, str):
-                    check_text(value, f"message {i}'s {key}")
-        try:
-            return self.tokenizer.apply_chat_template(
-                messages, chat_template=chat_template, add_generation_prompt=True,
-                tokenize=True, return_dict=False)
-        except Exception as error:
-            raise ValueError(f"cannot render the conversation with the chat template: "
-                             f"{type(error).__name__}: {error}") from None
 
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None
                ) -> Iterator[str]:
@@ -359,15 +377,6 @@ class LLMEngine:
 
 class LLM(LLMEngine):
     """The user-facing engine, named as in vLLM."""
-
-
-def check_text(text: str, what: str) -> None:
-    """A ValueError naming `what` when `text` cannot be encoded (a lone UTF-16 surrogate)."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as error:
-        raise ValueError(f"{what} is not valid Unicode: it holds the lone surrogate "
-                         f"{text[error.start]!r} at position {error.start}") from None
 
 
 def _as_batch(prompts, sampling_params) -> tuple[list, list]:

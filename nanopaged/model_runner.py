@@ -1,7 +1,7 @@
 """Runs the model: owns the weights, the KV cache, the decode graphs, and the sampler."""
 import itertools
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -25,8 +25,10 @@ CPU_KV_CACHE_FRACTION = 0.25
 class StepInputs:
     """One step's model inputs as host arrays: built by rank 0, sent as they are to the other
     ranks. Ragged steps (prompt chunks) fill the `cu_seqlens`; `logits_indices` picks the rows
-    whose next token is sampled (a row twice for two samples of one prompt); `block_copies`
-    (K, 2) lists the copy-on-write block copies to make before the step."""
+    whose next token is sampled (a row twice for two samples of one prompt), then the rows of
+    the prompt tokens whose logprobs are asked for: `prompt_targets` lists, per sequence (by
+    index into the step), the prompt tokens those rows predict. `block_copies` (K, 2) lists
+    the copy-on-write block copies to make before the step."""
     ragged: bool
     block_copies: np.ndarray
     input_ids: np.ndarray
@@ -38,6 +40,7 @@ class StepInputs:
     cu_seqlens_q: np.ndarray | None = None
     cu_seqlens_k: np.ndarray | None = None
     max_seqlen_q: int = 1
+    prompt_targets: list[tuple[int, list[int]]] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -78,7 +81,7 @@ class ModelRunner:
         finally:
             torch.set_default_dtype(default_dtype)
         load_weights(self.model, config.model)
-        self.sampler = Sampler(self.device) if self.rank == 0 else None
+        self.sampler = Sampler(self.device, config.seed) if self.rank == 0 else None
         self.max_blocks_per_seq = -(-config.max_model_len // self.block_size)
         self.graphs: DecodeGraphs | None = None
         self.num_kvcache_blocks = self._allocate_kv_cache()
@@ -182,13 +185,14 @@ class ModelRunner:
             slots.append(self._slots(seq, pos))
         cu_seqlens_q = np.cumsum([0, *step.num_tokens])
         context_lens = np.add(step.starts, step.num_tokens)
+        prompt_rows, prompt_targets = _prompt_logprob_rows(step, cu_seqlens_q)
         return StepInputs(
             ragged=True, block_copies=block_copies, input_ids=np.concatenate(input_ids),
             positions=np.concatenate(positions), slot_mapping=np.concatenate(slots),
             context_lens=context_lens, block_tables=self._block_tables(step.seqs),
-            logits_indices=cu_seqlens_q[1:][step.sample_rows] - 1,
+            logits_indices=np.concatenate([cu_seqlens_q[1:][step.sample_rows] - 1, prompt_rows]),
             cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=np.cumsum([0, *context_lens]),
-            max_seqlen_q=max(step.num_tokens))
+            max_seqlen_q=max(step.num_tokens), prompt_targets=prompt_targets)
 
     def _prepare_decode(self, step: ScheduledStep, block_copies: np.ndarray) -> StepInputs:
         positions = np.array(step.starts)
@@ -237,12 +241,24 @@ class ModelRunner:
 
     def _run_and_sample(self, inputs: StepInputs, step: ScheduledStep) -> SamplerOutput:
         logits = self.execute(inputs)
-        if logits is None:
-            return SamplerOutput([], [])
-        sampled = self.sampler(logits, step.samplers)
+        num_samplers = len(step.samplers)
+        sampled = SamplerOutput([], [])
+        if num_samplers:
+            sampled = self.sampler(logits[:num_samplers], step.samplers)
+        if inputs.prompt_targets:
+            sampled.prompt_logprobs = self._prompt_logprobs(logits[num_samplers:], step,
+                                                            inputs.prompt_targets)
         if self.workers and self.device.type == "cuda":
             parallel.wait_for_gpu(self.workers)
         return sampled
+
+    def _prompt_logprobs(self, logits: torch.Tensor, step: ScheduledStep,
+                         targets: list[tuple[int, list[int]]]) -> dict:
+        """The logprobs of the prompt tokens that the rows of `logits` (R, V) predict."""
+        ks = [step.seqs[i].sampling_params.prompt_logprobs for i, ids in targets for _ in ids]
+        token_ids = torch.tensor([t for _, ids in targets for t in ids], device=self.device)
+        entries = iter(self.sampler.logprobs(logits, token_ids, ks))
+        return {i: [next(entries) for _ in ids] for i, ids in targets}
 
     @torch.inference_mode()
     def execute(self, inputs: StepInputs) -> torch.Tensor | None:
@@ -277,12 +293,23 @@ class ModelRunner:
 
 def run_worker(config: Config, rank: int) -> None:
     """The life of a tensor-parallel worker process: run every step rank 0 sends, until `None`."""
-    if config.device == "cpu":  # share the cores with the other ranks
-        torch.set_num_threads(max(1, torch.get_num_threads() // config.tensor_parallel_size))
     runner = ModelRunner(config, rank)
     while (inputs := parallel.receive(runner.control_group)) is not None:
         runner.execute(inputs)
     runner.close()
+
+
+def _prompt_logprob_rows(step: ScheduledStep, cu_seqlens_q: np.ndarray
+                         ) -> tuple[np.ndarray, list[tuple[int, list[int]]]]:
+    """The rows of the step whose next token is a prompt token of a sequence that asks for
+    prompt logprobs, and per such sequence (its index in the step) the tokens they predict."""
+    rows, targets = [], []
+    for i, (seq, start, num_tokens) in enumerate(zip(step.seqs, step.starts, step.num_tokens)):
+        end = min(start + num_tokens, seq.num_prompt_tokens - 1)
+        if seq.sampling_params.prompt_logprobs is not None and start < end:
+            rows.append(np.arange(end - start) + cu_seqlens_q[i])
+            targets.append((i, seq.token_ids[start + 1:end + 1]))
+    return np.concatenate(rows or [np.zeros(0, np.int64)]), targets
 
 
 def _profiling_step(num_seqs: int, length: int, block_size: int) -> ScheduledStep:

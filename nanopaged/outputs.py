@@ -12,10 +12,11 @@ from nanopaged.sequence import Sequence
 
 @dataclass
 class Logprob:
-    """One token's log-probability, its rank in the distribution (1: the most likely) and text."""
+    """One token's log-probability, its rank in the distribution (1: the most likely) and text
+    (None with `detokenize=False`)."""
     logprob: float
     rank: int
-    decoded_token: str
+    decoded_token: str | None
 
 
 @dataclass
@@ -47,6 +48,7 @@ class RequestMetrics:
 class RequestOutput:
     """A request's completions so far (all of them once `finished`). `prompt` is None for a
     prompt given as token ids; `num_cached_tokens` counts prompt tokens the prefix cache served.
+    `prompt_logprobs`, when asked for, has an entry per prompt token, None for the first.
     `error` says why a request that failed on its own ended (its completions then end with
     finish_reason "abort")."""
     request_id: str
@@ -57,6 +59,7 @@ class RequestOutput:
     num_cached_tokens: int
     metrics: RequestMetrics
     error: str | None = None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
 
 class Detokenizer:
@@ -143,6 +146,7 @@ class Request:
         self.detokenizers = [Detokenizer(tokenizer, params, prompt_token_ids) for _ in seqs]
         self.logprobs: list[list[dict[int, Logprob]]] = [[] for _ in seqs]
         self.cumulative_logprobs = [0.0] * len(seqs)
+        self.prompt_logprobs: list[dict[int, Logprob] | None] = [None]
         self.error: str | None = None
 
     @property
@@ -151,18 +155,29 @@ class Request:
 
     def record_logprobs(self, seq: Sequence, logprobs: TokenLogprobs) -> None:
         """Takes note of the logprobs of the token `seq` just got."""
-        entries = [(seq.token_ids[-1], logprobs.logprob, logprobs.rank)]
+        self.logprobs[seq.index].append(self._entries(seq.token_ids[-1], logprobs))
+        self.cumulative_logprobs[seq.index] += logprobs.logprob
+
+    def record_prompt_logprobs(self, position: int, logprobs: list[TokenLogprobs]) -> None:
+        """Takes note of the logprobs of the prompt tokens from `position` on (a prompt that is
+        computed again after a preemption reports each token once)."""
+        for position, entry in enumerate(logprobs, start=position):
+            if position == len(self.prompt_logprobs):
+                self.prompt_logprobs.append(self._entries(self.prompt_token_ids[position], entry))
+
+    def _entries(self, token_id: int, logprobs: TokenLogprobs) -> dict[int, Logprob]:
+        """The token's own Logprob, then the most likely tokens', by token id."""
+        entries = [(token_id, logprobs.logprob, logprobs.rank)]
         entries += [(t, lp, rank) for rank, (t, lp) in
                     enumerate(zip(logprobs.top_token_ids, logprobs.top_logprobs), start=1)]
-        self.logprobs[seq.index].append({t: Logprob(lp, rank, self.tokenizer.decode([t]))
-                                         for t, lp, rank in entries})
-        self.cumulative_logprobs[seq.index] += logprobs.logprob
+        decode = self.tokenizer.decode if self.params.detokenize else lambda ids: None
+        return {t: Logprob(lp, rank, decode([t])) for t, lp, rank in entries}
 
     def output(self, with_text: bool = True) -> RequestOutput:
         """The request's completions so far, their text brought up to date."""
         outputs, with_logprobs = [], self.params.logprobs is not None
         for seq, detokenizer in zip(self.seqs, self.detokenizers):
-            if with_text:
+            if with_text and self.params.detokenize:
                 detokenizer.update(seq)
             outputs.append(CompletionOutput(
                 index=seq.index, text=detokenizer.visible_text(seq.finish_reason is not None),
@@ -170,6 +185,7 @@ class Request:
                 cumulative_logprob=self.cumulative_logprobs[seq.index] if with_logprobs else None,
                 logprobs=list(self.logprobs[seq.index]) if with_logprobs else None,
                 finish_reason=seq.finish_reason, stop_reason=seq.stop_reason))
+        prompt_logprobs = self.prompt_logprobs if self.params.prompt_logprobs is not None else None
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outputs,
                              self.finished, self.seqs[0].num_cached_tokens, self.metrics,
-                             self.error)
+                             self.error, prompt_logprobs and list(prompt_logprobs))

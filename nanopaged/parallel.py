@@ -31,22 +31,27 @@ class WorkerDied(RuntimeError):
 
 
 def start_workers(config: Config, target: Callable[[Config, int], None]) -> list[mp.Process]:
-    """Spawns ranks 1..N-1, each running `target(config, rank)`. Like any spawned process, a
-    worker first imports the caller's script, which must therefore be a file that creates the
-    engine under `if __name__ == "__main__":`."""
+    """Starts ranks 1..N-1, each running `target(config, rank)`: forked, as vLLM's workers are,
+    while this process has not initialised CUDA (so a script may create the engine at module
+    level); else spawned (or as $VLLM_WORKER_MULTIPROC_METHOD says), and a spawned worker first
+    imports the caller's script, which must then be a file that creates the engine under
+    `if __name__ == "__main__":`."""
     if dist.is_initialized():
         raise RuntimeError("this process already belongs to a torch.distributed group (another "
                            "tensor-parallel engine?); close that engine before starting one")
+    method = os.environ.get("VLLM_WORKER_MULTIPROC_METHOD") or (
+        "spawn" if torch.cuda.is_initialized() else "fork")
     script = getattr(sys.modules["__main__"], "__file__", None)
-    if script is not None and not os.path.exists(script):
-        raise ValueError(f"tensor_parallel_size > 1 spawns workers that import your script, and "
-                         f"{script!r} is not a file they can import (standard input?): save it to "
-                         f"a file and run that")
-    context = mp.get_context("spawn")  # CUDA cannot be used in a forked child
+    if method == "spawn" and script is not None and not os.path.exists(script):
+        raise ValueError(f"tensor_parallel_size > 1 after CUDA was initialised spawns workers "
+                         f"that import your script, and {script!r} is not a file they can "
+                         f"import (standard input?): save it to a file and run that")
+    context = mp.get_context(method)
     workers = []
     for rank in range(1, config.tensor_parallel_size):
         receiver, sender = context.Pipe(duplex=False)
-        worker = context.Process(target=_worker_main, args=(target, config, rank, sender),
+        worker = context.Process(target=_worker_main,
+                                 args=(target, config, rank, sender, method == "fork"),
                                  daemon=True, name=f"nanopaged-tp{rank}")
         worker.start()
         sender.close()  # the worker holds the only sending end now
@@ -56,9 +61,13 @@ def start_workers(config: Config, target: Callable[[Config, int], None]) -> list
 
 
 def _worker_main(target: Callable[[Config, int], None], config: Config, rank: int,
-                 errors: mp.connection.Connection) -> None:
+                 errors: mp.connection.Connection, forked: bool) -> None:
     # Ctrl-C is rank 0's to handle: it stops the workers
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if config.device == "cpu":  # share the cores with the other ranks; in a forked child the
+        # parent's OpenMP threads do not exist, and more than one thread would hang
+        share = max(1, torch.get_num_threads() // config.tensor_parallel_size)
+        torch.set_num_threads(1 if forked else share)
     try:
         target(config, rank)
     except BaseException:

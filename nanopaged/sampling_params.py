@@ -1,8 +1,9 @@
 """How one request samples and when it stops, with vLLM's names and meanings."""
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20  # as vLLM's default max_logprobs
 FLOAT32_MAX = 3.4028234663852886e38  # the sampler works in float32
+LOGIT_BIAS_LIMIT = 100.0  # biases are clamped to [-100, 100], as in vLLM and OpenAI
 
 
 @dataclass
@@ -10,27 +11,49 @@ class SamplingParams:
     """Sampling settings for one request, as in vLLM.
 
     `n` completions are sampled from one prompt, whose K/V is computed once and shared.
-    `temperature=0` is greedy decoding. `top_k` of 0 or -1 and `top_p=1.0` keep the whole
-    vocabulary. `seed` makes this request's samples reproducible whatever else shares its batch.
-    A completion stops at `max_tokens` (None: at `max_model_len`), at EOS (unless `ignore_eos`),
-    at one of `stop_token_ids`, or at a `stop` string, which is cut from the text unless
-    `include_stop_str_in_output`; none of these stops it before `min_tokens` tokens.
+    `temperature=0` is greedy decoding. `top_k` of 0 or -1, `top_p=1.0` and `min_p=0` keep the
+    whole vocabulary. `seed` makes this request's samples reproducible whatever else shares its
+    batch. A completion stops at `max_tokens` (None: at `max_model_len`), at EOS (unless
+    `ignore_eos`), at one of `stop_token_ids`, or at a `stop` string, which is cut from the text
+    unless `include_stop_str_in_output`; none of these stops it before `min_tokens` tokens.
     `logprobs=k` returns, for each generated token, its log-probability and the k most likely
-    tokens', from the model's distribution before temperature and filtering.
+    tokens', from the model's distribution before any penalty, temperature or filtering;
+    `prompt_logprobs=k` the same for every prompt token after the first.
+
+    Before sampling, as vLLM: only `allowed_token_ids` may be sampled, never the last token of a
+    `bad_words` entry whose other tokens were just generated; `logit_bias` adds to a token's
+    logit; `repetition_penalty` divides the positive logits (multiplies the negative ones) of
+    tokens in the prompt or the completion; `frequency_penalty` and `presence_penalty`
+    subtract, per token of the completion, its count and 1.
     """
     n: int = 1
+    best_of: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0
     seed: int | None = None
-    max_tokens: int | None = 16
-    min_tokens: int = 0
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    detokenize: bool = True
     skip_special_tokens: bool = True
+    truncate_prompt_tokens: int | None = None
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    # Whether sampling must first adjust the logits (penalties, biases, masks): set by validate
+    adjusts_logits: bool = field(default=False, init=False, repr=False)
+    # the token ids of `bad_words`, set by the engine, which has the tokenizer
+    bad_words_token_ids: list[list[int]] | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -38,42 +61,81 @@ class SamplingParams:
     def validate(self) -> None:
         """Raises ValueError naming the first invalid field (also called when a request is added,
         in case a field was changed since)."""
-        _check_int("n", self.n, 1)
-        _check_int("top_k", self.top_k, -1)
-        _check_int("min_tokens", self.min_tokens, 0)
-        if self.max_tokens is not None:
-            _check_int("max_tokens", self.max_tokens, 1)
-            if self.max_tokens < self.min_tokens:
-                raise ValueError(f"max_tokens={self.max_tokens} is less than "
-                                 f"min_tokens={self.min_tokens}")
-        if self.logprobs is not None:
-            _check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS)
-        if self.seed is not None:
-            _check_int("seed", self.seed, -2 ** 63, 2 ** 64 - 1)  # what torch.Generator takes
-        if not _is_number(self.temperature) or not 0 <= self.temperature <= FLOAT32_MAX:
-            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
-        if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
-        for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
+        for name, low, high in INT_RANGES:
+            if getattr(self, name) is not None or name in ("n", "top_k", "min_tokens"):
+                _check_int(name, getattr(self, name), low, high)
+        if self.max_tokens is not None and self.max_tokens < self.min_tokens:
+            raise ValueError(f"max_tokens={self.max_tokens} is less than "
+                             f"min_tokens={self.min_tokens}")
+        if self.best_of is not None and self.best_of < self.n:
+            raise ValueError(f"best_of={self.best_of} must be >= n={self.n}")
+        for name, low, high, low_open in FLOAT_RANGES:
+            value = getattr(self, name)
+            if not _is_number(value) or not (low < value if low_open else low <= value) \
+                    or not value <= high:
+                bounds = f"{'(' if low_open else '['}{low:g}, {high:g}]"
+                raise ValueError(f"{name} must be a number in {bounds}, got {value!r}")
+        for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens",
+                     "detokenize"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
-        if self.stop is not None and not (isinstance(self.stop, (str, list, tuple)) and all(
-                isinstance(s, str) and s for s in self.stop_strings)):
-            raise ValueError(f"stop must be a non-empty string or a list of them, "
-                             f"got {self.stop!r}")
-        if not isinstance(self.stop_token_ids or [], (list, tuple, set)):
-            raise ValueError(f"stop_token_ids must be a list of token ids, "
-                             f"got {self.stop_token_ids!r}")
-        for token_id in self.stop_token_ids or []:
-            _check_int("stop_token_ids", token_id, 0)
+        for name in ("stop", "bad_words"):
+            if not _is_strings(getattr(self, name), allow_one=name == "stop"):
+                raise ValueError(f"{name} must be a non-empty string or a list of them, "
+                                 f"got {getattr(self, name)!r}")
+        if self.stop and not self.detokenize:
+            raise ValueError("stop strings need the text: they cannot be used with "
+                             "detokenize=False")
+        self._check_token_ids()
+        self.adjusts_logits = bool(
+            self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+            or self.min_p or self.logit_bias or self.allowed_token_ids or self.bad_words)
+
+    def _check_token_ids(self) -> None:
+        for name in ("stop_token_ids", "allowed_token_ids"):
+            token_ids = getattr(self, name)
+            if not isinstance(token_ids or [], (list, tuple, set)):
+                raise ValueError(f"{name} must be a list of token ids, got {token_ids!r}")
+            for token_id in token_ids or []:
+                _check_int(name, token_id, 0)
+        if self.allowed_token_ids is not None and not self.allowed_token_ids:
+            raise ValueError("allowed_token_ids must not be empty: nothing could be sampled")
+        if not isinstance(self.logit_bias or {}, dict):
+            raise ValueError(f"logit_bias must map token ids to numbers, got {self.logit_bias!r}")
+        for token_id, bias in (self.logit_bias or {}).items():
+            _check_int("logit_bias token id", token_id, 0)
+            if not _is_number(bias) or bias != bias:
+                raise ValueError(f"logit_bias for token {token_id} must be a number, got {bias!r}")
 
     @property
     def stop_strings(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
+    def all_token_ids(self) -> list[int]:
+        """Every token id the parameters name, for checking against the vocabulary."""
+        return [*(self.stop_token_ids or ()), *(self.allowed_token_ids or ()),
+                *(self.logit_bias or {})]
+
+
+# name, smallest and largest value of the integer fields (None: unbounded)
+INT_RANGES = [("n", 1, None), ("best_of", 1, None), ("top_k", -1, None),
+              ("min_tokens", 0, None), ("max_tokens", 1, None), ("logprobs", 0, MAX_LOGPROBS),
+              ("prompt_logprobs", 0, MAX_LOGPROBS), ("truncate_prompt_tokens", 1, None),
+              ("seed", -2 ** 63, 2 ** 64 - 1)]  # the seeds torch.Generator takes
+# name, bounds, and whether the lower bound is excluded, of the number fields
+FLOAT_RANGES = [("temperature", 0, FLOAT32_MAX, False), ("top_p", 0, 1, True),
+                ("min_p", 0, 1, False), ("presence_penalty", -2, 2, False),
+                ("frequency_penalty", -2, 2, False), ("repetition_penalty", 0, FLOAT32_MAX, True)]
+
 
 def _is_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _is_strings(value, allow_one: bool) -> bool:
+    if value is None or allow_one and isinstance(value, str) and value:
+        return True
+    return isinstance(value, (list, tuple)) and all(isinstance(s, str) and s for s in value)
 
 
 def _check_int(name: str, value, low: int, high: int | None = None) -> None:

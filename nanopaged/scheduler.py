@@ -59,7 +59,8 @@ class Scheduler:
     Prefill admits waiting sequences in order while the token budget
     (`max_num_batched_tokens`), `max_num_seqs` (a request's n samples count n times) and free
     blocks allow; only the last prompt of a step can overflow the budget, and is then prefilled
-    in chunks over several steps. Decode gives each running sequence one token, oldest first,
+    in chunks over several steps (without `enable_chunked_prefill`, it waits for a step with
+    room for all of it instead). Decode gives each running sequence one token, oldest first,
     up to the token budget; when the pool has no block for one, the newest running sequence is
     preempted: its blocks are freed and it goes back to the front of `waiting` (behind a prompt
     being prefilled in chunks), to be recomputed later (its prefix blocks often still sit in the
@@ -79,6 +80,7 @@ class Scheduler:
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.mixed = config.scheduling == "mixed"
+        self.chunked_prefill = config.enable_chunked_prefill
         self.block_manager = block_manager
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
@@ -111,6 +113,8 @@ class Scheduler:
     def _schedule_prefill(self, step: ScheduledStep, budget: int) -> None:
         while self.waiting and budget > 0:
             seq = self.waiting[0]
+            if not self.chunked_prefill and len(seq) - seq.num_computed_tokens > budget:
+                break  # it waits for a step with room for all of it
             # a partly prefilled sequence keeps its blocks
             if not seq.block_table and (len(self.running) + 1 + len(seq.forks) > self.max_num_seqs
                                         or not self.block_manager.allocate(seq)):

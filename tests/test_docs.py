@@ -32,7 +32,8 @@ def test_the_defaults_the_readme_describes_on_a_cpu(qwen3_path):
     assert (config.device, config.dtype.__repr__(), config.attention_backend) == \
         ("cpu", "torch.float32", "torch")
     assert config.kvcache_block_size == 16  # without flash-attn
-    assert config.max_model_len == min(4096, config.hf_config.max_position_embeddings)
+    assert config.max_model_len == config.hf_config.max_position_embeddings
+    assert config.tokenizer == config.model
 
 
 def test_sampling_defaults_are_vllms():
