@@ -58,3 +58,21 @@ def write_random_checkpoint(path: str, shape: dict, seed: int = 0,
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m nanopaged.random_checkpoint DIR`: a tiny Qwen3-shaped checkpoint in DIR."""
+    import argparse
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("directory")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    path = write_random_checkpoint(args.directory, TINY_QWEN3, seed=args.seed)
+    print(f"wrote a random-weight Qwen3-shaped checkpoint (2 layers, width 64, vocabulary 512; "
+          f"it prints gibberish by design) to {path}\n"
+          f"try: python example.py --model {path}\n"
+          f"     nanopaged serve {path}")
+
+
+if __name__ == "__main__":
+    main()

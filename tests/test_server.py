@@ -160,10 +160,10 @@ def test_a_dropped_stream_frees_its_blocks(server, offline):
     ("/v1/completions", {"prompt": [1, 99999]}, 400, None, "outside the vocabulary"),
     ("/v1/completions", {"prompt": "", "max_tokens": 4}, 400, None, "prompt is empty"),
     ("/v1/chat/completions", {"messages": "hi"}, 400, "messages", "messages must be"),
-    ("/v1/chat/completions", {"messages": [{"role": "user"}]}, 400, "messages", "messages must be"),
+    ("/v1/chat/completions", {"messages": [{"role": "user"}]}, 400, "messages", "message 0 has no content"),
     ("/v1/completions", b'{"prompt": "\\ud800 hi"}', 400, None, "prompt is not valid Unicode"),
     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\\ud800"}]}', 400,
-     None, "message 0's content is not valid Unicode"),
+     "messages", "message 0's content is not valid Unicode"),
     ("/v1/completions", {"prompt": "hi", "stop": True}, 400, "stop", "stop must be"),
     ("/v1/completions", {"prompt": "hi", "stop": 5}, 400, "stop", "stop must be"),
     ("/v1/completions", b"[" * 100000 + b"]" * 100000, 400, None, "not valid JSON"),
@@ -230,7 +230,7 @@ def test_too_many_waiting_requests_get_503_and_too_large_ones_400(qwen3_path):
 def test_sigterm_stops_the_server_and_its_tensor_parallel_workers(qwen3_path, offline):
     server = Server(qwen3_path, *OPTIONS, "--tensor-parallel-size", "2")
     children = psutil.Process(server.process.pid).children(recursive=True)
-    assert any("spawn" in " ".join(c.cmdline()) for c in children)
+    assert children  # the worker of rank 1
     result = server.client.completions.create(model="tiny", prompt=[5, 6, 7], max_tokens=8, temperature=0)
     assert result.choices[0].text == offline([5, 6, 7], temperature=0, max_tokens=8)[0][0]
     assert server.stop()
