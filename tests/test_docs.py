@@ -41,3 +41,11 @@ def test_sampling_defaults_are_vllms():
     assert (params.n, params.temperature, params.top_p, params.top_k, params.max_tokens,
             params.min_tokens, params.logprobs, params.skip_special_tokens) == \
         (1, 1.0, 1.0, 0, 16, 0, None, True)
+
+
+def test_the_readme_api_snippet_runs_on_any_checkpoint(qwen3_path, capsys):
+    with open(os.path.join(ROOT, "README.md")) as f:
+        readme = f.read()
+    snippet = re.search(r"## The API.*?```python\n(.*?)```", readme, re.DOTALL).group(1)
+    exec(snippet.replace('"Qwen/Qwen3-0.6B"', repr(qwen3_path)), {})
+    assert capsys.readouterr().out.strip()  # it printed the answers

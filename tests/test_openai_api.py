@@ -11,7 +11,6 @@ import httpx
 import pytest
 
 from nanopaged import LLM, SamplingParams
-from conftest import random_prompts
 from test_server import OPTIONS, ROOT, Server
 
 openai = pytest.importorskip("openai")
@@ -204,3 +203,29 @@ def test_the_random_checkpoint_command_says_what_it_wrote(tmp_path):
     assert "nanopaged serve" in result.stdout
     assert LLM(str(tmp_path), max_model_len=64).generate(
         "hi", SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids
+
+
+def test_the_request_of_vllms_benchmark_serving_openai_chat_backend(server, llm):
+    """The payload vLLM's benchmark_serving.py sends with `--backend openai-chat`, read the
+    way it reads the stream: content deltas, then the usage."""
+    prompt = "Paged attention stores the cache in blocks. " * 20
+    payload = {"model": "tiny", "messages": [{"role": "user", "content": [
+                   {"type": "text", "text": prompt}]}],
+               "temperature": 0.0, "max_completion_tokens": 12, "stream": True,
+               "stream_options": {"include_usage": True}, "ignore_eos": True}
+    generated, usage = "", None
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json=payload,
+                      headers={"Authorization": "Bearer none"}, timeout=60) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            chunk = line.removeprefix("data: ")
+            if not line or chunk == "[DONE]":
+                continue
+            data = json.loads(chunk)
+            if data["choices"]:
+                generated += data["choices"][0]["delta"].get("content") or ""
+            usage = data.get("usage") or usage
+    [offline] = llm.chat([{"role": "user", "content": prompt}],
+                         SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+                         use_tqdm=False)
+    assert generated == offline.outputs[0].text and usage["completion_tokens"] == 12
