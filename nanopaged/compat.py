@@ -49,7 +49,11 @@ HELP = {
     "seed": "seed of the samples of requests that bring no seed of their own",
     "generation_config": "default sampling settings: auto (the checkpoint's), vllm (none), "
                          "or a directory",
+    "structured_outputs_config": "defaults of structured outputs, as JSON: "
+                                 "{\"disable_any_whitespace\": true}",
     "block_size": "vLLM's name for --kvcache-block-size",
+    "guided_decoding_backend": "vLLM's before 0.10: a backend (a hint), with "
+                               "':disable-any-whitespace' to ask for compact JSON",
     **{name: help for name, (_, _, help) in HINTS.items()},
 }
 
@@ -63,6 +67,18 @@ def normalize_options(options: dict) -> dict:
                                   or isinstance(value, bool) and kind is not bool):
             raise ValueError(f"{name} must be {getattr(kind, '__name__', 'a number')}, "
                              f"got {value!r}")
+    backend = options.pop("guided_decoding_backend", None)  # vLLM's name before 0.10
+    if backend is not None:
+        name, _, extra = str(backend).partition(":")
+        options["structured_outputs_config"] = dict(
+            options.get("structured_outputs_config") or {}, backend=name,
+            disable_any_whitespace="disable-any-whitespace" in extra)
+    config = options.get("structured_outputs_config")
+    if config is not None and (not isinstance(config, dict) or set(config) - {
+            "backend", "disable_any_whitespace"} or not isinstance(
+            config.get("disable_any_whitespace", False), bool)):
+        raise ValueError(f"structured_outputs_config takes backend and disable_any_whitespace "
+                         f"(true or false), got {config!r}")
     for alias, name in ALIASES.items():
         if options.get(alias) is not None:
             if options.get(name) not in (None, options[alias]):
@@ -96,14 +112,15 @@ def _engine_args_fields() -> list:
     hints = [(name, kind if isinstance(kind, type) else float, dataclasses.field(default=default))
              for name, (kind, default, _) in HINTS.items()]
     return [("model", str, dataclasses.field(default="Qwen/Qwen3-0.6B")), *own, *hints,
-            ("block_size", int | None, dataclasses.field(default=None))]
+            ("block_size", int | None, dataclasses.field(default=None)),
+            ("guided_decoding_backend", str | None, dataclasses.field(default=None))]
 
 
 def _add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Adds a flag per engine option (--max-model-len, ...), each with its meaning and default."""
     for f in dataclasses.fields(EngineArgs):
         kind = next(t for t in get_args(f.type) or (f.type,) if t is not type(None))
-        kind = str if kind is torch.dtype else kind
+        kind = {torch.dtype: str, dict: json.loads}.get(kind, kind)
         flag, shown = "--" + f.name.replace("_", "-"), HELP.get(f.name, "")
         if kind is bool:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default,

@@ -78,7 +78,8 @@ class Config:
     `enable_chunked_prefill` a prompt is never split over steps. `seed` seeds the samples of
     requests that bring no seed of their own. `generation_config` is where default sampling
     settings come from: "auto" (the checkpoint's generation_config.json), "vllm" (none), or a
-    directory.
+    directory. `structured_outputs_config` holds vLLM's defaults for structured outputs
+    (`backend`, `disable_any_whitespace`).
     """
     model: str
     tokenizer: str | None = None
@@ -99,6 +100,7 @@ class Config:
     enable_chunked_prefill: bool = True
     seed: int = 0
     generation_config: str = "auto"
+    structured_outputs_config: dict | None = None
     hf_config: PretrainedConfig = field(init=False)
 
     @classmethod

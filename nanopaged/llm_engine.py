@@ -70,6 +70,7 @@ class LLMEngine(VLLMEngineAPI):
         self.requests: dict[str, Request] = {}  # the unfinished ones
         self._request_ids = itertools.count()
         self.num_generated_tokens = 0
+        self._grammars = None
 
     # ---- requests in ----
 
@@ -105,6 +106,10 @@ class LLMEngine(VLLMEngineAPI):
             frozenset() if params.ignore_eos else self.eos_token_ids)
         seqs = [Sequence(token_ids, params, self.config.kvcache_block_size, stop_token_ids,
                          request_id, i) for i in range(params.n)]
+        if params.structured_outputs or params.guided_decoding:
+            for seq, matcher in zip(seqs, self.grammars().matchers(
+                    params.structured_outputs or params.guided_decoding, len(seqs))):
+                seq.grammar = matcher
         seqs[0].forks = seqs[1:]
         return Request(request_id, text, token_ids, params, seqs, self.tokenizer)
 
@@ -216,6 +221,8 @@ class LLMEngine(VLLMEngineAPI):
         for i, token_id in enumerate(token_ids):
             seq.token_ids.append(token_id)
             self.num_generated_tokens += 1
+            if seq.grammar is not None:
+                seq.grammar.accept(token_id)
             if logprobs is not None:
                 request.record_logprobs(seq, logprobs[i])
             stop = self._stop(request, seq)
@@ -259,6 +266,19 @@ class LLMEngine(VLLMEngineAPI):
 
     def is_finished(self) -> bool:
         return self.scheduler.is_finished()
+
+    def grammars(self):
+        """The structured outputs' grammars (built on the first request that asks for one)."""
+        if self._grammars is None:
+            try:
+                from nanopaged.structured_outputs import Grammars
+            except ImportError:
+                raise ValueError("structured outputs need llguidance: pip install "
+                                 "'nanopaged[structured]'") from None
+            self._grammars = Grammars(self.tokenizer, self.config.hf_config.vocab_size,
+                                      self.eos_token_ids,
+                                      self.config.structured_outputs_config or {})
+        return self._grammars
 
     def stats(self) -> EngineStats:
         scheduler, pool = self.scheduler, self.block_manager

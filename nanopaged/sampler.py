@@ -65,6 +65,9 @@ class Sampler:
         params = [seq.sampling_params for seq in seqs]
         if any(p.adjusts_logits for p in params):
             logits = adjust_logits(logits, seqs)
+        if any(seq.grammar is not None for seq in seqs):
+            from nanopaged.structured_outputs import mask_logits  # only when a request asks
+            logits = mask_logits(logits, seqs)
         logits = self._mask_stop_tokens(logits, seqs)
         if all(p.temperature == 0 for p in params):
             tokens = logits.argmax(dim=-1)

@@ -7,6 +7,27 @@ LOGIT_BIAS_LIMIT = 100.0  # biases are clamped to [-100, 100], as in vLLM and Op
 
 
 @dataclass
+class StructuredOutputsParams:
+    """A constraint on a completion's text, as vLLM's: exactly one of a JSON schema (`json`, a
+    dict or its text), any JSON object (`json_object=True`), a regular expression (`regex`), one
+    of the strings of `choice`, or a GBNF or Lark `grammar` (see `structured_outputs.py`).
+    `disable_any_whitespace` keeps JSON free of optional whitespace."""
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    backend: str | None = None
+    disable_any_whitespace: bool = False
+    whitespace_pattern: str | None = None
+    disable_fallback: bool = False
+    disable_additional_properties: bool = False
+
+
+GuidedDecodingParams = StructuredOutputsParams  # its name in vLLM before 0.11
+
+
+@dataclass
 class SamplingParams:
     """Sampling settings for one request, as in vLLM.
 
@@ -24,7 +45,9 @@ class SamplingParams:
     `bad_words` entry whose other tokens were just generated; `logit_bias` adds to a token's
     logit; `repetition_penalty` divides the positive logits (multiplies the negative ones) of
     tokens in the prompt or the completion; `frequency_penalty` and `presence_penalty`
-    subtract, per token of the completion, its count and 1.
+    subtract, per token of the completion, its count and 1. `structured_outputs` (vLLM's
+    `guided_decoding` before 0.11) constrains the text to a JSON schema, a regex, a choice or
+    a grammar.
     """
     n: int = 1
     best_of: int | None = None
@@ -50,6 +73,8 @@ class SamplingParams:
     truncate_prompt_tokens: int | None = None
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
+    structured_outputs: StructuredOutputsParams | None = None
+    guided_decoding: StructuredOutputsParams | None = None  # vLLM's name before 0.11
     # Whether sampling must first adjust the logits (penalties, biases, masks): set by validate
     adjusts_logits: bool = field(default=False, init=False, repr=False)
     # the token ids of `bad_words`, set by the engine, which has the tokenizer
@@ -87,6 +112,12 @@ class SamplingParams:
             raise ValueError("stop strings need the text: they cannot be used with "
                              "detokenize=False")
         self._check_token_ids()
+        for name in ("structured_outputs", "guided_decoding"):
+            if not isinstance(getattr(self, name), (StructuredOutputsParams, type(None))):
+                raise ValueError(f"{name} must be StructuredOutputsParams, got "
+                                 f"{getattr(self, name)!r}")
+        if self.structured_outputs and self.guided_decoding:
+            raise ValueError("give structured_outputs or guided_decoding, not both")
         self.adjusts_logits = bool(
             self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
             or self.min_p or self.logit_bias or self.allowed_token_ids or self.bad_words)

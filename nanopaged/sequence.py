@@ -37,6 +37,7 @@ class Sequence:
         self.forks: list[Sequence] = []
         self.finish_reason: str | None = None  # "stop", "length" or "abort"
         self.stop_reason: int | str | None = None  # the stop token id or stop string, if any
+        self.grammar = None  # where a structured output is in its grammar (structured_outputs)
         self.generator: torch.Generator | None = None
         if sampling_params.seed is not None:
             # sample 0 is what n=1 gives; the others get their own, fixed, seeds
