@@ -385,43 +385,103 @@ def _prefill_step_time(llm, count: int, context: int):
 # ---- host work per step ----
 
 class HostOnlyRunner:
-    """The model runner less the model: builds each step's inputs, then samples token 0."""
+    """The model runner less the model: builds each step's inputs and, for the rows with a
+    grammar, their token masks; then "samples" token 0, or for a row with a grammar the allowed
+    token that a fixed random score prefers (a model whose choices the grammar steers)."""
 
     def __init__(self, runner):
-        self.runner = runner
+        self.runner, self.steps = runner, 0
+        vocab_size = runner.config.hf_config.vocab_size
+        self.scores = torch.rand(1024, vocab_size, generator=torch.Generator().manual_seed(0))
 
     def run(self, step):
         from nanopaged.sampler import SamplerOutput
         self.runner.prepare_inputs(step)
-        return SamplerOutput([[0]] * len(step.samplers), [None] * len(step.samplers))
+        tokens = [[0]] * len(step.samplers)
+        if any(seq.grammar is not None for seq in step.samplers):
+            from nanopaged.structured_outputs import mask_logits
+            first = self.steps % (len(self.scores) - len(step.samplers))
+            self.steps += 1
+            logits = mask_logits(self.scores[first:first + len(step.samplers)], step.samplers)
+            tokens = logits.argmax(dim=-1).view(-1, 1).tolist()
+        return SamplerOutput(tokens, [None] * len(step.samplers))
+
+
+# What --host --structured constrains each request to: a 10-field object
+HOST_SCHEMA = {"type": "object", "properties": {
+    f"field_{i}": [{"type": "string", "maxLength": 40}, {"type": "integer"},
+                   {"enum": ["red", "green", "blue"]}, {"type": "array", "items": {
+                       "type": "number"}, "maxItems": 4}][i % 4] for i in range(10)},
+    "required": [f"field_{i}" for i in range(10)]}
 
 
 def host_times(model: str, args) -> list[dict]:
     """Host time of one decode step without the model: the engine's own step (schedule, build
     the inputs, apply the sampled tokens) with the forward left out. The GPU waits that long
-    between two steps."""
-    from nanopaged import LLM, SamplingParams
+    between two steps. With --structured, each request follows a JSON schema, on a checkpoint
+    with a 32k-token vocabulary, beside the same requests without one."""
+    from nanopaged.sampling_params import StructuredOutputsParams
     rows = []
-    max_model_len = args.context + 512
+    schemas = [None]
+    if args.structured:
+        model, schemas = realistic_checkpoint(), [None, StructuredOutputsParams(
+            json=HOST_SCHEMA, disable_any_whitespace=True)]
     for batch in args.batch_sizes:
-        for block_size in (16, 256):
-            llm = LLM(model, device="cpu", kvcache_block_size=block_size, max_model_len=max_model_len,
-                      num_kvcache_blocks=batch * -(-max_model_len // block_size))
-            llm.model_runner = HostOnlyRunner(llm.model_runner)
-            g = torch.Generator().manual_seed(0)
-            params = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=max_model_len)
-            vocab_size = llm.config.hf_config.vocab_size
-            for _ in range(batch):
-                llm.add_request(torch.randint(0, vocab_size, (args.context,), generator=g).tolist(),
-                                params)
-            while llm.scheduler.waiting:
-                llm.run_step()
-            generated = llm.stats().num_generated_tokens
-            ms = best_time(llm.run_step, repeat=100) * 1e3
-            tokens_per_step = (llm.stats().num_generated_tokens - generated) / 101
-            rows.append(dict(kind=f"decode b={batch} block={block_size}", ms=ms,
-                             tokens_per_step=tokens_per_step))
+        for block_size in (16,) if args.structured else (16, 256):
+            for schema in schemas:
+                kind = f"decode b={batch} block={block_size}" + (" json schema" if schema else "")
+                rows.append(dict(kind=kind, **_host_step_time(model, args, batch, block_size,
+                                                              schema)))
     return rows
+
+
+def _host_step_time(model: str, args, batch: int, block_size: int, schema) -> dict:
+    from nanopaged import LLM, SamplingParams
+    max_model_len = args.context + 512
+    llm = LLM(model, device="cpu", kvcache_block_size=block_size, max_model_len=max_model_len,
+              num_kvcache_blocks=batch * -(-max_model_len // block_size))
+    llm.model_runner = HostOnlyRunner(llm.model_runner)
+    g = torch.Generator().manual_seed(0)
+    params = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=max_model_len,
+                            structured_outputs=schema)
+    vocab_size = min(llm.config.hf_config.vocab_size, len(llm.tokenizer))
+    for _ in range(batch):
+        llm.add_request(torch.randint(0, vocab_size, (args.context,), generator=g).tolist(),
+                        params)
+    while llm.scheduler.waiting:
+        llm.run_step()
+    generated = llm.stats().num_generated_tokens
+    ms = best_time(llm.run_step, repeat=100) * 1e3
+    return dict(ms=ms, tokens_per_step=(llm.stats().num_generated_tokens - generated) / 101)
+
+
+def realistic_checkpoint() -> str:
+    """The tiny model with a 32k-token byte-level BPE tokenizer trained on Python's own library
+    (once, cached): grammar masks cost what they cost with a real vocabulary."""
+    import glob
+    import sysconfig
+    from nanopaged.random_checkpoint import write_random_checkpoint
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+    path = os.path.join(CACHE_DIR, "random-tiny-qwen3-32k-vocab")
+    if os.path.exists(os.path.join(path, "tokenizer.json")):
+        return path
+    print(f"training a 32k-token tokenizer for {path} (about a minute, once)", file=sys.stderr)
+    def texts():
+        for name in glob.glob(os.path.join(sysconfig.get_paths()["stdlib"], "**/*.py"),
+                              recursive=True):
+            with open(name, encoding="utf-8", errors="ignore") as f:
+                yield f.read()
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.train_from_iterator(texts(), trainers.BpeTrainer(
+        vocab_size=32000, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    write_random_checkpoint(path, dict(TINY_QWEN3, vocab_size=32000))
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|im_end|>",
+                            pad_token="<|endoftext|>").save_pretrained(path)
+    return path
 
 
 # ---- serving: requests arriving over time ----
@@ -586,6 +646,8 @@ def parse_args(argv=None):
     presets.add_argument("--tiny", action="store_true", help="preset: a seconds-long run on CPU")
     p.add_argument("--steps", action="store_true", help="time decode steps and prefill instead")
     p.add_argument("--host", action="store_true", help="time the host's work per decode step")
+    p.add_argument("--structured", action="store_true",
+                   help="with --host: requests that follow a JSON schema, beside plain ones")
     p.add_argument("--serve", action="store_true", help="time a server under requests that arrive over time")
     p.add_argument("--request-rate", type=float, nargs="+", help="with --serve: requests a second")
     p.add_argument("--long-prompt", type=int, default=0,

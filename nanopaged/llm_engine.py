@@ -1,31 +1,23 @@
 """The engine loop: requests in, schedule a step, run it, apply what it sampled, outputs out."""
-import itertools
-import os
 import time
 import warnings
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-import numpy as np
 from tqdm.auto import tqdm
-from transformers import AutoTokenizer, GenerationConfig, PreTrainedTokenizerBase
 
 from nanopaged import chat
 from nanopaged.block_manager import BlockManager
 from nanopaged.compat import VLLMEngineAPI, generation_defaults, normalize_options
 from nanopaged.config import Config
-from nanopaged.logits_processors import bad_words_token_ids
+from nanopaged.inputs import InputProcessor, Prompt, as_batch, eos_token_ids, load_tokenizer
 from nanopaged.model_runner import ModelRunner
 from nanopaged.outputs import Request, RequestOutput
 from nanopaged.sampler import SamplerOutput, TokenLogprobs
 from nanopaged.sampling_params import SamplingParams
 from nanopaged.scheduler import ScheduledStep, Scheduler
 from nanopaged.sequence import Sequence
-
-# A text, token ids, or vLLM's {"prompt": text} / {"prompt_token_ids": ids}.
-Prompt = str | list[int] | dict
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 
 
 @dataclass
@@ -55,8 +47,8 @@ class LLMEngine(VLLMEngineAPI):
 
     def __init__(self, model: str, **options):
         self.config = Config.from_options(model, **normalize_options(options))
-        self.tokenizer = _load_tokenizer(self.config.tokenizer)
-        self.eos_token_ids = _eos_token_ids(self.config, self.tokenizer)
+        self.tokenizer = load_tokenizer(self.config.tokenizer)
+        self.eos_token_ids = eos_token_ids(self.config, self.tokenizer)
         # the sampling settings of requests that bring none, as vLLM (checked now)
         self.default_sampling = generation_defaults(self.config)
         SamplingParams(**self.default_sampling)
@@ -67,10 +59,11 @@ class LLMEngine(VLLMEngineAPI):
                                           self.config.kvcache_block_size,
                                           self.config.enable_prefix_caching)
         self.scheduler = Scheduler(self.config, self.block_manager)
-        self.requests: dict[str, Request] = {}  # the unfinished ones
-        self._request_ids = itertools.count()
-        self.num_generated_tokens = 0
         self._grammars = None
+        self.inputs = InputProcessor(self.config, self.tokenizer, self.block_manager.num_blocks,
+                                     self.eos_token_ids, self.default_sampling, self.grammars)
+        self.requests: dict[str, Request] = {}  # the unfinished ones
+        self.num_generated_tokens = 0
 
     # ---- requests in ----
 
@@ -83,85 +76,14 @@ class LLMEngine(VLLMEngineAPI):
             request_id, prompt, sampling_params = prompt, sampling_params, request_id
         return self._enqueue(self._make_request(prompt, sampling_params, request_id))
 
+    def _make_request(self, prompt: Prompt, params: SamplingParams | None,
+                      request_id: str | None = None) -> Request:
+        return self.inputs.make_request(prompt, params, request_id, self.requests)
+
     def _enqueue(self, request: Request) -> str:
         self.requests[request.request_id] = request
         self.scheduler.add(request.seqs[0])  # its other samples fork from it once it is prefilled
         return request.request_id
-
-    def _make_request(self, prompt: Prompt, params: SamplingParams | None,
-                      request_id: str | None = None) -> Request:
-        params = SamplingParams(**self.default_sampling) if params is None else params
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
-        params.validate()
-        text, token_ids = self._tokenize(prompt)
-        token_ids = token_ids[-(params.truncate_prompt_tokens or len(token_ids)):]
-        self._check_fits(token_ids, params)
-        params.bad_words_token_ids = bad_words_token_ids(params, self.tokenizer)
-        if request_id is None:
-            request_id = next(i for i in map(str, self._request_ids) if i not in self.requests)
-        if not isinstance(request_id, str) or request_id in self.requests:
-            raise ValueError(f"request_id must be a string not in use, got {request_id!r}")
-        stop_token_ids = frozenset(params.stop_token_ids or ()) | (
-            frozenset() if params.ignore_eos else self.eos_token_ids)
-        seqs = [Sequence(token_ids, params, self.config.kvcache_block_size, stop_token_ids,
-                         request_id, i) for i in range(params.n)]
-        if params.structured_outputs or params.guided_decoding:
-            for seq, matcher in zip(seqs, self.grammars().matchers(
-                    params.structured_outputs or params.guided_decoding, len(seqs))):
-                seq.grammar = matcher
-        seqs[0].forks = seqs[1:]
-        return Request(request_id, text, token_ids, params, seqs, self.tokenizer)
-
-    def _check_fits(self, token_ids: list[int], params: SamplingParams) -> None:
-        """Whether the engine can ever run the request: its length, its blocks, its samples."""
-        config, vocab_size = self.config, self.config.hf_config.vocab_size
-        if len(token_ids) >= config.max_model_len:
-            raise ValueError(f"prompt has {len(token_ids)} tokens; it must be shorter than "
-                             f"max_model_len={config.max_model_len}")
-        longest = min(len(token_ids) + (params.max_tokens or config.max_model_len),
-                      config.max_model_len)
-        blocks_needed = -(-longest // config.kvcache_block_size)
-        if blocks_needed > self.block_manager.num_blocks:
-            raise ValueError(f"request needs up to {blocks_needed} KV-cache blocks ({longest} "
-                             f"tokens) but the pool has only {self.block_manager.num_blocks}; "
-                             f"lower max_tokens or give the cache more memory")
-        if params.n > config.max_num_seqs:
-            raise ValueError(f"n={params.n} samples cannot run at once with "
-                             f"max_num_seqs={config.max_num_seqs}")
-        if (params.best_of or params.n) > params.n:
-            raise ValueError(f"best_of={params.best_of} > n={params.n} is not supported (nor by "
-                             f"vLLM's V1 engine); sample n and rank them by cumulative_logprob")
-        outside = [t for t in params.all_token_ids() if t >= vocab_size]
-        if outside:
-            raise ValueError(f"token ids {outside} (in stop_token_ids, allowed_token_ids or "
-                             f"logit_bias) reach outside the vocabulary [0, {vocab_size})")
-
-    def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, dict):
-            if not prompt or not set(prompt) <= {"prompt", "prompt_token_ids"}:
-                raise ValueError(f"a prompt dict takes the key 'prompt' (a text) or "
-                                 f"'prompt_token_ids', as vLLM's TextPrompt and TokensPrompt; "
-                                 f"got keys {sorted(prompt)}")
-            if len(prompt) == 2:  # the text the token ids came from (a rendered chat)
-                return prompt["prompt"], self._tokenize(prompt["prompt_token_ids"])[1]
-            prompt = next(iter(prompt.values()))
-        if isinstance(prompt, str):
-            chat.check_text(prompt, "prompt")
-            text, token_ids = prompt, self.tokenizer.encode(prompt)
-        elif isinstance(prompt, (list, tuple)):
-            text, token_ids = None, [_token_id(t) for t in prompt]
-        else:
-            raise ValueError(f"a prompt must be a string or a list of token ids, got "
-                             f"{type(prompt).__name__}")
-        if not token_ids:
-            raise ValueError("prompt is empty")
-        vocab_size = self.config.hf_config.vocab_size
-        outside = next((t for t in token_ids if not 0 <= t < vocab_size), None)
-        if outside is not None:
-            raise ValueError(f"token id {outside} is outside the vocabulary [0, {vocab_size})"
-                             + (": the tokenizer does not match the model" if text else ""))
-        return text, token_ids
 
     def abort(self, request_id: str) -> None:
         """Drops a request and frees its blocks; an unknown or finished id is ignored."""
@@ -300,7 +222,7 @@ class LLMEngine(VLLMEngineAPI):
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Generates the completions of every prompt; returns one output per prompt, in order."""
         self._check_idle("generate")
-        prompts, sampling_params = _as_batch(prompts, sampling_params)
+        prompts, sampling_params = as_batch(prompts, sampling_params)
         requests = [self._make_request(p, sp) for p, sp in zip(prompts, sampling_params)]
         try:
             for request in requests:
@@ -399,48 +321,3 @@ class LLM(LLMEngine):
     """The user-facing engine, named as in vLLM."""
 
 
-def _as_batch(prompts, sampling_params) -> tuple[list, list]:
-    """`generate`'s arguments as a list of prompts and a list of as many sampling params."""
-    if isinstance(prompts, (str, dict)) or _is_token_ids(prompts):
-        prompts = [prompts]
-    if not isinstance(prompts, (list, tuple)):
-        raise ValueError(f"prompts must be a prompt or a list of prompts, got "
-                         f"{type(prompts).__name__}"
-                         + (" (pass array.tolist())" if isinstance(prompts, np.ndarray) else ""))
-    if not isinstance(sampling_params, (list, tuple)):
-        sampling_params = [sampling_params] * len(prompts)
-    if len(sampling_params) != len(prompts):
-        raise ValueError(f"got {len(prompts)} prompts but {len(sampling_params)} sampling params")
-    return list(prompts), list(sampling_params)
-
-
-def _load_tokenizer(path: str) -> PreTrainedTokenizerBase:
-    # without these, transformers makes an empty tokenizer rather than fail
-    if not any(os.path.exists(os.path.join(path, f)) for f in TOKENIZER_FILES):
-        raise ValueError(f"cannot load the tokenizer of {path!r}: it has none of "
-                         f"{', '.join(TOKENIZER_FILES)}")
-    try:
-        return AutoTokenizer.from_pretrained(path)
-    except Exception as error:
-        raise ValueError(f"cannot load the tokenizer of {path!r}: {error}") from None
-
-
-def _eos_token_ids(config: Config, tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:
-    """The generation config's EOS ids, else the model config's, else the tokenizer's."""
-    eos = None
-    if os.path.exists(os.path.join(config.model, "generation_config.json")):
-        eos = GenerationConfig.from_pretrained(config.model).eos_token_id
-    for fallback in (getattr(config.hf_config, "eos_token_id", None), tokenizer.eos_token_id):
-        eos = fallback if eos is None else eos
-    return frozenset([] if eos is None else eos if isinstance(eos, list) else [eos])
-
-
-def _is_token_ids(prompt) -> bool:
-    return (isinstance(prompt, (list, tuple)) and len(prompt) > 0
-            and isinstance(prompt[0], (int, np.integer)))
-
-
-def _token_id(value) -> int:
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-        raise ValueError(f"token ids must be integers, got {value!r} ({type(value).__name__})")
-    return int(value)

@@ -1,16 +1,15 @@
-"""OpenAI's request and response formats for the server: a request's fields become prompts and
-SamplingParams, every field honoured or refused by name; outputs become OpenAI's JSON.
+"""OpenAI's requests for the server: a request's fields become prompts and SamplingParams,
+every field honoured or refused by name (the responses are in `openai_responses.py`).
 
 The completions and chat completions requests take OpenAI's fields and vLLM's extra ones, with
 vLLM's meanings. A field nanopaged does not implement is a ValueError naming it (a 400), never
 silently ignored; `user` (an end-user id for the caller's own records) is the only field taken
 and unused.
 """
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from nanopaged import chat
-from nanopaged.outputs import CompletionOutput, Logprob
-from nanopaged.sampling_params import SamplingParams
+from nanopaged import chat, tool_calls
+from nanopaged.sampling_params import SamplingParams, StructuredOutputsParams
 
 SAMPLING_FIELDS = {  # request field -> SamplingParams field
     "n": "n", "temperature": "temperature", "top_p": "top_p", "seed": "seed", "stop": "stop",
@@ -21,16 +20,19 @@ SAMPLING_FIELDS = {  # request field -> SamplingParams field
     "skip_special_tokens": "skip_special_tokens", "prompt_logprobs": "prompt_logprobs",
     "truncate_prompt_tokens": "truncate_prompt_tokens", "allowed_token_ids": "allowed_token_ids",
     "bad_words": "bad_words"}
+GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+                 "guided_grammar": "grammar"}  # vLLM's, before structured_outputs
 COMMON_FIELDS = {"model", "stream", "stream_options", "max_tokens", "logprobs", "logit_bias",
-                 "echo", "add_special_tokens", "user", *SAMPLING_FIELDS}
+                 "echo", "add_special_tokens", "user", "response_format", "structured_outputs",
+                 "guided_decoding_backend", "guided_whitespace_pattern", *GUIDED_FIELDS,
+                 *SAMPLING_FIELDS}
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "suffix"}
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "top_logprobs", "max_completion_tokens", "tools",
-                               "tool_choice", "chat_template", "chat_template_kwargs",
-                               "add_generation_prompt", "continue_final_message"}
+                               "tool_choice", "parallel_tool_calls", "chat_template",
+                               "chat_template_kwargs", "add_generation_prompt",
+                               "continue_final_message"}
 # fields taken only at the value that changes nothing, and why others are refused
-ONLY_DEFAULT = {"suffix": ((None, ""), "suffix (fill-in-the-middle) is not supported"),
-                "tool_choice": ((None, "none", "auto"), "tool_choice must be 'none' or 'auto'")}
-LOGPROB_FLOOR = -9999.0  # what vLLM reports for -inf: JSON has no infinities
+ONLY_DEFAULT = {"suffix": ((None, ""), "suffix (fill-in-the-middle) is not supported")}
 
 
 @dataclass
@@ -42,7 +44,7 @@ class ParsedRequest:
     include_usage: bool
     echo: bool = False
     echo_only: bool = False  # max_tokens 0 with echo: the prompt back, nothing generated
-    prompt_texts: list[str] = field(default_factory=list)
+    tool_choice: tuple[str, str | None] = ("none", None)  # see tool_calls.choice
 
 
 def parse_request(body: dict, chat_request: bool, llm) -> ParsedRequest:
@@ -57,13 +59,59 @@ def parse_request(body: dict, chat_request: bool, llm) -> ParsedRequest:
         if body.get(name) not in allowed:
             raise ValueError(f"{name}: {reason}, got {body[name]!r}")
     prompts = chat_prompt(body, llm) if chat_request else completion_prompts(body, llm)
+    tools = tool_calls.choice(body) if chat_request else ("none", None)
     params, echo_only = sampling_params(body, chat_request, llm)
+    params.structured_outputs = structured_output(body, tools)
+    if params.structured_outputs is not None:
+        llm.grammars().grammar(params.structured_outputs)  # checked now: a 400 if bad
     longest = max(len(p["prompt_token_ids"]) for p in prompts)
     check_context_length(longest, params, llm.config.max_model_len)
     if body.get("stream") and (params.best_of or params.n) > params.n:
         raise ValueError("best_of cannot be streamed")
     return ParsedRequest(prompts, params, bool(body.get("stream")), stream_options(body),
-                         bool(body.get("echo")), echo_only)
+                         bool(body.get("echo")), echo_only, tools)
+
+
+def structured_output(body: dict, tools: tuple[str, str | None]) -> StructuredOutputsParams | None:
+    """The one constraint of the request's text, from OpenAI's `response_format`, vLLM's
+    `guided_*` or `structured_outputs` fields, or a tool choice that forces a call."""
+    found = []
+    response_format = body.get("response_format")
+    if response_format is not None:
+        found.append(_response_format(response_format))
+    guided = {ours: body[theirs] for theirs, ours in GUIDED_FIELDS.items()
+              if body.get(theirs) is not None}
+    if guided:
+        found.append(StructuredOutputsParams(
+            **guided, backend=body.get("guided_decoding_backend"),
+            whitespace_pattern=body.get("guided_whitespace_pattern")))
+    if body.get("structured_outputs") is not None:
+        options = body["structured_outputs"]
+        if not isinstance(options, dict) or set(options) - set(StructuredOutputsParams.__dataclass_fields__):
+            raise ValueError(f"structured_outputs must be an object of vLLM's "
+                             f"StructuredOutputsParams fields, got {options!r}")
+        found.append(StructuredOutputsParams(**options))
+    found.append(tool_calls.constraint(body, *tools))
+    found = [one for one in found if one is not None]
+    if len(found) > 1:
+        raise ValueError("response_format: give one of response_format, guided_*, "
+                         "structured_outputs and a forced tool choice")
+    return found[0] if found else None
+
+
+def _response_format(response_format) -> StructuredOutputsParams | None:
+    kind = response_format.get("type") if isinstance(response_format, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    schema = (response_format.get("json_schema") or {}).get("schema") if kind == "json_schema" \
+        else None
+    if not isinstance(schema, dict):
+        raise ValueError(f"response_format must be {{'type': 'text'}}, {{'type': "
+                         f"'json_object'}} or {{'type': 'json_schema', 'json_schema': "
+                         f"{{'name': ..., 'schema': {{...}}}}}}, got {response_format!r}")
+    return StructuredOutputsParams(json=schema)
 
 
 def completion_prompts(body: dict, llm) -> list[dict]:
@@ -97,13 +145,15 @@ def chat_prompt(body: dict, llm) -> list[dict]:
     if kwargs is not None and not isinstance(kwargs, dict):
         raise ValueError(f"chat_template_kwargs must be an object, got {kwargs!r}")
     tools = body.get("tools")
-    if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict)
-                                                                   for t in tools)):
-        raise ValueError(f"tools must be a list of tool objects, got {tools!r}")
+    if tools is not None and not (isinstance(tools, list) and all(
+            isinstance(t, dict) and isinstance(t.get("function"), dict)
+            and isinstance(t["function"].get("name"), str) for t in tools)):
+        raise ValueError(f"tools must be a list of {{'type': 'function', 'function': {{'name', "
+                         f"'parameters'}}}} objects, got {tools!r}")
     text, token_ids = chat.render(
         llm.tokenizer, messages, body.get("chat_template"),
         _flag(body, "add_generation_prompt", True), _flag(body, "continue_final_message", False),
-        tools if body.get("tool_choice") != "none" else None, kwargs)
+        tools, kwargs)
     if body.get("add_special_tokens"):
         token_ids = llm.tokenizer.encode(text, add_special_tokens=True)
     return [{"prompt": text, "prompt_token_ids": token_ids}]
@@ -172,98 +222,3 @@ def _logit_bias(bias) -> dict[int, float] | None:
         return {int(token_id): value for token_id, value in bias.items()}
     except ValueError:
         raise ValueError(f"logit_bias must have token ids as keys, got {sorted(bias)}") from None
-
-
-# ---- responses ----
-
-def completion_logprobs(entries: list[dict[int, Logprob] | None], token_ids: list[int],
-                        top: int, text_offset: int, decode) -> dict:
-    """The completions format: each token's text, logprob, the `top` most likely tokens (and
-    the token itself) by text, and where its text starts (None logprobs for the prompt's first
-    token)."""
-    tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
-    for token_id, entry in zip(token_ids, entries):
-        text = entry[token_id].decoded_token if entry else decode([token_id])
-        tokens.append(text)
-        token_logprobs.append(entry and max(entry[token_id].logprob, LOGPROB_FLOOR))
-        top_logprobs.append(entry and {lp.decoded_token: max(lp.logprob, LOGPROB_FLOOR)
-                                       for t, lp in entry.items() if t == token_id or lp.rank <= top})
-        offsets.append(text_offset)
-        text_offset += len(text or "")
-    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
-            "text_offset": offsets}
-
-
-def chat_logprobs(completion: CompletionOutput, start: int, top: int) -> dict:
-    """The chat format of the logprobs of a completion's tokens from `start` on."""
-    def item(lp: Logprob) -> dict:
-        return {"token": lp.decoded_token, "logprob": max(lp.logprob, LOGPROB_FLOOR),
-                "bytes": list(lp.decoded_token.encode())}
-    pairs = zip(completion.token_ids[start:], completion.logprobs[start:])
-    return {"content": [dict(item(entry[t]), top_logprobs=[
-        item(lp) for lp in entry.values() if lp.rank <= top][:top]) for t, entry in pairs]}
-
-
-def envelope(request_id: str, created: int, model: str, chat_request: bool, choices: list,
-             chunk: bool = False, **extra) -> dict:
-    kind = ("chat.completion.chunk" if chunk else "chat.completion") if chat_request \
-        else "text_completion"
-    return {"id": request_id, "object": kind, "created": created, "model": model,
-            "choices": choices, **extra}
-
-
-def usage(outputs: list) -> dict:
-    prompt_tokens = sum(len(o.prompt_token_ids) for o in outputs)
-    completion_tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
-
-
-def completion_choice(index: int, output, completion: CompletionOutput,
-                      parsed: ParsedRequest, decode) -> dict:
-    """One choice of a whole completions response; with echo, the prompt (and its logprobs)
-    first."""
-    text, token_ids = completion.text, completion.token_ids
-    logprobs, prefix = completion.logprobs, ""
-    if parsed.echo_only:
-        text, token_ids, logprobs = "", [], [] if logprobs is not None else None
-    if parsed.echo:
-        prefix = output.prompt if output.prompt is not None else ""
-        token_ids = output.prompt_token_ids + token_ids
-        if logprobs is not None:
-            logprobs = output.prompt_logprobs + logprobs
-    top = parsed.params.logprobs
-    return {"index": index, "text": prefix + text, "finish_reason": _finish(completion, parsed),
-            "stop_reason": completion.stop_reason,
-            "logprobs": None if logprobs is None else completion_logprobs(logprobs, token_ids,
-                                                                          top, 0, decode)}
-
-
-def chat_choice(index: int, completion: CompletionOutput, parsed: ParsedRequest) -> dict:
-    return {"index": index, "message": {"role": "assistant", "content": completion.text},
-            "finish_reason": completion.finish_reason, "stop_reason": completion.stop_reason,
-            "logprobs": completion.logprobs and chat_logprobs(completion, 0,
-                                                              parsed.params.logprobs)}
-
-
-def chunk_choice(index: int, completion: CompletionOutput, parsed: ParsedRequest,
-                 chars: int, tokens: int, chat_request: bool, decode, prefix: str = "") -> dict:
-    """The choice of a streamed chunk: what `completion` added since `chars` characters and
-    `tokens` tokens (a delta may be empty: a character still incomplete)."""
-    delta = prefix + completion.text[chars:]
-    if chat_request:
-        body = {"delta": {"role": "assistant", "content": delta} if chars == tokens == 0
-                else {"content": delta} if delta else {}}
-        logprobs = completion.logprobs and chat_logprobs(completion, tokens,
-                                                         parsed.params.logprobs)
-    else:
-        body = {"text": delta}
-        logprobs = completion.logprobs and completion_logprobs(
-            completion.logprobs[tokens:], completion.token_ids[tokens:], parsed.params.logprobs,
-            chars, decode)
-    return {"index": index, **body, "finish_reason": _finish(completion, parsed),
-            "logprobs": logprobs}
-
-
-def _finish(completion: CompletionOutput, parsed: ParsedRequest) -> str | None:
-    return "length" if parsed.echo_only and completion.finish_reason else completion.finish_reason

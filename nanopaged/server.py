@@ -3,19 +3,17 @@
 One engine loop runs in a thread of its own and is the only caller of the engine: handlers hand
 it requests and aborts through a queue, and after every step it hands each request's outputs to
 the handler waiting for them. The engine admits a request that arrives while others decode at
-its next step. Request and response formats are in `openai_api.py`. Needs the `serve` extra:
-pip install -e ".[serve]".
+its next step. Requests are read in `openai_api.py`, responses written in `openai_responses.py`.
+Needs the `serve` extra: pip install -e ".[serve]".
 """
 import argparse
 import asyncio
 import dataclasses
-import json
 import queue
 import re
 import sys
 import threading
 import time
-import uuid
 from concurrent.futures import Future
 from contextlib import asynccontextmanager
 from importlib.metadata import version
@@ -25,8 +23,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from nanopaged import LLM, RequestOutput, chat, openai_api
+from nanopaged import LLM, chat, openai_api
 from nanopaged.compat import EngineArgs, FlexibleArgumentParser
+from nanopaged.openai_responses import Response
 
 
 class EngineLoop:
@@ -197,8 +196,8 @@ def create_app(llm: LLM, model_name: str, max_waiting: int) -> FastAPI:
         if body.get("model", model_name) != model_name:
             return error_response(404, f"the model {body['model']!r} does not exist; this server "
                                   f"serves {model_name!r}", "model", "model_not_found")
-        try:
-            parsed = openai_api.parse_request(body, chat_request, llm)
+        try:  # in a worker thread: a grammar or a long prompt never holds up the others
+            parsed = await asyncio.to_thread(openai_api.parse_request, body, chat_request, llm)
         except ValueError as error:
             return bad_request(error)
         return await respond(Response(request, engine, parsed, chat_request, model_name))
@@ -206,7 +205,7 @@ def create_app(llm: LLM, model_name: str, max_waiting: int) -> FastAPI:
     return app
 
 
-async def respond(response: "Response"):
+async def respond(response: Response):
     if not response.admit():
         return error_response(503, f"more than {response.engine.max_waiting} requests are "
                                    f"waiting; retry later")
@@ -262,121 +261,6 @@ def detokenize(llm: LLM, body: dict) -> str:
         raise ValueError(f"tokens must be a list of token ids in [0, {vocab_size}), "
                          f"got {tokens!r}")
     return llm.tokenizer.decode(tokens)
-
-
-class Response:
-    """The engine requests of one HTTP request (one per prompt) and their outputs, as OpenAI's
-    JSON. It holds its place among the waiting requests until each engine request has produced
-    a first output or ended, and aborts what is unfinished when the client goes away or
-    anything fails."""
-
-    def __init__(self, request: Request, engine: EngineLoop,
-                 parsed: openai_api.ParsedRequest, chat_request: bool, model_name: str):
-        self.request, self.engine, self.parsed = request, engine, parsed
-        self.decode = engine.llm.tokenizer.decode
-        self.chat, self.model_name, self.num_admitted = chat_request, model_name, 0
-        self.outbox: asyncio.Queue = asyncio.Queue()
-        self.latest: dict[str, RequestOutput] = {}
-        self.id = f"{'chatcmpl' if chat_request else 'cmpl'}-{uuid.uuid4().hex}"
-        self.created = int(time.time())
-        # engine request id -> prompt index
-        self.index = {f"{self.id}-{i}": i for i in range(len(parsed.prompts))}
-
-    def admit(self) -> bool:
-        if self.engine.num_waiting + len(self.index) > self.engine.max_waiting:
-            return False
-        self.engine.num_waiting += len(self.index)
-        self.num_admitted = len(self.index)
-        return True
-
-    async def submit(self) -> None:
-        """Hands every prompt to the engine; on a failure, withdraws them all."""
-        futures = [self.engine.submit(request_id, prompt, self.parsed.params, self.outbox)
-                   for request_id, prompt in zip(self.index, self.parsed.prompts)]
-        try:
-            for future in futures:
-                await asyncio.wrap_future(future)
-        except BaseException:
-            self._release(set(self.index))
-            raise
-
-    def _release(self, unfinished: set[str]) -> None:
-        self.engine.num_waiting -= self.num_admitted
-        self.num_admitted = 0
-        for request_id in unfinished:
-            self.engine.abort(request_id)
-
-    async def outputs(self):
-        """Yields each output as it comes; aborts what is unfinished if the client goes away."""
-        unfinished, checked = set(self.index), time.monotonic()
-        try:
-            while unfinished:
-                try:
-                    output = await asyncio.wait_for(self.outbox.get(), timeout=0.5)
-                except asyncio.TimeoutError:
-                    output = None
-                if time.monotonic() - checked >= 0.5:  # whether outputs flow or not
-                    if await self.request.is_disconnected():
-                        return
-                    checked = time.monotonic()
-                if output is None:
-                    continue
-                if isinstance(output, Exception):
-                    raise RuntimeError(f"the engine failed: {output}")
-                if output.request_id not in self.latest:
-                    self.engine.num_waiting -= 1
-                    self.num_admitted -= 1
-                self.latest[output.request_id] = output
-                if output.finished:
-                    unfinished.discard(output.request_id)
-                if output.error is not None:
-                    raise RuntimeError(f"the request failed: {output.error}")
-                yield output
-        finally:
-            self._release(unfinished)
-
-    def _choices(self, output: RequestOutput) -> list:
-        n = len(output.outputs)
-        return [(self.index[output.request_id] * n + c.index, c) for c in output.outputs]
-
-    def _envelope(self, choices: list, chunk: bool = False, **extra) -> dict:
-        return openai_api.envelope(self.id, self.created, self.model_name, self.chat, choices,
-                                   chunk, **extra)
-
-    async def whole(self) -> dict:
-        async for _ in self.outputs():
-            pass
-        choices = [openai_api.chat_choice(i, c, self.parsed) if self.chat
-                   else openai_api.completion_choice(i, output, c, self.parsed, self.decode)
-                   for output in self.latest.values() for i, c in self._choices(output)]
-        return self._envelope(sorted(choices, key=lambda c: c["index"]),
-                              usage=openai_api.usage(list(self.latest.values())))
-
-    async def events(self):
-        """Server-sent events: a chunk for each choice that got tokens in a step (with echo,
-        the prompt first), then the usage if asked for, then [DONE]; an error ends the stream
-        with an error event and [DONE]."""
-        sent: dict[int, tuple[int, int]] = {}  # choice -> characters and tokens sent
-        try:
-            async for output in self.outputs():
-                for index, c in self._choices(output):
-                    chars, tokens = sent.get(index, (0, 0))
-                    if tokens == len(c.token_ids):
-                        continue  # no new token (another choice of the request advanced)
-                    echo = output.prompt or "" if self.parsed.echo and index not in sent else ""
-                    choice = openai_api.chunk_choice(index, c, self.parsed, chars, tokens,
-                                                     self.chat, self.decode, echo)
-                    sent[index] = (len(c.text), len(c.token_ids))
-                    yield f"data: {json.dumps(self._envelope([choice], chunk=True))}\n\n"
-        except RuntimeError as error:
-            body = {"error": {"message": str(error), "type": "server_error", "param": None,
-                              "code": None}}
-            yield f"data: {json.dumps(body)}\n\n"
-        else:
-            if self.parsed.include_usage:
-                usage = openai_api.usage(list(self.latest.values()))
-                yield f"data: {json.dumps(self._envelope([], chunk=True, usage=usage))}\n\n"
-        yield "data: [DONE]\n\n"
 
 
 class Server(uvicorn.Server):

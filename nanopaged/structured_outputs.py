@@ -3,7 +3,8 @@ expression, a choice among strings, or a grammar (GBNF or Lark), as vLLM's
 `StructuredOutputsParams` (formerly `GuidedDecodingParams`) asks. JSON may hold any of JSON's
 whitespace, as in vLLM, unless `disable_any_whitespace` (per request, or the engine's
 `structured_outputs_config`) or a `whitespace_pattern` bounds it: a model that loops on
-whitespace then still ends its JSON.
+whitespace then still ends its JSON. An object that lists its properties takes no others unless
+its schema says so, as vLLM's default backend (xgrammar, in strict mode) has it.
 
 Each sequence that asks has its own llguidance matcher (`Sequence.grammar`); before a step
 samples, the rows with a matcher get the bitmask of the tokens their grammar allows next, and
@@ -14,6 +15,7 @@ libraries vLLM and SGLang use): measured on this engine, with a 32k-token vocabu
 llguidance tokenizer is built on the first request that asks for a grammar, so that the others
 never pay for any of this.
 """
+import functools
 import json
 import threading
 from collections import OrderedDict
@@ -55,6 +57,7 @@ def constraint(spec: StructuredOutputsParams, defaults: dict) -> tuple[str, str]
         if not isinstance(schema, dict):
             raise ValueError(f"structured outputs: a JSON schema must be an object, got "
                              f"{schema!r}")
+        schema = _closed(schema)
         if spec.whitespace_pattern is not None:
             whitespace = {"whitespace_pattern": spec.whitespace_pattern}
         else:  # JSON's whitespace, or none at all
@@ -71,6 +74,19 @@ def constraint(spec: StructuredOutputsParams, defaults: dict) -> tuple[str, str]
     if not isinstance(text, str):
         raise ValueError(f"structured outputs: {kind} must be a string, got {text!r}")
     return kind, text
+
+
+def _closed(schema):
+    """The schema with every object that lists its properties and says nothing of others
+    taking no others, as vLLM's default backend (xgrammar, strict) reads schemas."""
+    if isinstance(schema, list):
+        return [_closed(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    closed = {key: _closed(value) for key, value in schema.items()}
+    if "properties" in closed and "additionalProperties" not in closed:
+        closed["additionalProperties"] = False
+    return closed
 
 
 class Grammars:
@@ -132,13 +148,19 @@ class Matcher:
         self.matcher.rollback(num_tokens)
 
 
+@functools.cache
+def _executor() -> "llguidance.LLExecutor":
+    return llguidance.LLExecutor()
+
+
 def mask_logits(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     """logits: (B, V), a row per sequence -> the rows of sequences with a grammar keep only the
     tokens their grammar allows next."""
     rows = [i for i, seq in enumerate(seqs) if seq.grammar is not None]
     bitmask = llguidance.torch.allocate_token_bitmask(len(rows), logits.shape[1])
-    for r, i in enumerate(rows):
-        llguidance.torch.fill_next_token_bitmask(seqs[i].grammar.matcher, bitmask, r)
+    # on all cores; on a GPU this runs while the forward that made `logits` still does
+    llguidance.torch.fill_next_token_bitmask_par(
+        _executor(), [(seqs[i].grammar.matcher, r) for r, i in enumerate(rows)], bitmask)
     index = torch.tensor(rows, device=logits.device)
     masked = logits[index].float()
     llguidance.torch.apply_token_bitmask_inplace(masked, bitmask.to(logits.device))

@@ -182,8 +182,8 @@ def test_ctrl_c_inside_the_prefix_cache_bookkeeping_is_harmless(qwen3_path, hf_g
 
 def test_ctrl_c_outside_the_step_loop_is_harmless(qwen3_path, hf_greedy, traced_generate):
     """While requests are checked and queued, and while their outputs are built."""
-    outside = moments(traced_generate, lambda file, function: file == "outputs.py" or function in (
-        "generate", "_enqueue", "_make_request", "_output", "_run"), 10, seed=3)
+    outside = moments(traced_generate, lambda file, function: file in ("outputs.py", "inputs.py")
+                      or function in ("generate", "_enqueue", "_output", "_run"), 10, seed=3)
     assert_ctrl_c_at_each_moment_is_harmless(qwen3_path, hf_greedy, outside)
 
 
