@@ -96,7 +96,8 @@ def warmup_prompts(work: Workload) -> list[list[int]]:
 def run_nanopaged(model: str, work: Workload, args, backend: str = "auto") -> dict:
     from nanopaged import LLM, SamplingParams
     llm = LLM(model, max_model_len=args.max_model_len, enforce_eager=args.enforce_eager,
-              attention_backend=backend, tensor_parallel_size=args.tensor_parallel_size)
+              attention_backend=backend, tensor_parallel_size=args.tensor_parallel_size,
+              speculative_config=args.speculative_config, max_num_seqs=args.max_num_seqs)
     params = [SamplingParams(temperature=work.temperature, ignore_eos=True, max_tokens=n)
               for n in work.output_lens]
     llm.generate(warmup_prompts(work), params[:4], use_tqdm=False)
@@ -111,7 +112,16 @@ def run_nanopaged(model: str, work: Workload, args, backend: str = "auto") -> di
                 tpot_median=statistics.median(tpot), tpot_p99=percentile(tpot, 99),
                 prefix_hit_rate=sum(o.num_cached_tokens for o in outputs) / prompt_tokens,
                 preemptions=llm.scheduler.num_preemptions, kv_blocks=llm.block_manager.num_blocks,
-                backend=llm.config.attention_backend)
+                backend=llm.config.attention_backend, **speculation_stats(llm))
+
+
+def speculation_stats(llm) -> dict:
+    """vLLM's measures: the share of proposals accepted, and the tokens a sequence gets per
+    step that verifies proposals (1 + accepted / drafts)."""
+    stats = llm.stats()
+    return dict(drafts=stats.num_drafts, proposed=stats.num_proposed_tokens,
+                acceptance_rate=stats.num_accepted_tokens / max(1, stats.num_proposed_tokens),
+                mean_accepted_length=1 + stats.num_accepted_tokens / max(1, stats.num_drafts))
 
 
 def run_nano_vllm(model: str, work: Workload, args) -> dict:
@@ -415,6 +425,66 @@ HOST_SCHEMA = {"type": "object", "properties": {
     "required": [f"field_{i}" for i in range(10)]}
 
 
+# ---- speculative decoding ----
+
+# What --spec tries when no --speculative-config is given
+SPEC_CONFIGS = [{"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 2,
+                 "prompt_lookup_max": 5} for k in (4, 8)]
+
+
+def repetitive_workload(args, vocab_size: int, num_requests: int = 8) -> Workload:
+    """Prompts that quote a random text twice, greedy: proposals can hit (in the quote, and in
+    the loops a random-weight model falls into)."""
+    g = torch.Generator().manual_seed(args.seed)
+    low, high = args.prompt_len
+    texts = [torch.randint(0, min(10000, vocab_size), (n,), generator=g).tolist()
+             for n in torch.randint(low // 2, high // 2 + 1, (num_requests,), generator=g)]
+    return Workload([text * 2 for text in texts], [args.output_len[1]] * num_requests, 0.0)
+
+
+def spec_times(model: str, args) -> list[dict]:
+    """nanopaged without and with each speculative config: on the repetitive workload one
+    request at a time, and on the preset's workload as a batch."""
+    vocab_size = model_shape(model)["vocab_size"]
+    workloads = [("repetitive, batch 1", repetitive_workload(args, vocab_size), 1),
+                 (f"{args.preset} workload", make_workload(args, vocab_size), args.max_num_seqs)]
+    rows = []
+    for name, work, max_num_seqs in workloads:
+        off = None
+        for spec in [None, *(args.speculative_configs or SPEC_CONFIGS)]:
+            print(f"running {name} with {spec} ...", file=sys.stderr)
+            run_args = argparse.Namespace(**dict(vars(args), speculative_config=spec,
+                                                 max_num_seqs=max_num_seqs))
+            r = run_engine("nanopaged", model, work, run_args)
+            if "elapsed" in r:
+                r["output_tok_per_s"] = r["output_tokens"] / r["elapsed"]
+                off = off or r["output_tok_per_s"]
+                r["vs_off"] = r["output_tok_per_s"] / off
+            rows.append(dict(workload=name, speculative_config=spec, **r))
+    return rows
+
+
+def spec_name(spec: dict | None) -> str:
+    if spec is None:
+        return "off"
+    if "model" in spec:
+        return f"draft {os.path.basename(spec['model'].rstrip('/'))} k={spec['num_speculative_tokens']}"
+    return (f"ngram k={spec['num_speculative_tokens']} n={spec.get('prompt_lookup_min', 5)}.."
+            f"{spec.get('prompt_lookup_max', 5)}")
+
+
+def print_spec(rows: list[dict]) -> None:
+    print(f"{'workload':22} {'speculation':24} {'out tok/s':>9} {'vs off':>6} {'accepted':>8} "
+          f"{'mean len':>8}")
+    for r in rows:
+        spec = spec_name(r["speculative_config"])
+        if "elapsed" not in r:
+            print(f"{r['workload']:22} {spec:24} {r.get('error')}")
+            continue
+        print(f"{r['workload']:22} {spec:24} {r['output_tok_per_s']:9,.0f} {r['vs_off']:5.2f}x "
+              f"{100 * r['acceptance_rate']:7.1f}% {r['mean_accepted_length']:8.2f}")
+
+
 def host_times(model: str, args) -> list[dict]:
     """Host time of one decode step without the model: the engine's own step (schedule, build
     the inputs, apply the sampled tokens) with the forward left out. The GPU waits that long
@@ -648,6 +718,11 @@ def parse_args(argv=None):
     p.add_argument("--host", action="store_true", help="time the host's work per decode step")
     p.add_argument("--structured", action="store_true",
                    help="with --host: requests that follow a JSON schema, beside plain ones")
+    p.add_argument("--spec", action="store_true", help="speculative decoding, off and on, on a "
+                   "repetitive workload one request at a time and on the preset's as a batch")
+    p.add_argument("--speculative-config", action="append", metavar="JSON",
+                   help="a vLLM speculative_config; with --spec, repeat to compare several")
+    p.add_argument("--max-num-seqs", type=int, default=512)
     p.add_argument("--serve", action="store_true", help="time a server under requests that arrive over time")
     p.add_argument("--request-rate", type=float, nargs="+", help="with --serve: requests a second")
     p.add_argument("--long-prompt", type=int, default=0,
@@ -662,6 +737,11 @@ def parse_args(argv=None):
     p.add_argument("--out", help="write the results as JSON here")
     p.add_argument("--plot", help="write a PNG of the results here (needs matplotlib)")
     args = p.parse_args(argv)
+    try:
+        args.speculative_configs = [json.loads(c) for c in args.speculative_config or []]
+    except json.JSONDecodeError as error:
+        p.error(f"--speculative-config is not JSON: {error}")
+    args.speculative_config = (args.speculative_configs or [None])[0]
     # host work does not depend on the model's size
     args.preset = "cpu" if args.cpu else "tiny" if args.tiny or args.host else "default"
     for name, value in PRESETS[args.preset][3].items():
@@ -688,6 +768,9 @@ def main(argv=None) -> dict:
         for r in rows:
             print(f"{r['kind']:28} {r['ms']:7.3f}")
         result = dict(host=rows)
+    elif args.spec:
+        result = dict(speculative=spec_times(model, args))
+        print_spec(result["speculative"])
     elif args.serve:
         result = dict(serving=serve_times(model, args))
         print_serving(result["serving"])

@@ -143,6 +143,29 @@ class BlockManager:
             self._cache_block(seq, num_tokens // self.block_size - 1)
         return copy
 
+    def reserve(self, seq: Sequence, num_slots: int) -> int:
+        """After `may_append`: makes room for up to `num_slots` proposals past the last token of
+        `seq`, with free blocks only; returns how many slots it has room for."""
+        in_last_block = len(seq.block_table) * self.block_size - len(seq.token_ids)
+        new_blocks = min(-(-(num_slots - in_last_block) // self.block_size),
+                         self.num_free_blocks)
+        for _ in range(new_blocks):
+            seq.block_table.append(self._take_free_block())
+        return min(num_slots, in_last_block + max(0, new_blocks) * self.block_size)
+
+    def trim(self, seq: Sequence) -> None:
+        """After a step that verified proposals of `seq`, with the accepted ones and one token
+        more appended: the K/V of every token but the last is in the cache. Enters the blocks
+        the accepted proposals fill in the prefix cache, and gives back the blocks reserved past
+        the sequence's end."""
+        self.cache_full_blocks(seq, len(seq.token_ids) - 1 - seq.num_computed_tokens)
+        seq.num_computed_tokens = len(seq.token_ids) - 1
+        while len(seq.block_table) > seq.num_blocks:
+            block = self.blocks[seq.block_table.pop()]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free_block_ids[block.block_id] = None
+
     def cache_full_blocks(self, seq: Sequence, num_tokens: int) -> None:
         """Enters in the prefix cache the blocks that the next `num_tokens` tokens of `seq` fill.
 

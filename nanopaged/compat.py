@@ -51,6 +51,8 @@ HELP = {
                          "or a directory",
     "structured_outputs_config": "defaults of structured outputs, as JSON: "
                                  "{\"disable_any_whitespace\": true}",
+    "speculative_config": "speculative decoding, as JSON: {\"method\": \"ngram\", "
+                          "\"num_speculative_tokens\": 4} or {\"model\": DRAFT, ...}",
     "block_size": "vLLM's name for --kvcache-block-size",
     "guided_decoding_backend": "vLLM's before 0.10: a backend (a hint), with "
                                "':disable-any-whitespace' to ask for compact JSON",

@@ -10,6 +10,7 @@ import torch
 from transformers import AutoConfig, PretrainedConfig
 
 from nanopaged.model import check_supported
+from nanopaged.speculative import SpeculativeConfig
 
 # vLLM's dtype names, and what each means here ("auto": the checkpoint's on GPU)
 DTYPES = {None: None, "auto": None, "half": "float16", "float16": "float16",
@@ -79,7 +80,8 @@ class Config:
     requests that bring no seed of their own. `generation_config` is where default sampling
     settings come from: "auto" (the checkpoint's generation_config.json), "vllm" (none), or a
     directory. `structured_outputs_config` holds vLLM's defaults for structured outputs
-    (`backend`, `disable_any_whitespace`).
+    (`backend`, `disable_any_whitespace`). `speculative_config` turns speculative decoding on
+    (see `SpeculativeConfig`).
     """
     model: str
     tokenizer: str | None = None
@@ -101,7 +103,9 @@ class Config:
     seed: int = 0
     generation_config: str = "auto"
     structured_outputs_config: dict | None = None
+    speculative_config: dict | None = None
     hf_config: PretrainedConfig = field(init=False)
+    speculative: SpeculativeConfig | None = field(init=False, default=None)
 
     @classmethod
     def from_options(cls, model: str, **options) -> "Config":
@@ -128,6 +132,8 @@ class Config:
         self._resolve_device_and_dtype()
         self._resolve_attention_backend()
         self._check_tensor_parallel()
+        if self.speculative_config is not None:
+            self.speculative = SpeculativeConfig.from_dict(self.speculative_config, self)
 
     def _check_values(self) -> None:
         """Each option's type, range or choices, before anything is loaded."""

@@ -30,6 +30,9 @@ class EngineStats:
     num_blocks: int
     num_preemptions: int
     num_generated_tokens: int
+    num_drafts: int  # speculative decoding: rows that verified proposals, how many, accepted
+    num_proposed_tokens: int
+    num_accepted_tokens: int
 
 
 class LLMEngine(VLLMEngineAPI):
@@ -64,6 +67,7 @@ class LLMEngine(VLLMEngineAPI):
                                      self.eos_token_ids, self.default_sampling, self.grammars)
         self.requests: dict[str, Request] = {}  # the unfinished ones
         self.num_generated_tokens = 0
+        self.num_drafts = self.num_proposed_tokens = self.num_accepted_tokens = 0
 
     # ---- requests in ----
 
@@ -134,6 +138,13 @@ class LLMEngine(VLLMEngineAPI):
                 self._append(request, seq, token_ids, logprobs, now)
             except Exception as error:  # one request's own failure ends it alone
                 self._fail(request, error)
+        for i in step.lookahead_slots:  # keep the accepted proposals' K/V, free the other slots
+            if step.seqs[i].finish_reason is None:
+                self.block_manager.trim(step.seqs[i])
+        if sampled.num_proposed:
+            self.num_drafts += sum(map(bool, sampled.num_proposed))
+            self.num_proposed_tokens += sum(sampled.num_proposed)
+            self.num_accepted_tokens += sum(map(len, sampled.token_ids)) - len(step.samplers)
         return list(advanced.values())
 
     def _append(self, request: Request, seq: Sequence, token_ids: list[int],
@@ -206,7 +217,8 @@ class LLMEngine(VLLMEngineAPI):
         scheduler, pool = self.scheduler, self.block_manager
         return EngineStats(len(self.requests), len(scheduler.waiting), len(scheduler.running),
                            pool.num_free_blocks, pool.num_blocks, scheduler.num_preemptions,
-                           self.num_generated_tokens)
+                           self.num_generated_tokens, self.num_drafts,
+                           self.num_proposed_tokens, self.num_accepted_tokens)
 
     def _abort_all(self) -> None:
         """After a failed or interrupted step: nothing half-run stays behind."""

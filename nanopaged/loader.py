@@ -2,11 +2,29 @@
 import glob
 import os
 
+import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
+from transformers import PretrainedConfig
+
+from nanopaged.model import CausalLM
 
 # Checkpoint tensors the model has no parameter for, by design.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def load_model(path: str, hf_config: PretrainedConfig, dtype: torch.dtype, device: torch.device,
+               attention_backend: str) -> CausalLM:
+    """The model of the checkpoint at `path`, built in `dtype` on `device`."""
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with device:
+            model = CausalLM(hf_config, attention_backend)
+    finally:
+        torch.set_default_dtype(default_dtype)
+    load_weights(model, path)
+    return model
 
 
 def load_weights(model: nn.Module, path: str) -> None:

@@ -162,3 +162,21 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
+
+    def kv_bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
+        attn = self.model.layers[0].self_attn
+        dtype_size = torch.empty(0, dtype=dtype).element_size()
+        return 2 * len(self.model.layers) * block_size * attn.num_kv_heads * attn.head_dim \
+            * dtype_size
+
+    def allocate_kv_cache(self, num_blocks: int, block_size: int, dtype: torch.dtype,
+                          device: torch.device) -> torch.Tensor:
+        """One zeroed tensor (2, num_layers, num_blocks, block_size, nkv, hs) holding every
+        layer's K and V cache; each layer's attention gets its views."""
+        attn, layers = self.model.layers[0].self_attn, self.model.layers
+        kv_cache = torch.zeros(2, len(layers), num_blocks, block_size, attn.num_kv_heads,
+                               attn.head_dim, dtype=dtype, device=device)
+        for i, layer in enumerate(layers):
+            layer.self_attn.attn.k_cache = kv_cache[0, i]
+            layer.self_attn.attn.v_cache = kv_cache[1, i]
+        return kv_cache

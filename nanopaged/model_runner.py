@@ -10,8 +10,7 @@ from nanopaged import parallel
 from nanopaged.attention import AttentionMetadata
 from nanopaged.config import Config
 from nanopaged.cuda_graphs import DecodeGraphs
-from nanopaged.loader import load_weights
-from nanopaged.model import CausalLM
+from nanopaged.loader import load_model
 from nanopaged.sampler import Sampler, SamplerOutput
 from nanopaged.sampling_params import SamplingParams
 from nanopaged.scheduler import ScheduledStep
@@ -73,14 +72,12 @@ class ModelRunner:
         config = self.config
         self.block_size = config.kvcache_block_size
         self.device = torch.device(config.device)
-        default_dtype = torch.get_default_dtype()
-        torch.set_default_dtype(config.dtype)
-        try:
-            with self.device:
-                self.model = CausalLM(config.hf_config, config.attention_backend)
-        finally:
-            torch.set_default_dtype(default_dtype)
-        load_weights(self.model, config.model)
+        self.model = load_model(config.model, config.hf_config, config.dtype, self.device,
+                                config.attention_backend)
+        self.proposer = None
+        if config.speculative is not None and self.rank == 0:
+            from nanopaged.speculative import make_proposer
+            self.proposer = make_proposer(config, self.device, self.device_inputs)
         self.sampler = Sampler(self.device, config.seed) if self.rank == 0 else None
         self.max_blocks_per_seq = -(-config.max_model_len // self.block_size)
         self.graphs: DecodeGraphs | None = None
@@ -100,10 +97,9 @@ class ModelRunner:
     # ---- the KV cache ----
 
     def _kv_bytes_per_block(self) -> int:
-        attn = self.model.model.layers[0].self_attn
-        num_layers = len(self.model.model.layers)
-        dtype_size = torch.empty(0, dtype=self.config.dtype).element_size()
-        return 2 * num_layers * self.block_size * attn.num_kv_heads * attn.head_dim * dtype_size
+        """Bytes of one block in every layer, the draft model's included."""
+        bytes_per_block = self.model.kv_bytes_per_block(self.block_size, self.config.dtype)
+        return bytes_per_block + (self.proposer.kv_bytes_per_block() if self.proposer else 0)
 
     def _allocate_kv_cache(self) -> int:
         """Sizes the pool (unless `num_kvcache_blocks` forces it), allocates one tensor
@@ -121,15 +117,11 @@ class ModelRunner:
         return num_blocks
 
     def _make_kv_cache(self, num_blocks: int) -> None:
-        attn = self.model.model.layers[0].self_attn
-        layers = self.model.model.layers
         self.kv_cache = None  # free the old one first
-        self.kv_cache = torch.zeros(2, len(layers), num_blocks, self.block_size,
-                                    attn.num_kv_heads, attn.head_dim,
-                                    dtype=self.config.dtype, device=self.device)
-        for i, layer in enumerate(layers):
-            layer.self_attn.attn.k_cache = self.kv_cache[0, i]
-            layer.self_attn.attn.v_cache = self.kv_cache[1, i]
+        self.kv_cache = self.model.allocate_kv_cache(num_blocks, self.block_size,
+                                                     self.config.dtype, self.device)
+        if self.proposer:  # a draft model has a cache of its own, in the same blocks
+            self.proposer.allocate_kv_cache(num_blocks)
 
     def _kv_budget_cpu(self) -> int:
         available = _mem_available_bytes()
@@ -169,40 +161,51 @@ class ModelRunner:
 
     # ---- inputs ----
 
-    def prepare_inputs(self, step: ScheduledStep) -> StepInputs:
-        """The step's model inputs, as host arrays: all the host work of a step but scheduling."""
+    def prepare_inputs(self, step: ScheduledStep, proposals: dict[int, list[int]] | None = None
+                       ) -> StepInputs:
+        """The step's model inputs, as host arrays: all the host work of a step but scheduling.
+        `proposals` (by index into the step's sequences) are run after their sequence's token,
+        each row's logits sampled."""
         copies = np.array(step.block_copies, dtype=np.int64).reshape(-1, 2)
-        if step.ragged:
-            return self._prepare_ragged(step, copies)
+        if step.ragged or proposals:
+            return self._prepare_ragged(step, copies, proposals or {})
         return self._prepare_decode(step, copies)
 
-    def _prepare_ragged(self, step: ScheduledStep, block_copies: np.ndarray) -> StepInputs:
-        input_ids, positions, slots = [], [], []
-        for seq, start, num_tokens in zip(step.seqs, step.starts, step.num_tokens):
-            pos = np.arange(start, start + num_tokens)
-            input_ids.append(np.asarray(seq.token_ids[start:start + num_tokens]))
+    def _prepare_ragged(self, step: ScheduledStep, block_copies: np.ndarray,
+                        proposals: dict[int, list[int]]) -> StepInputs:
+        input_ids, positions, slots, num_tokens = [], [], [], []
+        for i, (seq, start, n) in enumerate(zip(step.seqs, step.starts, step.num_tokens)):
+            tokens = seq.token_ids[start:start + n] + proposals.get(i, [])
+            pos = np.arange(start, start + len(tokens))
+            input_ids.append(np.asarray(tokens))
             positions.append(pos)
             slots.append(self._slots(seq, pos))
-        cu_seqlens_q = np.cumsum([0, *step.num_tokens])
-        context_lens = np.add(step.starts, step.num_tokens)
+            num_tokens.append(len(tokens))
+        cu_seqlens_q = np.cumsum([0, *num_tokens])
+        context_lens = np.add(step.starts, num_tokens)
+        # a sampling row's logits: its sequence's last token, then one per proposal
+        counts = np.array([1 + len(proposals.get(i, ())) for i in step.sample_rows], np.int64)
+        ends = np.repeat(cu_seqlens_q[1:][step.sample_rows], counts)
+        offsets = np.arange(counts.sum()) - np.repeat(np.cumsum(counts), counts)
         prompt_rows, prompt_targets = _prompt_logprob_rows(step, cu_seqlens_q)
         return StepInputs(
             ragged=True, block_copies=block_copies, input_ids=np.concatenate(input_ids),
             positions=np.concatenate(positions), slot_mapping=np.concatenate(slots),
             context_lens=context_lens, block_tables=self._block_tables(step.seqs),
-            logits_indices=np.concatenate([cu_seqlens_q[1:][step.sample_rows] - 1, prompt_rows]),
+            logits_indices=np.concatenate([ends + offsets, prompt_rows]),
             cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=np.cumsum([0, *context_lens]),
-            max_seqlen_q=max(step.num_tokens), prompt_targets=prompt_targets)
+            max_seqlen_q=max(num_tokens), prompt_targets=prompt_targets)
 
     def _prepare_decode(self, step: ScheduledStep, block_copies: np.ndarray) -> StepInputs:
         positions = np.array(step.starts)
-        # the token being decoded lives in the last block of its sequence
-        last_blocks = np.array([seq.block_table[-1] for seq in step.seqs])
+        block_tables = self._block_tables(step.seqs)
+        # the block of the token being decoded (blocks reserved for proposals may follow it)
+        blocks = block_tables[np.arange(len(positions)), positions // self.block_size]
         return StepInputs(
             ragged=False, block_copies=block_copies,
             input_ids=np.array([seq.token_ids[-1] for seq in step.seqs]), positions=positions,
-            slot_mapping=last_blocks * self.block_size + positions % self.block_size,
-            context_lens=positions + 1, block_tables=self._block_tables(step.seqs),
+            slot_mapping=blocks.astype(np.int64) * self.block_size + positions % self.block_size,
+            context_lens=positions + 1, block_tables=block_tables,
             logits_indices=np.arange(len(step.seqs)))
 
     def _slots(self, seq: Sequence, positions: np.ndarray) -> np.ndarray:
@@ -231,22 +234,31 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, step: ScheduledStep) -> SamplerOutput:
         """One step (rank 0): makes its block copies, runs the model, and samples every row of
-        `step.samplers`."""
+        `step.samplers`. With speculative decoding, the sequences with lookahead slots run
+        their proposals too, and their rows verify them."""
         inputs = self.prepare_inputs(step)
+        proposals = None
+        if self.proposer:
+            proposals = self.proposer.propose(step, inputs)
+            if proposals:
+                inputs = self.prepare_inputs(step, proposals)
         if not self.workers:
-            return self._run_and_sample(inputs, step)
+            return self._run_and_sample(inputs, step, proposals)
         with parallel.in_lockstep(self.workers):
             parallel.broadcast(inputs, self.control_group, self.workers)
-            return self._run_and_sample(inputs, step)
+            return self._run_and_sample(inputs, step, proposals)
 
-    def _run_and_sample(self, inputs: StepInputs, step: ScheduledStep) -> SamplerOutput:
+    def _run_and_sample(self, inputs: StepInputs, step: ScheduledStep,
+                        proposals: dict[int, list[int]] | None) -> SamplerOutput:
         logits = self.execute(inputs)
-        num_samplers = len(step.samplers)
+        row_proposals = [proposals.get(i, []) for i in step.sample_rows] if proposals else None
+        num_rows = len(step.samplers) + sum(map(len, row_proposals or []))
         sampled = SamplerOutput([], [])
-        if num_samplers:
-            sampled = self.sampler(logits[:num_samplers], step.samplers)
+        if step.samplers:
+            sampled = self.sampler(logits[:num_rows], step.samplers, row_proposals)
+            sampled.num_proposed = row_proposals and list(map(len, row_proposals))
         if inputs.prompt_targets:
-            sampled.prompt_logprobs = self._prompt_logprobs(logits[num_samplers:], step,
+            sampled.prompt_logprobs = self._prompt_logprobs(logits[num_rows:], step,
                                                             inputs.prompt_targets)
         if self.workers and self.device.type == "cuda":
             parallel.wait_for_gpu(self.workers)
@@ -267,6 +279,16 @@ class ModelRunner:
         if len(inputs.block_copies):
             source, destination = torch.as_tensor(inputs.block_copies, device=self.device).T
             self.kv_cache[:, :, destination] = self.kv_cache[:, :, source]
+        hidden = self._run_model(*self.device_inputs(inputs))
+        if len(inputs.logits_indices) == 0:
+            return None
+        if inputs.ragged:  # a decode step samples every row, once
+            hidden = hidden[self._to_device(inputs.logits_indices, torch.int64)]
+        return self.model.compute_logits(hidden)
+
+    def device_inputs(self, inputs: StepInputs
+                      ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """The model's arguments for a step's inputs: token ids, positions, attention metadata."""
         meta = AttentionMetadata(
             ragged=inputs.ragged,
             slot_mapping=self._to_device(inputs.slot_mapping, torch.int64),
@@ -276,13 +298,8 @@ class ModelRunner:
             cu_seqlens_q=self._to_device(inputs.cu_seqlens_q, torch.int32),
             cu_seqlens_k=self._to_device(inputs.cu_seqlens_k, torch.int32),
             max_seqlen_q=inputs.max_seqlen_q)
-        hidden = self._run_model(self._to_device(inputs.input_ids, torch.int64),
-                                 self._to_device(inputs.positions, torch.int64), meta)
-        if len(inputs.logits_indices) == 0:
-            return None
-        if inputs.ragged:  # a decode step samples every row, once
-            hidden = hidden[self._to_device(inputs.logits_indices, torch.int64)]
-        return self.model.compute_logits(hidden)
+        return (self._to_device(inputs.input_ids, torch.int64),
+                self._to_device(inputs.positions, torch.int64), meta)
 
     def _run_model(self, input_ids: torch.Tensor, positions: torch.Tensor,
                    meta: AttentionMetadata) -> torch.Tensor:

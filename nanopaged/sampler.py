@@ -2,6 +2,7 @@
 min-p; and logprobs."""
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from nanopaged.layers import cuda_compiled
@@ -38,10 +39,12 @@ class SamplerOutput:
     """What a step sampled, one entry per sampling row (the step's `samplers`, in order): the
     row's new token ids and, if its request asked for them, their logprobs. `prompt_logprobs`
     holds, by index into the step's sequences, the logprobs of the prompt tokens that a
-    sequence asking for them ran in the step."""
+    sequence asking for them ran in the step. With speculative decoding, `num_proposed` counts
+    each row's proposals (a row gets the accepted ones and one token more)."""
     token_ids: list[list[int]]
     logprobs: list[list[TokenLogprobs] | None]
     prompt_logprobs: dict[int, list[TokenLogprobs]] = field(default_factory=dict)
+    num_proposed: list[int] | None = None
 
 
 class Sampler:
@@ -59,37 +62,54 @@ class Sampler:
         self.device = device
         self.generator = torch.Generator().manual_seed(seed)
 
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
-        # logits: (B, V), one row per sequence in `seqs`
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence],
+                 proposals: list[list[int]] | None = None) -> SamplerOutput:
+        """logits (R, V): one row per sequence of `seqs`; with `proposals` (speculative
+        decoding), 1 + len(proposals[i]) consecutive rows for seqs[i], verified by
+        `speculative.verify`."""
+        rows = seqs if proposals is None else [
+            seq for seq, tokens in zip(seqs, proposals) for _ in range(len(tokens) + 1)]
         raw_logits = logits
-        params = [seq.sampling_params for seq in seqs]
-        if any(p.adjusts_logits for p in params):
-            logits = adjust_logits(logits, seqs)
-        if any(seq.grammar is not None for seq in seqs):
-            from nanopaged.structured_outputs import mask_logits  # only when a request asks
-            logits = mask_logits(logits, seqs)
-        logits = self._mask_stop_tokens(logits, seqs)
-        if all(p.temperature == 0 for p in params):
-            tokens = logits.argmax(dim=-1)
+        logits, temperatures = self._target(logits, rows)
+        if proposals is not None:
+            from nanopaged.speculative import verify  # only when a step speculates
+            token_ids = verify(logits, temperatures, proposals, self._uniform(rows, 2))
+            first = np.cumsum([0] + [len(tokens) + 1 for tokens in proposals[:-1]])
+        elif temperatures is None:
+            token_ids, first = logits.argmax(dim=-1).view(-1, 1).tolist(), range(len(rows))
         else:
-            temperatures = self._to_device([float(p.temperature) for p in params])
-            if any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0 for p in params):
-                # filter the tempered distribution; the rows are then sampled at temperature 1
-                logits = logits.float()
-                shifted = logits - logits.amax(dim=-1, keepdim=True)
-                tempered = shifted / torch.where(temperatures > 0, temperatures, 1.0).unsqueeze(1)
-                logits = self._filter(tempered, params)
-                temperatures = (temperatures > 0).float()
-            tokens = sample(logits, temperatures, self._uniform(seqs))
-        logprobs = self._logprobs(raw_logits, tokens, params)
-        return SamplerOutput(tokens.view(-1, 1).tolist(), logprobs)
+            tokens = sample(logits, temperatures, self._uniform(rows, 1)[:, 0])
+            token_ids, first = tokens.view(-1, 1).tolist(), range(len(rows))
+        return SamplerOutput(token_ids, self._logprobs(raw_logits, seqs, token_ids, first))
 
-    def _uniform(self, seqs: list[Sequence]) -> torch.Tensor:
-        """One uniform number per row: a seeded row's from its own generator."""
-        uniform = torch.rand(len(seqs), generator=self.generator)
+    def _target(self, logits: torch.Tensor, rows: list[Sequence]
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Each row's logits as its settings make them, and the temperatures to sample them at
+        (None when every row is greedy): penalties, grammars, min_tokens, then top-k, top-p and
+        min-p over the tempered logits (which are then sampled at temperature 1)."""
+        params = [seq.sampling_params for seq in rows]
+        if any(p.adjusts_logits for p in params):
+            logits = adjust_logits(logits, rows)
+        if any(seq.grammar is not None for seq in rows):
+            from nanopaged.structured_outputs import mask_logits  # only when a request asks
+            logits = mask_logits(logits, rows)
+        logits = self._mask_stop_tokens(logits, rows)
+        if all(p.temperature == 0 for p in params):
+            return logits, None
+        temperatures = self._to_device([float(p.temperature) for p in params])
+        if any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0 for p in params):
+            logits = logits.float()
+            shifted = logits - logits.amax(dim=-1, keepdim=True)
+            tempered = shifted / torch.where(temperatures > 0, temperatures, 1.0).unsqueeze(1)
+            return self._filter(tempered, params), (temperatures > 0).float()
+        return logits, temperatures
+
+    def _uniform(self, seqs: list[Sequence], per_row: int) -> torch.Tensor:
+        """(rows, per_row) uniform numbers: a seeded row's from its own generator."""
+        uniform = torch.rand(len(seqs), per_row, generator=self.generator)
         for i, seq in enumerate(seqs):
             if seq.generator is not None:
-                uniform[i] = torch.rand(1, generator=seq.generator)[0]
+                uniform[i] = torch.rand(per_row, generator=seq.generator)
         return self._to_device(uniform)
 
     def _mask_stop_tokens(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
@@ -104,16 +124,19 @@ class Sampler:
         logits[self._to_device(rows), self._to_device(cols)] = float("-inf")
         return logits
 
-    def _logprobs(self, logits: torch.Tensor, tokens: torch.Tensor, params: list[SamplingParams]
-                  ) -> list[list[TokenLogprobs] | None]:
-        """For the rows that asked for them, the logprobs of their sampled token."""
-        rows = [i for i, p in enumerate(params) if p.logprobs is not None]
-        result: list[list[TokenLogprobs] | None] = [None] * len(params)
-        if rows:
-            index = self._to_device(rows)
-            ks = [params[i].logprobs for i in rows]
-            for i, entry in zip(rows, self.logprobs(logits[index], tokens[index], ks)):
-                result[i] = [entry]
+    def _logprobs(self, logits: torch.Tensor, seqs: list[Sequence], token_ids: list[list[int]],
+                  first_rows) -> list[list[TokenLogprobs] | None]:
+        """For the sequences that asked for them, the logprobs of the tokens they got, each in
+        the distribution of the row it came from (rows first_rows[i], first_rows[i] + 1, ...)."""
+        asking = [i for i, seq in enumerate(seqs) if seq.sampling_params.logprobs is not None]
+        result: list[list[TokenLogprobs] | None] = [None] * len(seqs)
+        if asking:
+            rows = [first_rows[i] + j for i in asking for j in range(len(token_ids[i]))]
+            ks = [seqs[i].sampling_params.logprobs for i in asking for _ in token_ids[i]]
+            chosen = self._to_device([t for i in asking for t in token_ids[i]])
+            entries = iter(self.logprobs(logits[self._to_device(rows)], chosen, ks))
+            for i in asking:
+                result[i] = [next(entries) for _ in token_ids[i]]
         return result
 
     def logprobs(self, logits: torch.Tensor, token_ids: torch.Tensor, ks: list[int]

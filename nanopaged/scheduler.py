@@ -17,7 +17,9 @@ class ScheduledStep:
     on the step that ends its prompt its forks sample from the same row. A step is a plain
     decode step when every sequence runs just its last token and samples once; any other step
     (prompt chunks, forks) is `ragged`. `block_copies` lists the copy-on-write (source,
-    destination) block copies to make before the model runs.
+    destination) block copies to make before the model runs. With speculative decoding,
+    `lookahead_slots` maps a sequence (by index) to the cache slots reserved past its last
+    token for proposals to verify.
     """
     seqs: list[Sequence] = field(default_factory=list)
     starts: list[int] = field(default_factory=list)
@@ -26,6 +28,7 @@ class ScheduledStep:
     sample_rows: list[int] = field(default_factory=list)
     ragged: bool = False
     block_copies: list[tuple[int, int]] = field(default_factory=list)
+    lookahead_slots: dict[int, int] = field(default_factory=dict)
 
     def add(self, seq: Sequence, num_tokens: int) -> None:
         """Runs `num_tokens` more tokens of `seq`; it samples if they reach its last token."""
@@ -50,7 +53,7 @@ class ScheduledStep:
 
     @property
     def num_scheduled_tokens(self) -> int:
-        return sum(self.num_tokens)
+        return sum(self.num_tokens) + sum(self.lookahead_slots.values())
 
 
 class Scheduler:
@@ -74,6 +77,13 @@ class Scheduler:
 
     A scheduled step is booked at once: each sequence's `num_computed_tokens` counts the tokens
     the step computes, and a prompt's forks join `running` with a share of its blocks.
+
+    With speculative decoding, once every decoding sequence has its token, each (oldest first)
+    gets lookahead slots for up to `num_speculative_tokens` proposals: as many as its max_tokens
+    and max_model_len leave room for, the token budget allows and free blocks hold (a proposal
+    never preempts); none when it penalises repeats, follows a grammar or is under min_tokens
+    (its logits depend on each token it gets), nor when a step decodes more than
+    `disable_by_batch_size` sequences.
     """
 
     def __init__(self, config: Config, block_manager: BlockManager):
@@ -81,6 +91,8 @@ class Scheduler:
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.mixed = config.scheduling == "mixed"
         self.chunked_prefill = config.enable_chunked_prefill
+        self.speculative = config.speculative
+        self.max_model_len = config.max_model_len
         self.block_manager = block_manager
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
@@ -98,7 +110,7 @@ class Scheduler:
         step = ScheduledStep()
         if self.mixed:
             self._schedule_decode(step)
-            self._schedule_prefill(step, self.max_num_batched_tokens - len(step.seqs))
+            self._schedule_prefill(step, self.max_num_batched_tokens - step.num_scheduled_tokens)
             return step
         if not (self.decode_next and self.running):
             self._schedule_prefill(step, self.max_num_batched_tokens)
@@ -152,6 +164,28 @@ class Scheduler:
                 scheduled.append(seq)
         self.running.extendleft(reversed(scheduled))
         step.add_decodes(scheduled)
+        if self.speculative is not None and len(scheduled) <= (
+                self.speculative.disable_by_batch_size or len(scheduled)):
+            self._reserve_lookahead(step, scheduled)
+
+    def _reserve_lookahead(self, step: ScheduledStep, scheduled: list[Sequence]) -> None:
+        """Lookahead slots for the decoding sequences, oldest first, from what the token budget
+        and the free blocks have left once every sequence has its token."""
+        budget = self.max_num_batched_tokens - len(scheduled)
+        first = len(step.seqs) - len(scheduled)
+        for i, seq in enumerate(scheduled, first):
+            params = seq.sampling_params
+            if params.adjusts_logits or seq.grammar is not None \
+                    or seq.num_completion_tokens < params.min_tokens:
+                continue  # its logits depend on each token it gets
+            room = self.max_model_len - len(seq)
+            if params.max_tokens is not None:
+                room = min(room, params.max_tokens - seq.num_completion_tokens)
+            k = min(self.speculative.num_speculative_tokens, room - 1, budget)
+            k = self.block_manager.reserve(seq, k) if k > 0 else 0
+            if k:
+                step.lookahead_slots[i] = k
+                budget -= k
 
     def _make_room(self, seq: Sequence) -> bool:
         """Preempts the newest running sequences until `seq` can append a token; preempts `seq`

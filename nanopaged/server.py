@@ -152,7 +152,10 @@ def create_app(llm: LLM, model_name: str, max_waiting: int) -> FastAPI:
             ("kv_blocks_free", stats.num_free_blocks), ("kv_blocks_total", stats.num_blocks),
             ("requests_waiting", engine.num_waiting), ("sequences_running", stats.num_running_seqs),
             ("preemptions_total", stats.num_preemptions),
-            ("generation_tokens_total", stats.num_generated_tokens))))
+            ("generation_tokens_total", stats.num_generated_tokens),
+            ("spec_decode_num_drafts_total", stats.num_drafts),
+            ("spec_decode_num_draft_tokens_total", stats.num_proposed_tokens),
+            ("spec_decode_num_accepted_tokens_total", stats.num_accepted_tokens))))
 
     @app.get("/v1/models")
     async def models():

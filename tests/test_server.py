@@ -115,6 +115,22 @@ def test_chat_equals_generate_on_the_template(server, offline):
 
 
 def test_concurrent_streams_each_equal_their_offline_result(server, offline):
+    assert_concurrent_streams_equal_offline(server, offline)
+
+
+def test_speculative_decoding_serves_the_same_tokens(qwen3_path, offline):
+    spec = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}'
+    server = Server(qwen3_path, *OPTIONS, "--speculative-config", spec)
+    try:
+        assert_concurrent_streams_equal_offline(server, offline)
+        metrics = server.metrics()
+        assert metrics["nanopaged_spec_decode_num_accepted_tokens_total"] > 0
+        assert metrics["nanopaged_kv_blocks_free"] == metrics["nanopaged_kv_blocks_total"]
+    finally:
+        server.stop()
+
+
+def assert_concurrent_streams_equal_offline(server, offline):
     prompts = random_prompts([5, 40, 12, 90, 23, 61, 7, 33] * 4, seed=61)
     def params(i):
         return dict(temperature=0, max_tokens=8 + 3 * (i % 7), n=2 if i % 5 == 0 else 1,
