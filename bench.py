@@ -1,7 +1,8 @@
 """Offline throughput of nanopaged beside the engines people would use instead.
 
     python bench.py                                   # nano-vllm's workload, Qwen3-0.6B shape
-    python bench.py --engines nanopaged,hf,hf-static,nano-vllm,vllm --out bench.json --plot bench.png
+    python bench.py --engines nanopaged,hf,hf-static,nano-vllm,vllm \
+        --out bench.json --plot bench.png
     python bench.py --cpu                             # a small model on a CPU, beside transformers
     python bench.py --prefix-len 512                  # every prompt shares 512 leading tokens
     python bench.py --steps                           # decode step time per batch, prefill tok/s
@@ -22,6 +23,7 @@ at each --request-rate, and reports what its users feel, as vLLM's benchmark_ser
 time to first token (TTFT), time per output token after it (TPOT), and the inter-token latency
 between streamed chunks (ITL), at the median and the 99th percentile.
 """
+
 import argparse
 import asyncio
 import importlib.util
@@ -81,8 +83,10 @@ def make_workload(args, vocab_size: int) -> Workload:
     def uniform(low, high):
         return torch.randint(low, high + 1, (args.num_requests,), generator=g).tolist()
     prompt_lens, output_lens = uniform(*args.prompt_len), uniform(*args.output_len)
-    prefix = torch.randint(0, top, (args.prefix_len,), generator=g).tolist()
-    prompts = [prefix + torch.randint(0, top, (n,), generator=g).tolist() for n in prompt_lens]
+    prefixes = [torch.randint(0, top, (args.prefix_len,), generator=g).tolist()
+                for _ in range(args.prefix_groups)]
+    prompts = [prefixes[i % args.prefix_groups] + torch.randint(0, top, (n,), generator=g).tolist()
+               for i, n in enumerate(prompt_lens)]
     return Workload(prompts, output_lens, args.temperature)
 
 
@@ -104,8 +108,11 @@ def run_nanopaged(model: str, work: Workload, args, backend: str = "auto") -> di
     elapsed, outputs = timed(lambda: llm.generate(work.prompts, params, use_tqdm=False))
     llm.close()
     ttft = [o.metrics.first_token_time - o.metrics.arrival_time for o in outputs]
-    tpot = [(o.metrics.finish_time - o.metrics.first_token_time) / max(1, len(o.outputs[0].token_ids) - 1)
-            for o in outputs]
+    tpot = [
+        (o.metrics.finish_time - o.metrics.first_token_time)
+        / max(1, len(o.outputs[0].token_ids) - 1)
+        for o in outputs
+    ]
     prompt_tokens = sum(len(p) for p in work.prompts)
     return dict(elapsed=elapsed, output_tokens=sum(len(o.outputs[0].token_ids) for o in outputs),
                 ttft_median=statistics.median(ttft), ttft_p99=percentile(ttft, 99),
@@ -191,10 +198,16 @@ def run_hf_static(model: str, work: Workload, args) -> dict:
         for batch in batches:
             width = max(len(work.prompts[i]) for i in batch)
             n = max(work.output_lens[i] for i in batch)
-            ids = torch.tensor([[0] * (width - len(work.prompts[i])) + work.prompts[i] for i in batch],
-                               device=hf.device)
-            mask = (torch.arange(width, device=hf.device)[None, :]
-                    >= torch.tensor([width - len(work.prompts[i]) for i in batch], device=hf.device)[:, None])
+            ids = torch.tensor(
+                [[0] * (width - len(work.prompts[i])) + work.prompts[i] for i in batch],
+                device=hf.device,
+            )
+            mask = (
+                torch.arange(width, device=hf.device)[None, :]
+                >= torch.tensor([width - len(work.prompts[i]) for i in batch], device=hf.device)[
+                    :, None
+                ]
+            )
             hf.generate(ids, attention_mask=mask.long(), max_new_tokens=n, min_new_tokens=n,
                         do_sample=work.temperature > 0, temperature=work.temperature,
                         cache_implementation="static", pad_token_id=0)
@@ -257,8 +270,11 @@ def model_shape(model: str) -> dict:
     from transformers import AutoConfig
     c = AutoConfig.from_pretrained(model)
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    per_layer = (c.hidden_size * (c.num_attention_heads + 2 * c.num_key_value_heads) * head_dim
-                 + c.num_attention_heads * head_dim * c.hidden_size + 3 * c.hidden_size * c.intermediate_size)
+    per_layer = (
+        c.hidden_size * (c.num_attention_heads + 2 * c.num_key_value_heads) * head_dim
+        + c.num_attention_heads * head_dim * c.hidden_size
+        + 3 * c.hidden_size * c.intermediate_size
+    )
     return dict(params=c.num_hidden_layers * per_layer + c.vocab_size * c.hidden_size,
                 vocab_size=c.vocab_size,
                 kv_elements_per_token=2 * c.num_hidden_layers * c.num_key_value_heads * head_dim,
@@ -303,7 +319,9 @@ def physical_floor(shape: dict, work: Workload, device: dict, dtype_bytes: int) 
     decode together, so there are max(output_len) steps), and each generated token reads the
     K/V of its whole context once; or the arithmetic, at the measured matmul rate."""
     weight_bytes = shape["params"] * dtype_bytes * max(work.output_lens)
-    context_pairs = sum(len(p) * n + n * (n - 1) // 2 for p, n in zip(work.prompts, work.output_lens))
+    context_pairs = sum(
+        len(p) * n + n * (n - 1) // 2 for p, n in zip(work.prompts, work.output_lens)
+    )
     kv_bytes = context_pairs * shape["kv_elements_per_token"] * dtype_bytes
     tokens = sum(len(p) for p in work.prompts) + sum(work.output_lens)
     flops = 2 * shape["params"] * tokens + shape["attention_flops_per_pair"] * context_pairs
@@ -330,22 +348,39 @@ def step_times(model: str, args) -> list[dict]:
     device = measure_device(dtype)
     shape = model_shape(model)
     on_gpu = torch.cuda.is_available()
-    backends = args.backends.split(",") if args.backends else (
-        ["torch"] + (["triton"] if on_gpu else []) + (["flash"] if on_gpu and flash_attn_available() else []))
+    backends = (
+        args.backends.split(",")
+        if args.backends
+        else (
+            ["torch"]
+            + (["triton"] if on_gpu else [])
+            + (["flash"] if on_gpu and flash_attn_available() else [])
+        )
+    )
     rows = []
     for backend in backends:
         # room for the largest batch at full context, and for the prefill step in one go
-        llm = LLM(model, attention_backend=backend, max_num_seqs=max(args.batch_sizes),
-                  max_model_len=args.context + 64, enforce_eager=args.enforce_eager,
-                  max_num_batched_tokens=max(args.prefill_seqs * args.context, max(args.batch_sizes)))
+        llm = LLM(
+            model,
+            attention_backend=backend,
+            max_num_seqs=max(args.batch_sizes),
+            max_model_len=args.context + 64,
+            enforce_eager=args.enforce_eager,
+            max_num_batched_tokens=max(args.prefill_seqs * args.context, max(args.batch_sizes)),
+        )
         dtype_bytes = llm.config.dtype.itemsize
         for batch in args.batch_sizes:
             seconds, step = _decode_step_time(llm, batch, args.context)
-            moved = (shape["params"] + batch * args.context * shape["kv_elements_per_token"]) * dtype_bytes
+            moved = (
+                shape["params"] + batch * args.context * shape["kv_elements_per_token"]
+            ) * dtype_bytes
             rows.append(dict(backend=backend, kind=f"decode b={batch}", ms=seconds * 1e3,
                              floor_ms=moved / device["bandwidth"] * 1e3, tokens=len(step.seqs)))
         seconds, tokens = _prefill_step_time(llm, args.prefill_seqs, args.context)
-        flops = 2 * shape["params"] * tokens + shape["attention_flops_per_pair"] * args.prefill_seqs * args.context ** 2 // 2
+        flops = (
+            2 * shape["params"] * tokens
+            + shape["attention_flops_per_pair"] * args.prefill_seqs * args.context**2 // 2
+        )
         rows.append(dict(backend=backend, kind=f"prefill {tokens} tok", ms=seconds * 1e3,
                          floor_ms=flops / device["flops"] * 1e3, tok_per_s=tokens / seconds,
                          tokens=tokens))
@@ -468,7 +503,8 @@ def spec_name(spec: dict | None) -> str:
     if spec is None:
         return "off"
     if "model" in spec:
-        return f"draft {os.path.basename(spec['model'].rstrip('/'))} k={spec['num_speculative_tokens']}"
+        name = os.path.basename(spec["model"].rstrip("/"))
+        return f"draft {name} k={spec['num_speculative_tokens']}"
     return (f"ngram k={spec['num_speculative_tokens']} n={spec.get('prompt_lookup_min', 5)}.."
             f"{spec.get('prompt_lookup_max', 5)}")
 
@@ -561,10 +597,16 @@ def serve_times(model: str, args) -> dict:
     each request rate, on the same workload and arrival times."""
     work = make_workload(args, model_shape(model)["vocab_size"])
     results = {}
-    for policy in ("prefill-first", "mixed"):
-        with NanopagedServer(model, args, policy) as url:
-            results[f"nanopaged {policy}"] = {rate: asyncio.run(send_workload(url, work, rate, args))
-                                              for rate in args.request_rate}
+    flags = {f"nanopaged {policy}": ["--scheduling", policy]
+             for policy in ("prefill-first", "mixed")}
+    if args.data_parallel_size > 1:  # the routing policies instead
+        size = str(args.data_parallel_size)
+        flags = {f"nanopaged dp{size} {router}": ["--data-parallel-size", size, "--router", router]
+                 for router in ("prefix", "least")}
+    for name, server_flags in flags.items():
+        with NanopagedServer(model, args, server_flags) as url:
+            results[name] = {rate: asyncio.run(send_workload(url, work, rate, args))
+                             for rate in args.request_rate}
     if args.url:
         results[args.url] = {rate: asyncio.run(send_workload(args.url, work, rate, args))
                              for rate in args.request_rate}
@@ -574,11 +616,11 @@ def serve_times(model: str, args) -> dict:
 class NanopagedServer:
     """`python -m nanopaged.server` in a subprocess, for the length of a `with` block."""
 
-    def __init__(self, model: str, args, policy: str):
+    def __init__(self, model: str, args, flags: list[str]):
         from nanopaged.config import free_port
         self.port = free_port()
         self.command = [sys.executable, "-m", "nanopaged.server", model, "--port", str(self.port),
-                        "--scheduling", policy, "--max-model-len", str(args.max_model_len),
+                        *flags, "--max-model-len", str(args.max_model_len),
                         "--max-waiting", str(args.num_requests + 1), "--log-level", "warning"]
         if args.max_num_batched_tokens:
             self.command += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
@@ -634,7 +676,9 @@ def serving_stats(records: list[dict], duration: float) -> dict:
     tpot = [(r["latency"] - r["ttft"]) / (r["tokens"] - 1) for r in records if r["tokens"] > 1]
     itl = [gap for r in records for gap in r["itl"]]
     output_tokens = sum(r["tokens"] for r in records)
+    prompt_tokens = sum(r["prompt_tokens"] for r in records)
     return dict(duration=duration, requests_per_s=len(records) / duration,
+                prefix_hit_rate=sum(r["cached_tokens"] for r in records) / max(1, prompt_tokens),
                 output_tok_per_s=output_tokens / duration, output_tokens=output_tokens,
                 itl_max_ms=1e3 * max(itl),
                 **{f"{name}_{q}_ms": 1e3 * percentile(values, q) for name, values in
@@ -647,7 +691,7 @@ async def stream_completion(client, url: str, model: str, prompt: list[int], max
     body = dict(model=model, prompt=prompt, max_tokens=max_tokens, temperature=temperature,
                 ignore_eos=True, stream=True, stream_options={"include_usage": True})
     start = time.perf_counter()
-    times, tokens = [], 0
+    times, usage = [], {}
     async with client.stream("POST", f"{url}/completions", json=body) as response:
         if response.status_code != 200:
             error = (await response.aread())[:300]
@@ -658,9 +702,10 @@ async def stream_completion(client, url: str, model: str, prompt: list[int], max
             chunk = json.loads(line[5:])
             if chunk.get("choices"):
                 times.append(time.perf_counter())
-            if chunk.get("usage"):
-                tokens = chunk["usage"]["completion_tokens"]
-    return dict(ttft=times[0] - start, latency=times[-1] - start, tokens=tokens,
+            usage = chunk.get("usage") or usage
+    return dict(ttft=times[0] - start, latency=times[-1] - start,
+                tokens=usage["completion_tokens"], prompt_tokens=usage["prompt_tokens"],
+                cached_tokens=(usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0),
                 itl=[b - a for a, b in zip(times, times[1:])])
 
 
@@ -673,6 +718,7 @@ def print_serving(results: dict) -> None:
                   f"{r['output_tok_per_s']:9,.0f} {r['ttft_50_ms']:9.1f} {r['ttft_99_ms']:8.1f} "
                   f"{r['tpot_50_ms']:9.2f} {r['tpot_99_ms']:7.2f} {r['itl_50_ms']:8.2f} "
                   f"{r['itl_99_ms']:7.2f} {r['itl_max_ms']:7.1f}"
+                  f"  prefix hits {100 * r['prefix_hit_rate']:.0f}%"
                   + (f"  long prompt's TTFT {r['long_prompt_ttft_ms']:,.0f}"
                      if r["long_prompt_ttft_ms"] else ""))
 
@@ -695,12 +741,19 @@ def resolve_model(args) -> str:
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", help="local checkpoint (default: the preset's random weights)")
-    p.add_argument("--engines", help=f"comma-separated, from {', '.join(ENGINES)}; nanopaged:BACKEND "
-                                     f"picks an attention backend (torch, triton, flash)")
+    p.add_argument(
+        "--engines",
+        help=f"comma-separated, from {', '.join(ENGINES)}; nanopaged:BACKEND "
+        f"picks an attention backend (torch, triton, flash)",
+    )
     p.add_argument("--num-requests", type=int)
     p.add_argument("--prompt-len", type=int, nargs=2, metavar=("MIN", "MAX"))
     p.add_argument("--output-len", type=int, nargs=2, metavar=("MIN", "MAX"))
     p.add_argument("--prefix-len", type=int, default=0, help="tokens every prompt starts with")
+    p.add_argument("--prefix-groups", type=int, default=1,
+                   help="prompt i starts with prefix i mod this many (each --prefix-len long)")
+    p.add_argument("--data-parallel-size", type=int, default=1,
+                   help="with --serve: replicas behind one server, under each routing policy")
     p.add_argument("--temperature", type=float, default=0.6)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-model-len", type=int)
@@ -711,8 +764,11 @@ def parse_args(argv=None):
     p.add_argument("--hf-batch-size", type=int, default=64, help="batch of the hf-static engine")
     p.add_argument("--timeout", type=float, default=1800, help="seconds per engine")
     presets = p.add_mutually_exclusive_group()
-    presets.add_argument("--cpu", action="store_true", help="preset: a 4-layer d=256 model on a CPU, "
-                         "48 requests, beside hf-static and hf")
+    presets.add_argument(
+        "--cpu",
+        action="store_true",
+        help="preset: a 4-layer d=256 model on a CPU, " "48 requests, beside hf-static and hf",
+    )
     presets.add_argument("--tiny", action="store_true", help="preset: a seconds-long run on CPU")
     p.add_argument("--steps", action="store_true", help="time decode steps and prefill instead")
     p.add_argument("--host", action="store_true", help="time the host's work per decode step")
@@ -723,13 +779,17 @@ def parse_args(argv=None):
     p.add_argument("--speculative-config", action="append", metavar="JSON",
                    help="a vLLM speculative_config; with --spec, repeat to compare several")
     p.add_argument("--max-num-seqs", type=int, default=512)
-    p.add_argument("--serve", action="store_true", help="time a server under requests that arrive over time")
+    p.add_argument(
+        "--serve", action="store_true", help="time a server under requests that arrive over time"
+    )
     p.add_argument("--request-rate", type=float, nargs="+", help="with --serve: requests a second")
     p.add_argument("--long-prompt", type=int, default=0,
                    help="with --serve: one more request, of this many prompt tokens, halfway")
     p.add_argument("--max-num-batched-tokens", type=int,
                    help="with --serve: the servers' token budget per step (their chunk size)")
-    p.add_argument("--url", help="with --serve: another OpenAI-compatible server, e.g. http://host:8000/v1")
+    p.add_argument(
+        "--url", help="with --serve: another OpenAI-compatible server, e.g. http://host:8000/v1"
+    )
     p.add_argument("--backends", help="with --steps: comma-separated (default: all available)")
     p.add_argument("--batch-sizes", type=int, nargs="+")
     p.add_argument("--context", type=int)
@@ -748,11 +808,11 @@ def parse_args(argv=None):
         if getattr(args, name) is None:  # flags given win over the preset
             setattr(args, name, value)
     if args.serve and importlib.util.find_spec("httpx") is None:
-        p.error(f"--serve needs httpx: pip install -e \".[bench]\"")
+        p.error("--serve needs httpx: pip install -e \".[bench]\"")
     if args.plot and args.host:
         p.error("--plot draws throughput or --steps results, not --host")
     if args.plot and importlib.util.find_spec("matplotlib") is None:
-        p.error(f"--plot needs matplotlib: pip install -e \".[bench]\"")
+        p.error("--plot needs matplotlib: pip install -e \".[bench]\"")
     unknown = {e.partition(":")[0] for e in args.engines.split(",")} - set(ENGINES)
     if unknown:
         p.error(f"unknown engines {sorted(unknown)}; choose from {', '.join(ENGINES)}")
@@ -805,10 +865,11 @@ def run_throughput(model: str, args) -> dict:
     prompt_tokens = sum(len(p) for p in work.prompts)
     nanopaged = [r for e, r in results.items() if e.startswith("nanopaged") and "elapsed" in r]
     base = nanopaged[0]["elapsed"] if nanopaged else None
-    print(f"\n{len(work.prompts)} requests, {prompt_tokens} prompt + {sum(work.output_lens)} output tokens "
-          f"on {device['device']} ({device['bandwidth'] / 1e9:,.0f} GB/s copy, "
+    print(f"\n{len(work.prompts)} requests, {prompt_tokens} prompt + {sum(work.output_lens)} "
+          f"output tokens on {device['device']} ({device['bandwidth'] / 1e9:,.0f} GB/s copy, "
           f"{device['flops'] / 1e12:,.2f} TFLOP/s {device['dtype']} matmul, measured)")
-    print(f"{'engine':18} {'time s':>8} {'out tok/s':>10} {'total tok/s':>11} {'vs nanopaged':>12}  floor")
+    print(f"{'engine':18} {'time s':>8} {'out tok/s':>10} {'total tok/s':>11} "
+          f"{'vs nanopaged':>12}  floor")
     for engine, r in results.items():
         if "elapsed" not in r:
             print(f"{engine:18} {r.get('skipped') or r.get('error')}")
@@ -820,15 +881,26 @@ def run_throughput(model: str, args) -> dict:
         print(f"{engine:18} {r['elapsed']:8.2f} {r['output_tok_per_s']:10,.0f} "
               f"{r['total_tok_per_s']:11,.0f} {ratio:>12}  {r['share_of_floor']}")
     for nano in nanopaged:
-        print(f"\nnanopaged ({nano['backend']}): TTFT median {nano['ttft_median']:.3f} s, p99 {nano['ttft_p99']:.3f} s; "
-              f"TPOT median {1e3 * nano['tpot_median']:.2f} ms, p99 {1e3 * nano['tpot_p99']:.2f} ms; "
-              f"prefix-cache hits {100 * nano['prefix_hit_rate']:.1f}%; {nano['preemptions']} preemptions; "
+        print(f"\nnanopaged ({nano['backend']}): TTFT median {nano['ttft_median']:.3f} s, "
+              f"p99 {nano['ttft_p99']:.3f} s; TPOT median {1e3 * nano['tpot_median']:.2f} ms, "
+              f"p99 {1e3 * nano['tpot_p99']:.2f} ms; prefix-cache hits "
+              f"{100 * nano['prefix_hit_rate']:.1f}%; {nano['preemptions']} preemptions; "
               f"{nano['kv_blocks']} KV blocks")
-    print(f"physical floor {floor['seconds']:.2f} s ({floor['weight_bytes'] / 1e9:,.1f} GB weights + "
-          f"{floor['kv_bytes'] / 1e9:,.1f} GB KV reads, {floor['flops'] / 1e12:,.1f} TFLOP)")
-    return dict(device=device, workload=dict(num_requests=len(work.prompts), prompt_tokens=prompt_tokens,
-                                             output_tokens=sum(work.output_lens), prefix_len=args.prefix_len),
-                floor=floor, engines=results)
+    print(
+        f"physical floor {floor['seconds']:.2f} s ({floor['weight_bytes'] / 1e9:,.1f} GB weights + "
+        f"{floor['kv_bytes'] / 1e9:,.1f} GB KV reads, {floor['flops'] / 1e12:,.1f} TFLOP)"
+    )
+    return dict(
+        device=device,
+        workload=dict(
+            num_requests=len(work.prompts),
+            prompt_tokens=prompt_tokens,
+            output_tokens=sum(work.output_lens),
+            prefix_len=args.prefix_len,
+        ),
+        floor=floor,
+        engines=results,
+    )
 
 
 def plot(result: dict, path: str) -> None:
@@ -849,14 +921,27 @@ def plot(result: dict, path: str) -> None:
         for backend in sorted({r["backend"] for r in decode}):
             rows = [r for r in decode if r["backend"] == backend]
             batches = [int(r["kind"].split("=")[1]) for r in rows]
-            ax.plot(batches, [b / (r["ms"] / 1e3) for b, r in zip(batches, rows)], marker="o", label=backend)
-        ax.set(xlabel="batch size", ylabel="decode tok/s", xscale="log", title="decode throughput by batch size")
+            ax.plot(
+                batches,
+                [b / (r["ms"] / 1e3) for b, r in zip(batches, rows)],
+                marker="o",
+                label=backend,
+            )
+        ax.set(
+            xlabel="batch size",
+            ylabel="decode tok/s",
+            xscale="log",
+            title="decode throughput by batch size",
+        )
         ax.legend()
     else:
         engines = {k: v for k, v in result["engines"].items() if "output_tok_per_s" in v}
         fig, ax = plt.subplots(figsize=(6, 4))
         ax.bar(list(engines), [v["output_tok_per_s"] for v in engines.values()])
-        ax.set(ylabel="output tok/s", title=f"{result['workload']['num_requests']} requests on {result['device']['device']}")
+        ax.set(
+            ylabel="output tok/s",
+            title=f"{result['workload']['num_requests']} requests on {result['device']['device']}",
+        )
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 

@@ -43,7 +43,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog="\n".join(__doc__.splitlines()[1:]))
-    parser.add_argument("--model", help=f"local checkpoint or Hugging Face id (default: {DEFAULT_MODEL})")
+    parser.add_argument(
+        "--model", help=f"local checkpoint or Hugging Face id (default: {DEFAULT_MODEL})"
+    )
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--stream", action="store_true", help="stream the first answer")
     args = parser.parse_args()

@@ -41,6 +41,9 @@ HELP = {
     "enforce_eager": "no CUDA graphs",
     "tensor_parallel_size": "ranks, one process and one GPU each",
     "distributed_port": "where the ranks meet on 127.0.0.1 (default: a free port)",
+    "distributed_executor_backend": "mp (the engine starts its ranks) or external_launcher "
+                                    "(the processes torchrun started, on any machines)",
+    "data_parallel_size": "replicas of the engine, each with its share of the requests",
     "attention_backend": "auto, torch, triton or flash",
     "scheduling": "prefill-first, or mixed: decode everyone each step, fill the rest with "
                   "prompt chunks",

@@ -17,9 +17,11 @@ DTYPES = {None: None, "auto": None, "half": "float16", "float16": "float16",
           "bfloat16": "bfloat16", "float": "float32", "float32": "float32"}
 CHOICES = {"device": (None, "cuda", "cpu"), "dtype": tuple(DTYPES),
            "attention_backend": ("auto", "torch", "triton", "flash"),
-           "scheduling": ("prefill-first", "mixed")}
+           "scheduling": ("prefill-first", "mixed"),
+           "distributed_executor_backend": (None, "mp", "external_launcher")}
 POSITIVE = ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "kvcache_block_size",
-            "num_kvcache_blocks", "tensor_parallel_size")
+            "num_kvcache_blocks", "tensor_parallel_size", "data_parallel_size")
+TORCHRUN_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 # What the engine reads of a Hugging Face repository: configs, tokenizer files, weights.
 MODEL_FILES = ["*.json", "*.safetensors", "*.txt", "*.model", "*.tiktoken"]
 FLASH_BLOCK_SIZE_MULTIPLE = 256  # flash-attn's paged KV needs pages of a multiple of 256 tokens
@@ -74,14 +76,17 @@ class Config:
     the model's, `attention_backend` "auto" picks flash-attn, then Triton (both CUDA only),
     then plain PyTorch, and `kvcache_block_size` 256 with flash-attn and 16 otherwise.
     `num_kvcache_blocks` forces the size of the KV pool instead of sizing it from free memory.
-    `tensor_parallel_size` ranks meet on `distributed_port` of 127.0.0.1 (a free port when
-    None). `scheduling` is "prefill-first" or "mixed" (see `Scheduler`); without
-    `enable_chunked_prefill` a prompt is never split over steps. `seed` seeds the samples of
-    requests that bring no seed of their own. `generation_config` is where default sampling
-    settings come from: "auto" (the checkpoint's generation_config.json), "vllm" (none), or a
-    directory. `structured_outputs_config` holds vLLM's defaults for structured outputs
-    (`backend`, `disable_any_whitespace`). `speculative_config` turns speculative decoding on
-    (see `SpeculativeConfig`).
+    `tensor_parallel_size` ranks are processes the engine starts, meeting on `distributed_port`
+    of 127.0.0.1 (a free port when None); with `distributed_executor_backend`
+    "external_launcher" they are the processes torchrun started, on any machines (see
+    `parallel.py`). `data_parallel_size` replicas of the engine each serve a share of the
+    requests (see `data_parallel.py`). `scheduling` is "prefill-first" or "mixed" (see
+    `Scheduler`); without `enable_chunked_prefill` a prompt is never split over steps. `seed`
+    seeds the samples of requests that bring no seed of their own. `generation_config` is where
+    default sampling settings come from: "auto" (the checkpoint's generation_config.json),
+    "vllm" (none), or a directory. `structured_outputs_config` holds vLLM's defaults for
+    structured outputs (`backend`, `disable_any_whitespace`). `speculative_config` turns
+    speculative decoding on (see `SpeculativeConfig`).
     """
     model: str
     tokenizer: str | None = None
@@ -96,6 +101,8 @@ class Config:
     enforce_eager: bool = False
     tensor_parallel_size: int = 1
     distributed_port: int | None = None
+    distributed_executor_backend: str | None = None
+    data_parallel_size: int = 1
     attention_backend: str = "auto"
     scheduling: str = "prefill-first"
     enable_prefix_caching: bool = True
@@ -195,16 +202,41 @@ class Config:
 
     def _check_tensor_parallel(self) -> None:
         size = self.tensor_parallel_size
-        if self.device == "cuda" and size > torch.cuda.device_count():
-            raise ValueError(f"tensor_parallel_size={size} but only {torch.cuda.device_count()} "
-                             f"CUDA GPU(s) are visible")
         for name in ("num_attention_heads", "num_key_value_heads", "vocab_size",
                      "intermediate_size"):
             if getattr(self.hf_config, name) % size:
                 raise ValueError(f"the model's {name}={getattr(self.hf_config, name)} is not "
                                  f"divisible by tensor_parallel_size={size}")
+        if self.external_launcher:
+            self._check_torchrun()
+            return
+        gpus = size * self.data_parallel_size
+        if self.device == "cuda" and gpus > torch.cuda.device_count():
+            raise ValueError(f"tensor_parallel_size={size} x data_parallel_size="
+                             f"{self.data_parallel_size} needs {gpus} GPUs but only "
+                             f"{torch.cuda.device_count()} CUDA GPU(s) are visible")
         if size > 1 and self.distributed_port is None:
             self.distributed_port = free_port()
+
+    def _check_torchrun(self) -> None:
+        missing = [name for name in TORCHRUN_VARIABLES if name not in os.environ]
+        if missing:
+            raise ValueError(f"distributed_executor_backend='external_launcher' runs under "
+                             f"torchrun, which sets {', '.join(missing)}: launch the script "
+                             f"with torchrun --nproc-per-node N [--nnodes M ...]")
+        world_size = int(os.environ["WORLD_SIZE"])
+        if world_size != self.tensor_parallel_size or self.data_parallel_size != 1:
+            raise ValueError(f"torchrun started {world_size} processes; with "
+                             f"distributed_executor_backend='external_launcher' they are the "
+                             f"tensor_parallel_size={self.tensor_parallel_size} ranks of one "
+                             f"engine (data_parallel_size must be 1: one torchrun job a replica)")
+        if self.device == "cuda" and int(os.environ["LOCAL_RANK"]) >= torch.cuda.device_count():
+            raise ValueError(f"LOCAL_RANK={os.environ['LOCAL_RANK']} but only "
+                             f"{torch.cuda.device_count()} CUDA GPU(s) are visible on this node")
+
+    @property
+    def external_launcher(self) -> bool:
+        return self.distributed_executor_backend == "external_launcher"
 
 
 def _read_checkpoint_config(path: str) -> PretrainedConfig:

@@ -148,18 +148,14 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(VocabParallelEmbedding):
-    """Projects hidden states to logits over the whole vocabulary, gathered on rank 0 (which
-    samples); the other ranks return None."""
+    """Projects hidden states to logits over the whole vocabulary, gathered on every rank."""
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = F.linear(hidden, self.weight)
         if self.tp_size == 1:
             return logits
-        if self.tp_rank != 0:
-            dist.gather(logits, None, dst=0)
-            return None
         shards = [torch.empty_like(logits) for _ in range(self.tp_size)]
-        dist.gather(logits, shards, dst=0)
+        dist.all_gather(shards, logits)
         return torch.cat(shards, dim=-1)
 
 

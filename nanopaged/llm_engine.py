@@ -48,6 +48,13 @@ class LLMEngine(VLLMEngineAPI):
     `error` set.
     """
 
+    def __new__(cls, model: str, **options):
+        size = options.get("data_parallel_size")
+        if isinstance(size, int) and not isinstance(size, bool) and size > 1:
+            from nanopaged.data_parallel import DataParallelLLM
+            return DataParallelLLM(model, **options)
+        return super().__new__(cls)
+
     def __init__(self, model: str, **options):
         self.config = Config.from_options(model, **normalize_options(options))
         self.tokenizer = load_tokenizer(self.config.tokenizer)

@@ -47,22 +47,30 @@ class ModelRunner:
 
     Prefill steps run eagerly over a ragged batch; decode steps replay a CUDA graph captured for
     the next larger batch size, when graphs are on. With tensor parallelism, the runner of
-    rank 0 starts the other ranks' runners (`run_worker`) and sends them every step's inputs.
+    rank 0 starts the other ranks' runners (`run_worker`) and sends them every step's inputs;
+    under torchrun, every rank's runner runs every step as the engine beside it asks.
     """
 
     def __init__(self, config: Config, rank: int = 0):
         self.config = config
         self.rank = rank
         self.workers = []
-        self.control_group = None
+        self.group = None  # gloo: rank 0's messages, and the host's collectives
         if config.tensor_parallel_size == 1:
             self._build()
-            return
-        if rank == 0:
-            self.workers = parallel.start_workers(config, run_worker)
+        elif config.external_launcher:  # every rank runs the whole engine
+            self.rank = int(os.environ["RANK"])
+            self.group = parallel.join_torchrun(config)
+            self._build()
+        else:
+            self._start_ranks()
+
+    def _start_ranks(self) -> None:
+        if self.rank == 0:
+            self.workers = parallel.start_workers(self.config, run_worker)
         try:
             with parallel.in_lockstep(self.workers):
-                self.control_group = parallel.join_ranks(config, rank, self.workers)
+                self.group = parallel.join_ranks(self.config, self.rank, self.workers)
                 self._build()
         except BaseException:
             parallel.stop_workers(self.workers, None)
@@ -74,11 +82,12 @@ class ModelRunner:
         self.device = torch.device(config.device)
         self.model = load_model(config.model, config.hf_config, config.dtype, self.device,
                                 config.attention_backend)
+        samples = self.rank == 0 or config.external_launcher
         self.proposer = None
-        if config.speculative is not None and self.rank == 0:
+        if config.speculative is not None and samples:
             from nanopaged.speculative import make_proposer
             self.proposer = make_proposer(config, self.device, self.device_inputs)
-        self.sampler = Sampler(self.device, config.seed) if self.rank == 0 else None
+        self.sampler = Sampler(self.device, config.seed) if samples else None
         self.max_blocks_per_seq = -(-config.max_model_len // self.block_size)
         self.graphs: DecodeGraphs | None = None
         self.num_kvcache_blocks = self._allocate_kv_cache()
@@ -89,10 +98,11 @@ class ModelRunner:
                 self.graphs = DecodeGraphs(self.model, config, self.max_blocks_per_seq)
 
     def close(self) -> None:
-        """Stops the other ranks' processes and leaves the process group (tensor parallelism)."""
-        if self.control_group is not None:
-            parallel.stop_workers(self.workers, self.control_group)
-            self.workers, self.control_group = [], None
+        """Stops the other ranks' processes, if it started them, and leaves the process group
+        (tensor parallelism)."""
+        if self.group is not None:
+            parallel.stop_workers(self.workers, self.group)
+            self.workers, self.group = [], None
 
     # ---- the KV cache ----
 
@@ -108,8 +118,8 @@ class ModelRunner:
         if num_blocks is None:
             budget = self._kv_budget_cuda() if self.device.type == "cuda" else self._kv_budget_cpu()
             num_blocks = int(budget // self._kv_bytes_per_block())
-        if self.control_group is not None:  # one block table addresses every rank's pool
-            num_blocks = parallel.min_over_ranks(num_blocks, self.control_group)
+        if self.group is not None:  # one block table addresses every rank's pool
+            num_blocks = parallel.min_over_ranks(num_blocks, self.group)
         if num_blocks < 1:
             raise ValueError("not enough memory left for even one KV-cache block; lower "
                              "max_num_batched_tokens or raise gpu_memory_utilization")
@@ -245,7 +255,7 @@ class ModelRunner:
         if not self.workers:
             return self._run_and_sample(inputs, step, proposals)
         with parallel.in_lockstep(self.workers):
-            parallel.broadcast(inputs, self.control_group, self.workers)
+            parallel.broadcast(inputs, self.group, self.workers)
             return self._run_and_sample(inputs, step, proposals)
 
     def _run_and_sample(self, inputs: StepInputs, step: ScheduledStep,
@@ -274,8 +284,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, inputs: StepInputs) -> torch.Tensor | None:
-        """Runs the model over one step's inputs; returns the logits of the sampling rows
-        (on rank 0; the other ranks return None), or None when no row samples."""
+        """Runs the model over one step's inputs; returns the logits of the sampling rows, or
+        None when no row samples."""
         if len(inputs.block_copies):
             source, destination = torch.as_tensor(inputs.block_copies, device=self.device).T
             self.kv_cache[:, :, destination] = self.kv_cache[:, :, source]
@@ -311,7 +321,7 @@ class ModelRunner:
 def run_worker(config: Config, rank: int) -> None:
     """The life of a tensor-parallel worker process: run every step rank 0 sends, until `None`."""
     runner = ModelRunner(config, rank)
-    while (inputs := parallel.receive(runner.control_group)) is not None:
+    while (inputs := parallel.receive(runner.group)) is not None:
         runner.execute(inputs)
     runner.close()
 

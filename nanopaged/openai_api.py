@@ -87,7 +87,9 @@ def structured_output(body: dict, tools: tuple[str, str | None]) -> StructuredOu
             whitespace_pattern=body.get("guided_whitespace_pattern")))
     if body.get("structured_outputs") is not None:
         options = body["structured_outputs"]
-        if not isinstance(options, dict) or set(options) - set(StructuredOutputsParams.__dataclass_fields__):
+        if not isinstance(options, dict) or set(options) - set(
+            StructuredOutputsParams.__dataclass_fields__
+        ):
             raise ValueError(f"structured_outputs must be an object of vLLM's "
                              f"StructuredOutputsParams fields, got {options!r}")
         found.append(StructuredOutputsParams(**options))
@@ -127,8 +129,12 @@ def completion_prompts(body: dict, llm) -> list[dict]:
     for one in prompt:
         if isinstance(one, str):
             chat.check_text(one, "prompt")
-            prompts.append({"prompt": one,
-                            "prompt_token_ids": llm.tokenizer.encode(one, add_special_tokens=special)})
+            prompts.append(
+                {
+                    "prompt": one,
+                    "prompt_token_ids": llm.tokenizer.encode(one, add_special_tokens=special),
+                }
+            )
         elif isinstance(one, list) and all(isinstance(t, int) for t in one):
             prompts.append({"prompt_token_ids": one})
         else:

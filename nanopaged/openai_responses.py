@@ -98,8 +98,10 @@ class Response:
     def _usage(self) -> dict:
         prompt_tokens = sum(len(o.prompt_token_ids) for o in self.latest.values())
         completion_tokens = sum(len(c.token_ids) for o in self.latest.values() for c in o.outputs)
+        cached_tokens = sum(o.num_cached_tokens for o in self.latest.values())
         return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                "total_tokens": prompt_tokens + completion_tokens}
+                "total_tokens": prompt_tokens + completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
     async def whole(self) -> dict:
         async for _ in self.outputs():

@@ -1,9 +1,19 @@
 """Tensor parallelism: one process per rank, joined by torch.distributed.
 
-Rank 0 lives in the caller's process: it schedules, prepares each step's inputs and samples.
-Ranks 1..N-1 are spawned worker processes holding their own shards of the weights and of the
-KV cache. Every step, rank 0 broadcasts the step's inputs on a gloo group (a pickled object,
-so of any size) and all ranks run the model; the all-reduces inside it join the shards.
+On one machine (the default), rank 0 lives in the caller's process: it schedules, prepares
+each step's inputs and samples. Ranks 1..N-1 are worker processes it starts, holding their own
+shards of the weights and of the KV cache. Every step, rank 0 broadcasts the step's inputs on a
+gloo group (a pickled object, so of any size) and all ranks run the model; the all-reduces
+inside it join the shards.
+
+Under torchrun (`distributed_executor_backend="external_launcher"`), on one machine or many,
+every rank is a process torchrun started running the same script, and every rank runs the
+whole engine: scheduling is replicated, not broadcast. It stays in step because everything a
+rank decides follows from its inputs, which are the same everywhere: the same requests in the
+same order, the same seeds, and logits that the collectives leave identical on every rank (the
+LM head gathers all of them everywhere). So no step pays a broadcast, and every rank returns
+the same outputs, as vLLM's torchrun_example.py expects. A rank that dies breaks the next
+collective on the others, which raise (gloo) or time out (NCCL) rather than wait forever.
 """
 import datetime
 import multiprocessing as mp
@@ -24,6 +34,8 @@ from nanopaged.config import Config
 # Workers wait for rank 0's next message for as long as the caller leaves the engine idle.
 IDLE_TIMEOUT = datetime.timedelta(days=365)
 SHUTDOWN_TIMEOUT_S = 30
+# Under torchrun, how long a rank waits in a collective for a peer that neither answers nor dies
+COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=10)
 
 
 class WorkerDied(RuntimeError):
@@ -39,8 +51,7 @@ def start_workers(config: Config, target: Callable[[Config, int], None]) -> list
     if dist.is_initialized():
         raise RuntimeError("this process already belongs to a torch.distributed group (another "
                            "tensor-parallel engine?); close that engine before starting one")
-    method = os.environ.get("VLLM_WORKER_MULTIPROC_METHOD") or (
-        "spawn" if torch.cuda.is_initialized() else "fork")
+    method = start_method()
     script = getattr(sys.modules["__main__"], "__file__", None)
     if method == "spawn" and script is not None and not os.path.exists(script):
         raise ValueError(f"tensor_parallel_size > 1 after CUDA was initialised spawns workers "
@@ -58,6 +69,12 @@ def start_workers(config: Config, target: Callable[[Config, int], None]) -> list
         worker.errors = receiver
         workers.append(worker)
     return workers
+
+
+def start_method() -> str:
+    """How to start a child process that runs an engine or a rank: see `start_workers`."""
+    return os.environ.get("VLLM_WORKER_MULTIPROC_METHOD") or (
+        "spawn" if torch.cuda.is_initialized() else "fork")
 
 
 def _worker_main(target: Callable[[Config, int], None], config: Config, rank: int,
@@ -101,6 +118,19 @@ def join_ranks(config: Config, rank: int, workers: list[mp.Process]) -> dist.Pro
         backend = "nccl"
     dist.init_process_group(backend, store=store, rank=rank, world_size=size)
     return dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
+
+
+def join_torchrun(config: Config) -> dist.ProcessGroup:
+    """Joins the processes torchrun started: env:// rendezvous (MASTER_ADDR, MASTER_PORT, RANK,
+    WORLD_SIZE), LOCAL_RANK picks this process's GPU. Returns a gloo group for the host's
+    collectives; the model's run on the default group (NCCL on GPUs, gloo on CPU)."""
+    backend = "gloo"
+    if config.device == "cuda":
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        backend = "nccl"
+    if not dist.is_initialized():  # a script may have joined already
+        dist.init_process_group(backend, init_method="env://", timeout=COLLECTIVE_TIMEOUT)
+    return dist.new_group(backend="gloo", timeout=COLLECTIVE_TIMEOUT)
 
 
 def broadcast(message, group: dist.ProcessGroup, workers: list[mp.Process]) -> None:

@@ -1,4 +1,5 @@
-"""An OpenAI-compatible HTTP server: `nanopaged serve MODEL` (or `python -m nanopaged.server MODEL`).
+"""An OpenAI-compatible HTTP server: `nanopaged serve MODEL` (or
+`python -m nanopaged.server MODEL`).
 
 One engine loop runs in a thread of its own and is the only caller of the engine: handlers hand
 it requests and aborts through a queue, and after every step it hands each request's outputs to
@@ -6,6 +7,7 @@ the handler waiting for them. The engine admits a request that arrives while oth
 its next step. Requests are read in `openai_api.py`, responses written in `openai_responses.py`.
 Needs the `serve` extra: pip install -e ".[serve]".
 """
+
 import argparse
 import asyncio
 import dataclasses
@@ -25,6 +27,8 @@ from starlette.exceptions import HTTPException
 
 from nanopaged import LLM, chat, openai_api
 from nanopaged.compat import EngineArgs, FlexibleArgumentParser
+from nanopaged.data_parallel import Router, sum_stats
+from nanopaged.llm_engine import EngineStats
 from nanopaged.openai_responses import Response
 
 
@@ -61,6 +65,9 @@ class EngineLoop:
         self.running = False
         self.inbox.put((lambda: None, ()))
         self.thread.join()
+
+    def is_alive(self) -> bool:
+        return self.thread.is_alive()
 
     def _add(self, request_id: str, prompt, params, loop, outbox, future: Future) -> None:
         try:
@@ -102,6 +109,17 @@ class EngineLoop:
                 loop.call_soon_threadsafe(outbox.put_nowait, output)
 
 
+def metric_lines(stats: EngineStats, labels: str) -> list[str]:
+    return [f"nanopaged_{name}{labels} {value}\n" for name, value in (
+        ("kv_blocks_free", stats.num_free_blocks), ("kv_blocks_total", stats.num_blocks),
+        ("sequences_running", stats.num_running_seqs),
+        ("preemptions_total", stats.num_preemptions),
+        ("generation_tokens_total", stats.num_generated_tokens),
+        ("spec_decode_num_drafts_total", stats.num_drafts),
+        ("spec_decode_num_draft_tokens_total", stats.num_proposed_tokens),
+        ("spec_decode_num_accepted_tokens_total", stats.num_accepted_tokens))]
+
+
 def error_response(status: int, message: str, param: str | None = None,
                    code: str | None = None) -> JSONResponse:
     kind = ("invalid_request_error" if status < 500 else "server_error") if status != 404 \
@@ -117,8 +135,10 @@ def bad_request(error: ValueError) -> JSONResponse:
     return error_response(400, message, param)
 
 
-def create_app(llm: LLM, model_name: str, max_waiting: int) -> FastAPI:
-    engine = EngineLoop(llm, max_waiting)
+def create_app(llm: LLM, model_name: str, max_waiting: int, router: str = "prefix") -> FastAPI:
+    replicas = getattr(llm, "replicas", None)  # data parallelism: an engine loop per replica
+    engine = EngineLoop(llm, max_waiting) if replicas is None else Router(
+        llm, [EngineLoop(replica, max_waiting) for replica in replicas], max_waiting, router)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -139,7 +159,7 @@ def create_app(llm: LLM, model_name: str, max_waiting: int) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        return PlainTextResponse("", status_code=200 if engine.thread.is_alive() else 503)
+        return PlainTextResponse("", status_code=200 if engine.is_alive() else 503)
 
     @app.get("/version")
     async def server_version():
@@ -147,15 +167,17 @@ def create_app(llm: LLM, model_name: str, max_waiting: int) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics():
-        stats = llm.stats()
-        return PlainTextResponse("".join(f"nanopaged_{name} {value}\n" for name, value in (
-            ("kv_blocks_free", stats.num_free_blocks), ("kv_blocks_total", stats.num_blocks),
-            ("requests_waiting", engine.num_waiting), ("sequences_running", stats.num_running_seqs),
-            ("preemptions_total", stats.num_preemptions),
-            ("generation_tokens_total", stats.num_generated_tokens),
-            ("spec_decode_num_drafts_total", stats.num_drafts),
-            ("spec_decode_num_draft_tokens_total", stats.num_proposed_tokens),
-            ("spec_decode_num_accepted_tokens_total", stats.num_accepted_tokens))))
+        """The engine's counters; with replicas, their sums, then each replica's (labelled), and
+        how many requests the router sent each, by reason."""
+        every = await asyncio.to_thread(llm.replica_stats) if replicas else [llm.stats()]
+        lines = metric_lines(sum_stats(every), "")
+        lines.append(f"nanopaged_requests_waiting {engine.num_waiting}\n")
+        if replicas is not None:
+            for i, stats in enumerate(every):
+                lines += metric_lines(stats, f'{{replica="{i}"}}')
+                lines += [f'nanopaged_router_requests_total{{replica="{i}",reason="{reason}"}} '
+                          f'{count}\n' for reason, count in engine.routed[i].items()]
+        return PlainTextResponse("".join(lines))
 
     @app.get("/v1/models")
     async def models():
@@ -284,6 +306,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--max-waiting", type=int, default=256,
                         help="requests that may wait for their first token; more get 503 at once "
                              "(default: 256)")
+    parser.add_argument("--router", choices=["prefix", "least"], default="prefix",
+                        help="with --data-parallel-size: send a request to the replica that was "
+                             "sent its prompt's longest prefix, unless it is much busier than "
+                             "the least busy (prefix), or always to the least busy (least)")
     parser.add_argument("--served-model-name", help="the model's name in the API (default: MODEL)")
     parser.add_argument("--log-level", default="info",
                         help="uvicorn's; warning hides each request (default: info)")
@@ -300,7 +326,7 @@ def main(argv: list[str] | None = None) -> None:
         llm = LLM(**dataclasses.asdict(EngineArgs.from_cli_args(args)))
     except ValueError as error:  # a wrong option or model: one line, not a traceback
         sys.exit(f"nanopaged serve: error: {error}")
-    app = create_app(llm, args.served_model_name or args.model, args.max_waiting)
+    app = create_app(llm, args.served_model_name or args.model, args.max_waiting, args.router)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=3)
     Server(config).run()

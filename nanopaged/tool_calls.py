@@ -31,8 +31,10 @@ def choice(body: dict) -> tuple[str, str | None]:
     name = (tool_choice.get("function") or {}).get("name") if isinstance(tool_choice, dict) \
         else None
     if not isinstance(name, str):
-        raise ValueError(f"tool_choice must be 'none', 'auto', 'required' or "
-                         f"{{'type': 'function', 'function': {{'name': ...}}}}, got {tool_choice!r}")
+        raise ValueError(
+            f"tool_choice must be 'none', 'auto', 'required' or "
+            f"{{'type': 'function', 'function': {{'name': ...}}}}, got {tool_choice!r}"
+        )
     if name not in tool_names(tools):
         raise ValueError(f"tool_choice names the function {name!r}, which is not in tools")
     return "named", name

@@ -1,11 +1,15 @@
-"""Tiny random-weight checkpoints of each supported architecture, and transformers as the reference."""
+"""Tiny random-weight checkpoints of each supported architecture, and transformers as the
+reference."""
+
 import functools
 import os
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():  # run Triton kernels on CPU tensors; must precede importing triton
+if (
+    not torch.cuda.is_available()
+):  # run Triton kernels on CPU tensors; must precede importing triton
     os.environ.setdefault("TRITON_INTERPRET", "1")
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
@@ -95,7 +99,9 @@ def _hf_greedy(path: str, prompt: tuple[int, ...], max_tokens: int) -> list[int]
 @pytest.fixture(scope="session")
 def hf_greedy():
     """hf_greedy(path, prompts, max_tokens) -> transformers' greedy completions, one per prompt."""
-    return lambda path, prompts, max_tokens: [_hf_greedy(path, tuple(p), max_tokens) for p in prompts]
+    return lambda path, prompts, max_tokens: [
+        _hf_greedy(path, tuple(p), max_tokens) for p in prompts
+    ]
 
 
 def added_text(tokenizer, prompt_ids: list[int], completion_ids: list[int]) -> str:

@@ -17,14 +17,29 @@ def bench():
 
 def test_throughput_with_peers(bench, qwen3_path, tmp_path):
     out = tmp_path / "bench.json"
-    result = bench.main(["--tiny", "--model", qwen3_path, "--engines", "nanopaged,hf-static,nano-vllm",
-                         "--prefix-len", "16", "--out", str(out), "--plot", str(tmp_path / "bench.png")])
+    result = bench.main(
+        [
+            "--tiny",
+            "--model",
+            qwen3_path,
+            "--engines",
+            "nanopaged,hf-static,nano-vllm",
+            "--prefix-len",
+            "16",
+            "--out",
+            str(out),
+            "--plot",
+            str(tmp_path / "bench.png"),
+        ]
+    )
     assert json.loads(out.read_text()) == json.loads(json.dumps(result))
     nano = result["engines"]["nanopaged"]
     assert nano["output_tokens"] == result["workload"]["output_tokens"]
     assert nano["prefix_hit_rate"] > 0 and nano["kv_blocks"] > 0
     assert result["engines"]["hf-static"]["output_tokens"] == result["workload"]["output_tokens"]
-    assert "elapsed" in result["engines"]["nano-vllm"] or "skipped" in result["engines"]["nano-vllm"]
+    assert (
+        "elapsed" in result["engines"]["nano-vllm"] or "skipped" in result["engines"]["nano-vllm"]
+    )
     assert result["floor"]["seconds"] > 0 and result["device"]["dtype"] == "float32"
     assert (tmp_path / "bench.png").stat().st_size > 0
 

@@ -7,7 +7,6 @@ import os
 import shutil
 
 import pytest
-import torch
 
 from nanopaged import LLM, EngineArgs, LLMEngine, RequestOutput, SamplingParams
 from nanopaged.inputs import TextPrompt, TokensPrompt

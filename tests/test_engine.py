@@ -41,7 +41,10 @@ def test_stops_at_eos_unless_ignore_eos(qwen3_path):
     assert stopped and all(o.outputs[0].token_ids[-1] == eos for o in stopped)
     outputs = llm.generate(prompts, SamplingParams(temperature=1.0, max_tokens=300, seed=0,
                                                    ignore_eos=True), use_tqdm=False)
-    assert all(o.outputs[0].finish_reason == "length" and len(o.outputs[0].token_ids) == 300 for o in outputs)
+    assert all(
+        o.outputs[0].finish_reason == "length" and len(o.outputs[0].token_ids) == 300
+        for o in outputs
+    )
 
 
 def test_stops_at_max_model_len(qwen3_path):
@@ -113,7 +116,9 @@ def test_step_api(qwen3_path, hf_greedy):
     while not llm.is_finished():
         outputs.update({o.request_id: o for o in llm.step()})
     assert all(outputs[i].finished for i in ids)
-    assert [outputs[i].outputs[0].token_ids for i in ids] == hf_greedy(qwen3_path, PROMPTS[:3], GREEDY.max_tokens)
+    assert [outputs[i].outputs[0].token_ids for i in ids] == hf_greedy(
+        qwen3_path, PROMPTS[:3], GREEDY.max_tokens
+    )
     assert llm.step() == []
 
 
@@ -126,7 +131,9 @@ def test_generate_refuses_while_step_api_requests_are_unfinished(qwen3_path, hf_
     while not llm.is_finished():
         outputs += llm.step()
     assert outputs[-1].request_id == request_id and outputs[-1].finished
-    assert outputs[-1].outputs[0].token_ids == hf_greedy(qwen3_path, PROMPTS[:1], GREEDY.max_tokens)[0]
+    assert (
+        outputs[-1].outputs[0].token_ids == hf_greedy(qwen3_path, PROMPTS[:1], GREEDY.max_tokens)[0]
+    )
 
 
 def test_triton_backend_matches_transformers(qwen3_path, hf_greedy):
@@ -149,7 +156,9 @@ def test_mixed_scheduling_gives_the_tokens_of_prefill_first(backend, qwen3_path,
               scheduling="mixed", max_num_batched_tokens=32)
     run, step_kinds = llm.model_runner.run, set()
     def recording_run(step):
-        decodes = any(n == 1 and s.num_completion_tokens for s, n in zip(step.seqs, step.num_tokens))
+        decodes = any(
+            n == 1 and s.num_completion_tokens for s, n in zip(step.seqs, step.num_tokens)
+        )
         step_kinds.add((step.ragged, decodes))
         return run(step)
     llm.model_runner.run = recording_run

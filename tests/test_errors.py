@@ -34,34 +34,57 @@ def mutated_params(**changes) -> SamplingParams:
     return params
 
 
-@pytest.mark.parametrize("prompts, params, message", [
-    ([GOOD, []], GREEDY, "prompt is empty"),
-    ([GOOD, ""], GREEDY, "prompt is empty"),
-    ([GOOD, [1, 2, 512]], GREEDY, r"token id 512 is outside the vocabulary \[0, 512\)"),
-    ([GOOD, [1, -1]], GREEDY, "token id -1 is outside the vocabulary"),
-    ([GOOD, [1, 2.0]], GREEDY, r"token ids must be integers, got 2.0 \(float\)"),
-    ([GOOD, [1, True]], GREEDY, r"token ids must be integers, got True \(bool\)"),
-    ([GOOD, [np.int64(1), np.bool_(True)]], GREEDY, "token ids must be integers, got .*bool"),
-    (None, GREEDY, "prompts must be a prompt or a list of prompts, got NoneType"),
-    (np.array([GOOD]), GREEDY, r"got ndarray \(pass array.tolist\(\)\)"),
-    ((p for p in [GOOD]), GREEDY, "got generator"),
-    ([GOOD, {"text": "hi"}], GREEDY, r"prompt dict takes the key 'prompt'.*got keys \['text'\]"),
-    ([GOOD, 5.5], GREEDY, "a prompt must be a string or a list of token ids, got float"),
-    ([GOOD, list(range(3, 131))], GREEDY, "prompt has 128 tokens; it must be shorter than max_model_len=128"),
-    ([GOOD, GOOD], [GREEDY], "2 prompts but 1 sampling params"),
-    ([GOOD], "greedy", "sampling_params must be SamplingParams, got str"),
-    ([GOOD], SamplingParams(max_tokens=100), "needs up to 7 KV-cache blocks"),
-    ([GOOD], SamplingParams(n=5), "n=5 samples cannot run at once with max_num_seqs=4"),
-    ([GOOD], SamplingParams(stop_token_ids=[600]), r"token ids \[600\] \(in stop_token_ids.*outside the vocabulary"),
-    ([GOOD], SamplingParams(logit_bias={512: 1.0}), r"token ids \[512\] .* outside the vocabulary"),
-    ([GOOD], SamplingParams(allowed_token_ids=[3, 9999]), r"token ids \[9999\] .* outside"),
-    ([GOOD], SamplingParams(n=2, best_of=3), r"best_of=3 > n=2 is not supported"),
-    ([GOOD], mutated_params(temperature=-1.0), r"temperature must be a number in \[0, .*\], got -1.0"),
-    ([GOOD], mutated_params(max_tokens=2.5), "max_tokens must be an integer, got 2.5"),
-    ([GOOD, "ok \ud800"], GREEDY, r"prompt is not valid Unicode: .*'\\ud800' at position 3"),
-    ([GOOD], mutated_params(stop=True), "stop must be a non-empty string or a list of them"),
-    ([GOOD], mutated_params(temperature=10 ** 400), "temperature must be a number in"),
-])
+@pytest.mark.parametrize(
+    "prompts, params, message",
+    [
+        ([GOOD, []], GREEDY, "prompt is empty"),
+        ([GOOD, ""], GREEDY, "prompt is empty"),
+        ([GOOD, [1, 2, 512]], GREEDY, r"token id 512 is outside the vocabulary \[0, 512\)"),
+        ([GOOD, [1, -1]], GREEDY, "token id -1 is outside the vocabulary"),
+        ([GOOD, [1, 2.0]], GREEDY, r"token ids must be integers, got 2.0 \(float\)"),
+        ([GOOD, [1, True]], GREEDY, r"token ids must be integers, got True \(bool\)"),
+        ([GOOD, [np.int64(1), np.bool_(True)]], GREEDY, "token ids must be integers, got .*bool"),
+        (None, GREEDY, "prompts must be a prompt or a list of prompts, got NoneType"),
+        (np.array([GOOD]), GREEDY, r"got ndarray \(pass array.tolist\(\)\)"),
+        ((p for p in [GOOD]), GREEDY, "got generator"),
+        (
+            [GOOD, {"text": "hi"}],
+            GREEDY,
+            r"prompt dict takes the key 'prompt'.*got keys \['text'\]",
+        ),
+        ([GOOD, 5.5], GREEDY, "a prompt must be a string or a list of token ids, got float"),
+        (
+            [GOOD, list(range(3, 131))],
+            GREEDY,
+            "prompt has 128 tokens; it must be shorter than max_model_len=128",
+        ),
+        ([GOOD, GOOD], [GREEDY], "2 prompts but 1 sampling params"),
+        ([GOOD], "greedy", "sampling_params must be SamplingParams, got str"),
+        ([GOOD], SamplingParams(max_tokens=100), "needs up to 7 KV-cache blocks"),
+        ([GOOD], SamplingParams(n=5), "n=5 samples cannot run at once with max_num_seqs=4"),
+        (
+            [GOOD],
+            SamplingParams(stop_token_ids=[600]),
+            r"token ids \[600\] \(in stop_token_ids.*outside the vocabulary",
+        ),
+        (
+            [GOOD],
+            SamplingParams(logit_bias={512: 1.0}),
+            r"token ids \[512\] .* outside the vocabulary",
+        ),
+        ([GOOD], SamplingParams(allowed_token_ids=[3, 9999]), r"token ids \[9999\] .* outside"),
+        ([GOOD], SamplingParams(n=2, best_of=3), r"best_of=3 > n=2 is not supported"),
+        (
+            [GOOD],
+            mutated_params(temperature=-1.0),
+            r"temperature must be a number in \[0, .*\], got -1.0",
+        ),
+        ([GOOD], mutated_params(max_tokens=2.5), "max_tokens must be an integer, got 2.5"),
+        ([GOOD, "ok \ud800"], GREEDY, r"prompt is not valid Unicode: .*'\\ud800' at position 3"),
+        ([GOOD], mutated_params(stop=True), "stop must be a non-empty string or a list of them"),
+        ([GOOD], mutated_params(temperature=10**400), "temperature must be a number in"),
+    ],
+)
 def test_bad_request_is_rejected_and_engine_still_works(llm, prompts, params, message):
     with pytest.raises(ValueError, match=message):
         llm.generate(prompts, params, use_tqdm=False)
@@ -173,32 +196,43 @@ def test_invalid_sampling_values(kwargs, message):
         SamplingParams(**kwargs)
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(max_num_seqs=0), "max_num_seqs must be >= 1, got 0"),
-    (dict(max_num_seqs=1.5), "max_num_seqs must be int, got 1.5"),
-    (dict(max_num_batched_tokens=0), "max_num_batched_tokens must be >= 1"),
-    (dict(max_model_len=0), "max_model_len must be >= 1"),
-    (dict(kvcache_block_size=0), "kvcache_block_size must be >= 1"),
-    (dict(kvcache_block_size=16.0), "kvcache_block_size must be int or None, got 16.0"),
-    (dict(enforce_eager="yes"), "enforce_eager must be bool, got 'yes'"),
-    (dict(tensor_parallel_size=True), "tensor_parallel_size must be int, got True"),
-    (dict(gpu_memory_utilization=1.5), r"gpu_memory_utilization must be in \(0, 1\]"),
-    (dict(gpu_memory_utilization="0.5"), "gpu_memory_utilization must be float, got '0.5'"),
-    (dict(num_kvcache_blocks=0), "num_kvcache_blocks must be >= 1"),
-    (dict(attention_backend="magic"), "attention_backend must be one of"),
-    (dict(attention_backend="flash", device="cpu"), "needs a CUDA GPU"),
-    (dict(scheduling="fastest"), "scheduling must be one of"),
-    (dict(dtype="int8"), r"dtype must be one of \('auto', 'half', .*'float32'\), got 'int8'"),
-    (dict(swap_space="4"), "swap_space must be a number, got '4'"),
-    (dict(trust_remote_code=1), "trust_remote_code must be bool, got 1"),
-    (dict(block_size=16, kvcache_block_size=32), "block_size=16 and kvcache_block_size=32 disagree"),
-    (dict(enable_chunked_prefill=False, max_num_batched_tokens=100, max_model_len=128),
-     "max_num_batched_tokens=100 is smaller than max_model_len=128: without chunked prefill"),
-    (dict(generation_config="/nowhere"), "generation_config='/nowhere' has no generation_config.json"),
-    (dict(device="tpu"), r"device must be one of \(.cuda., .cpu.\), got .tpu."),
-    (dict(max_num_seq=8), "unknown option 'max_num_seq'; did you mean 'max_num_seqs'"),
-    (dict(revision="main"), "unknown option 'revision'; the options are tokenizer, device, "),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(max_num_seqs=0), "max_num_seqs must be >= 1, got 0"),
+        (dict(max_num_seqs=1.5), "max_num_seqs must be int, got 1.5"),
+        (dict(max_num_batched_tokens=0), "max_num_batched_tokens must be >= 1"),
+        (dict(max_model_len=0), "max_model_len must be >= 1"),
+        (dict(kvcache_block_size=0), "kvcache_block_size must be >= 1"),
+        (dict(kvcache_block_size=16.0), "kvcache_block_size must be int or None, got 16.0"),
+        (dict(enforce_eager="yes"), "enforce_eager must be bool, got 'yes'"),
+        (dict(tensor_parallel_size=True), "tensor_parallel_size must be int, got True"),
+        (dict(gpu_memory_utilization=1.5), r"gpu_memory_utilization must be in \(0, 1\]"),
+        (dict(gpu_memory_utilization="0.5"), "gpu_memory_utilization must be float, got '0.5'"),
+        (dict(num_kvcache_blocks=0), "num_kvcache_blocks must be >= 1"),
+        (dict(attention_backend="magic"), "attention_backend must be one of"),
+        (dict(attention_backend="flash", device="cpu"), "needs a CUDA GPU"),
+        (dict(scheduling="fastest"), "scheduling must be one of"),
+        (dict(dtype="int8"), r"dtype must be one of \('auto', 'half', .*'float32'\), got 'int8'"),
+        (dict(swap_space="4"), "swap_space must be a number, got '4'"),
+        (dict(trust_remote_code=1), "trust_remote_code must be bool, got 1"),
+        (
+            dict(block_size=16, kvcache_block_size=32),
+            "block_size=16 and kvcache_block_size=32 disagree",
+        ),
+        (
+            dict(enable_chunked_prefill=False, max_num_batched_tokens=100, max_model_len=128),
+            "max_num_batched_tokens=100 is smaller than max_model_len=128: without chunked prefill",
+        ),
+        (
+            dict(generation_config="/nowhere"),
+            "generation_config='/nowhere' has no generation_config.json",
+        ),
+        (dict(device="tpu"), r"device must be one of \(.cuda., .cpu.\), got .tpu."),
+        (dict(max_num_seq=8), "unknown option 'max_num_seq'; did you mean 'max_num_seqs'"),
+        (dict(revision="main"), "unknown option 'revision'; the options are tokenizer, device, "),
+    ],
+)
 def test_invalid_option_names_the_option(qwen3_path, kwargs, message):
     with pytest.raises(ValueError, match=message):
         LLM(qwen3_path, **kwargs)
@@ -219,7 +253,9 @@ def broken_copy(path, tmp_path, config_changes: dict | None = None, **edit) -> s
 
 
 def test_missing_model_names_it_and_says_how_to_get_it(offline_hub):
-    with pytest.raises(ValueError, match=r"'nowhere/model' is not a local directory.*hf download nowhere/model"):
+    with pytest.raises(
+        ValueError, match=r"'nowhere/model' is not a local directory.*hf download nowhere/model"
+    ):
         LLM("nowhere/model")
 
 
@@ -249,11 +285,26 @@ def test_truncated_weights_are_named(qwen3_path, tmp_path):
         LLM(broken)
 
 
-@pytest.mark.parametrize("name, tensor, message", [
-    ("model.norm.weight", torch.ones(3), "weight 'model.norm.weight' .* does not fit the model"),
-    ("model.layers.1.self_attn.v_proj.weight", None, "missing weights.*layers.1.self_attn.qkv_proj"),
-    ("model.layers.0.mystery.weight", torch.zeros(2), "unexpected weight 'model.layers.0.mystery.weight'"),
-])
+@pytest.mark.parametrize(
+    "name, tensor, message",
+    [
+        (
+            "model.norm.weight",
+            torch.ones(3),
+            "weight 'model.norm.weight' .* does not fit the model",
+        ),
+        (
+            "model.layers.1.self_attn.v_proj.weight",
+            None,
+            "missing weights.*layers.1.self_attn.qkv_proj",
+        ),
+        (
+            "model.layers.0.mystery.weight",
+            torch.zeros(2),
+            "unexpected weight 'model.layers.0.mystery.weight'",
+        ),
+    ],
+)
 def test_a_weight_that_does_not_fit_is_named(qwen3_path, tmp_path, name, tensor, message):
     broken = broken_copy(qwen3_path, tmp_path)
     weights = load_file(tmp_path / "broken" / "model.safetensors")
@@ -273,7 +324,9 @@ def test_text_prompt_is_checked_against_the_model_vocabulary(qwen3_path, tmp_pat
     weights["model.embed_tokens.weight"] = weights["model.embed_tokens.weight"][:256].clone()
     save_file(weights, tmp_path / "broken" / "model.safetensors", metadata={"format": "pt"})
     llm = LLM(small, max_model_len=128)
-    with pytest.raises(ValueError, match=r"outside the vocabulary \[0, 256\): the tokenizer does not match"):
+    with pytest.raises(
+        ValueError, match=r"outside the vocabulary \[0, 256\): the tokenizer does not match"
+    ):
         llm.generate(["Paged attention stores the key and value cache"], GREEDY, use_tqdm=False)
     assert llm.is_finished() and llm.block_manager.num_free_blocks == llm.block_manager.num_blocks
 

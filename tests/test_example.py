@@ -37,8 +37,13 @@ def test_stream_prints_the_answer_that_generate_gives(tmp_path, qwen3_path):
     import example
     llm = LLM(qwen3_path)
     prompt = llm.tokenizer.apply_chat_template(
-        [{"role": "system", "content": example.SYSTEM}, {"role": "user", "content": example.QUESTIONS[0]}],
-        tokenize=False, add_generation_prompt=True)
+        [
+            {"role": "system", "content": example.SYSTEM},
+            {"role": "user", "content": example.QUESTIONS[0]},
+        ],
+        tokenize=False,
+        add_generation_prompt=True,
+    )
     params = SamplingParams(temperature=0.6, top_p=0.95, max_tokens=16, seed=0)
     [output] = llm.generate(prompt, params, use_tqdm=False)
     assert result.stdout == output.outputs[0].text + "\n"

@@ -57,7 +57,9 @@ def no_tf32():
 @pytest.mark.parametrize("enforce_eager", [True, False])
 @pytest.mark.parametrize("backend", [b for b in BACKENDS if b != "flash"])
 def test_float32_greedy_matches_transformers(gpu_path, backend, enforce_eager, no_tf32):
-    assert run(gpu_path, backend, "float32", enforce_eager) == hf_greedy(gpu_path, torch.float32, PROMPTS)
+    assert run(gpu_path, backend, "float32", enforce_eager) == hf_greedy(
+        gpu_path, torch.float32, PROMPTS
+    )
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")

@@ -1,4 +1,6 @@
-"""Tensor parallelism on CPU (gloo): two ranks give the tokens of one, and leave no process behind."""
+"""Tensor parallelism on CPU (gloo): two ranks give the tokens of one, and leave no process
+behind."""
+
 import gc
 import itertools
 import os
@@ -104,7 +106,10 @@ def failing_worker(config, rank):
 def test_a_worker_failing_at_start_raises_its_error_at_once(qwen3_path, monkeypatch):
     monkeypatch.setattr("nanopaged.model_runner.run_worker", failing_worker)
     start = time.monotonic()
-    with pytest.raises(RuntimeError, match="(?s)worker nanopaged-tp1 died.*ImportError: No module named 'flash_attn_2_cuda'"):
+    with pytest.raises(
+        RuntimeError,
+        match="(?s)worker nanopaged-tp1 died.*ImportError: No module named 'flash_attn_2_cuda'",
+    ):
         LLM(qwen3_path, max_model_len=256, tensor_parallel_size=2)
     assert time.monotonic() - start < 60 and not worker_processes()
 
@@ -121,7 +126,9 @@ def test_a_script_that_creates_the_engine_at_module_level_runs(qwen3_path, tmp_p
     """As vLLM's basic example: the workers are forked, so the script is not imported again."""
     script = UNGUARDED.format(path=qwen3_path)
     (tmp_path / "script.py").write_text(script)
-    command = [sys.executable, str(tmp_path / "script.py")] if how == "file" else [sys.executable, "-"]
+    command = (
+        [sys.executable, str(tmp_path / "script.py")] if how == "file" else [sys.executable, "-"]
+    )
     result = subprocess.run(command, input=script if how == "stdin" else None, capture_output=True,
                             text=True, timeout=120, env=dict(os.environ, PYTHONPATH=ROOT))
     assert result.returncode == 0, result.stderr[-2000:]
@@ -137,7 +144,9 @@ def test_spawned_workers_need_a_script_they_can_import(qwen3_path, tmp_path, how
     imports the script again: unguarded, or not a file, it fails at once with a clear error."""
     script = UNGUARDED.format(path=qwen3_path)
     (tmp_path / "script.py").write_text(script)
-    command = [sys.executable, str(tmp_path / "script.py")] if how == "file" else [sys.executable, "-"]
+    command = (
+        [sys.executable, str(tmp_path / "script.py")] if how == "file" else [sys.executable, "-"]
+    )
     env = dict(os.environ, PYTHONPATH=ROOT, VLLM_WORKER_MULTIPROC_METHOD="spawn")
     result = subprocess.run(command, input=script if how == "stdin" else None, capture_output=True,
                             text=True, timeout=120, env=env)

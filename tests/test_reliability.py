@@ -1,5 +1,7 @@
 """A step that fails or is interrupted leaves the engine as correct as before: the prefix cache
-never serves K/V that was not written, the pool is whole, and later requests get the right tokens."""
+never serves K/V that was not written, the pool is whole, and later requests get the right tokens.
+"""
+
 import os
 import random
 import sys
@@ -71,7 +73,9 @@ def test_a_failed_prefill_leaves_no_stale_prefix(qwen3_path, hf_greedy, error):
     with first_layer_raises(llm, error, nth("prefill", 1)), pytest.raises(error):
         llm.generate(prompts, [GREEDY, seeded], use_tqdm=False)
     assert_engine_is_clean(llm)
-    assert completions(llm.generate(prompts, GREEDY, use_tqdm=False)) == hf_greedy(qwen3_path, prompts, 24)
+    assert completions(llm.generate(prompts, GREEDY, use_tqdm=False)) == hf_greedy(
+        qwen3_path, prompts, 24
+    )
 
 
 def test_a_failed_decode_leaves_no_stale_block(qwen3_path, hf_greedy):
@@ -108,7 +112,9 @@ def test_a_failed_step_aborts_step_api_requests_and_the_engine_goes_on(qwen3_pat
             llm.step()
     assert_engine_is_clean(llm)
     assert llm.step() == []
-    assert completions(llm.generate(prompts, GREEDY, use_tqdm=False)) == hf_greedy(qwen3_path, prompts, 24)
+    assert completions(llm.generate(prompts, GREEDY, use_tqdm=False)) == hf_greedy(
+        qwen3_path, prompts, 24
+    )
 
 
 @contextmanager
@@ -122,7 +128,9 @@ def interrupted_at_line(n: int | None):
             if len(lines) == n:
                 raise KeyboardInterrupt
         return trace_line
-    sys.settrace(lambda frame, event, arg: trace_line if "nanopaged" in frame.f_code.co_filename else None)
+    sys.settrace(
+        lambda frame, event, arg: trace_line if "nanopaged" in frame.f_code.co_filename else None
+    )
     try:
         yield lines
     finally:

@@ -40,13 +40,19 @@ def test_logprobs_are_transformers_log_softmax(llm, qwen3_path, hf_model, params
         assert len(completion.logprobs) == len(completion.token_ids)
         for row, token, entries in zip(reference, completion.token_ids, completion.logprobs):
             top = row.topk(params.logprobs)
-            expected = {token: row[token].item(), **dict(zip(top.indices.tolist(), top.values.tolist()))}
+            expected = {
+                token: row[token].item(),
+                **dict(zip(top.indices.tolist(), top.values.tolist())),
+            }
             assert list(entries) == list(expected)
             assert all(abs(entries[t].logprob - lp) < 1e-4 for t, lp in expected.items())
             assert entries[token].rank == int((row > row[token]).sum()) + 1
-            assert [entries[t].rank for t in top.indices.tolist()] == list(range(1, params.logprobs + 1))
+            assert [entries[t].rank for t in top.indices.tolist()] == list(
+                range(1, params.logprobs + 1)
+            )
         assert completion.cumulative_logprob == pytest.approx(
-            sum(entries[t].logprob for t, entries in zip(completion.token_ids, completion.logprobs)))
+            sum(entries[t].logprob for t, entries in zip(completion.token_ids, completion.logprobs))
+        )
 
 
 def test_no_logprobs_unless_asked(llm):
@@ -56,9 +62,13 @@ def test_no_logprobs_unless_asked(llm):
 
 # ---- stop conditions ----
 
-def reference_stop(tokenizer, tokens: list[int], stops: list[str], include: bool, min_tokens: int = 0):
+
+def reference_stop(
+    tokenizer, tokens: list[int], stops: list[str], include: bool, min_tokens: int = 0
+):
     """Plainly: the first token after which a stop string (ending past the first min_tokens - 1
-    tokens' text) is in the text; the text cut there. -> (tokens, text, finish_reason, stop_reason)."""
+    tokens' text) is in the text; the text cut there. -> (tokens, text, finish_reason, stop_reason).
+    """
     decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
     unchecked = len(decode(tokens[:max(0, min_tokens - 1)]))
     for k in range(max(1, min_tokens), len(tokens) + 1):
@@ -78,7 +88,9 @@ def reference_stop(tokenizer, tokens: list[int], stops: list[str], include: bool
     ([" memory"], False, 6),               # the first ' memory' comes before min_tokens
     (["poem", "sea"], False, 0),           # only in the prompt: never a stop
 ])
-def test_stop_strings_match_a_plain_reference(llm, qwen3_path, hf_model, stops, include, min_tokens):
+def test_stop_strings_match_a_plain_reference(
+    llm, qwen3_path, hf_model, stops, include, min_tokens
+):
     prompt_ids = llm.tokenizer.encode(POEM)
     tokens = hf_continuation(hf_model, qwen3_path, prompt_ids, 30, eos_token_id=None)
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop=stops,
@@ -134,7 +146,9 @@ def test_stop_token_ids_and_min_tokens_match_transformers(llm, qwen3_path, hf_mo
                             min_tokens=min_tokens)
     completion = llm.generate(POEM, params, use_tqdm=False)[0].outputs[0]
     assert completion.token_ids == expected and expected[-1] == 511
-    assert len(expected) == (5 if min_tokens == 0 else min_tokens + expected[min_tokens:].index(511) + 1)
+    assert len(expected) == (
+        5 if min_tokens == 0 else min_tokens + expected[min_tokens:].index(511) + 1
+    )
     assert (completion.finish_reason, completion.stop_reason) == ("stop", 511)
     assert completion.text == added_text(llm.tokenizer, prompt_ids, expected[:-1])
     kept = llm.generate(POEM, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True,
@@ -293,8 +307,10 @@ def test_abort_frees_every_block_and_leaves_the_others_alone(qwen3_path, hf_gree
 # ---- chat and model ids ----
 
 def test_chat_is_generate_on_the_chat_template(llm):
-    conversations = [[{"role": "user", "content": "Introduce yourself."}],
-                     [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]]
+    conversations = [
+        [{"role": "user", "content": "Introduce yourself."}],
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}],
+    ]
     params = SamplingParams(temperature=0, max_tokens=10)
     chats = llm.chat(conversations, params, use_tqdm=False)
     templated = [llm.tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=True,
@@ -320,10 +336,14 @@ def test_a_cached_hub_id_resolves_offline(qwen3_path, offline_hub, hf_greedy):
     (repo / "refs" / "main").write_text(commit)
     llm = LLM("nanopaged/tiny-qwen3", max_model_len=128)
     assert llm.config.model == str(repo / "snapshots" / commit)
-    [output] = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+    [output] = llm.generate(
+        [[5, 6, 7]], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False
+    )
     assert output.outputs[0].token_ids == hf_greedy(qwen3_path, [[5, 6, 7]], 8)[0]
 
 
 def test_an_unknown_hub_id_offline_is_a_value_error(offline_hub):
-    with pytest.raises(ValueError, match="'nanopaged/no-such-model' is not a local directory.*neither in the cache"):
+    with pytest.raises(
+        ValueError, match="'nanopaged/no-such-model' is not a local directory.*neither in the cache"
+    ):
         LLM("nanopaged/no-such-model")

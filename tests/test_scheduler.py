@@ -49,7 +49,9 @@ def test_hash_chain_names_the_whole_prefix():
     # the second block's tokens match, but behind a different first block
     b = admit(manager, seq_of([99, 1, 2, 3] + list(range(4, 10))))
     assert b.num_cached_tokens == 0
-    assert bm.hash_block(None, [4, 5, 6, 7]) != bm.hash_block(bm.hash_block(None, [0, 1, 2, 3]), [4, 5, 6, 7])
+    assert bm.hash_block(None, [4, 5, 6, 7]) != bm.hash_block(
+        bm.hash_block(None, [0, 1, 2, 3]), [4, 5, 6, 7]
+    )
 
 
 def test_hash_collision_with_different_tokens_is_a_miss(monkeypatch):
@@ -337,7 +339,7 @@ def test_decode_batch_is_capped_by_the_token_budget_oldest_first(engine):
 
 def test_prefill_first_runs_prompts_before_decodes(engine):
     llm = engine()
-    first = add(llm, [1, 2, 3])
+    add(llm, [1, 2, 3])
     llm.step()
     second = add(llm, [4, 5, 6])
     llm.step()
@@ -346,7 +348,7 @@ def test_prefill_first_runs_prompts_before_decodes(engine):
 
 def test_prefill_first_decodes_between_two_chunks_of_a_prompt(engine):
     llm = engine(max_num_batched_tokens=8)
-    running = add(llm, [1, 2], max_tokens=20)
+    add(llm, [1, 2], max_tokens=20)
     llm.step()
     prompt = add(llm, list(range(10, 30)))
     kinds = []

@@ -26,9 +26,23 @@ class Server:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "nanopaged.server", model, "--port", str(self.port),
-             "--served-model-name", "tiny", *flags], cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT),
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+            [
+                sys.executable,
+                "-m",
+                "nanopaged.server",
+                model,
+                "--port",
+                str(self.port),
+                "--served-model-name",
+                "tiny",
+                *flags,
+            ],
+            cwd=ROOT,
+            env=dict(os.environ, PYTHONPATH=ROOT),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         deadline = time.monotonic() + 120
         while not self.healthy():
             assert self.process.poll() is None, self.process.stderr.read()[-3000:]
@@ -50,12 +64,17 @@ class Server:
         """SIGTERM; whether the server shut down gracefully (uvicorn then exits by the signal)."""
         self.process.send_signal(signal.SIGTERM)
         code = self.process.wait(timeout=60)
-        return code in (0, -signal.SIGTERM) and "Application shutdown complete" in self.process.stderr.read()
+        return (
+            code in (0, -signal.SIGTERM)
+            and "Application shutdown complete" in self.process.stderr.read()
+        )
 
 
 @pytest.fixture(scope="module", params=["prefill-first", "mixed"])
 def server(request, qwen3_path):
-    server = Server(qwen3_path, *OPTIONS, "--scheduling", request.param, "--max-num-batched-tokens", "64")
+    server = Server(
+        qwen3_path, *OPTIONS, "--scheduling", request.param, "--max-num-batched-tokens", "64"
+    )
     yield server
     server.stop()
 
@@ -73,17 +92,27 @@ def offline(qwen3_path):
 def test_completions_equal_generate(server, offline):
     prompt = "Paged attention stores the key and value cache"
     texts, expected = offline(prompt, temperature=0, max_tokens=20, logprobs=0)
-    result = server.client.completions.create(model="tiny", prompt=prompt, max_tokens=20, temperature=0,
-                                              logprobs=0)
+    result = server.client.completions.create(
+        model="tiny", prompt=prompt, max_tokens=20, temperature=0, logprobs=0
+    )
     [choice] = result.choices
     assert choice.text == texts[0] and choice.finish_reason == expected.outputs[0].finish_reason
     tokens = expected.outputs[0].token_ids
     assert choice.logprobs.tokens == [offline.llm.tokenizer.decode([t]) for t in tokens]
     assert choice.logprobs.token_logprobs == pytest.approx(
         [e[t].logprob for t, e in zip(tokens, expected.outputs[0].logprobs)], abs=1e-5)
-    assert (result.usage.prompt_tokens, result.usage.completion_tokens) == (len(expected.prompt_token_ids), len(tokens))
-    streamed = server.client.completions.create(model="tiny", prompt=prompt, max_tokens=20, temperature=0,
-                                                stream=True, stream_options={"include_usage": True})
+    assert (result.usage.prompt_tokens, result.usage.completion_tokens) == (
+        len(expected.prompt_token_ids),
+        len(tokens),
+    )
+    streamed = server.client.completions.create(
+        model="tiny",
+        prompt=prompt,
+        max_tokens=20,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     chunks = list(streamed)
     assert "".join(c.choices[0].text for c in chunks if c.choices) == texts[0]
     assert chunks[-1].usage.completion_tokens == len(tokens)
@@ -91,7 +120,9 @@ def test_completions_equal_generate(server, offline):
 
 def test_token_id_prompts_and_several_prompts(server, offline):
     prompts = random_prompts([5, 17], seed=60)
-    result = server.client.completions.create(model="tiny", prompt=prompts, max_tokens=8, temperature=0, n=2)
+    result = server.client.completions.create(
+        model="tiny", prompt=prompts, max_tokens=8, temperature=0, n=2
+    )
     assert [c.index for c in result.choices] == [0, 1, 2, 3]
     for i, prompt in enumerate(prompts):
         texts, _ = offline(prompt, temperature=0, max_tokens=8)
@@ -99,16 +130,26 @@ def test_token_id_prompts_and_several_prompts(server, offline):
 
 
 def test_chat_equals_generate_on_the_template(server, offline):
-    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Introduce yourself."}]
-    ids = offline.llm.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                    return_dict=False)
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Introduce yourself."},
+    ]
+    ids = offline.llm.tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, return_dict=False
+    )
     texts, expected = offline(ids, temperature=0, max_tokens=16)
     result = server.client.chat.completions.create(model="tiny", messages=messages, max_tokens=16,
                                                    temperature=0)
-    assert result.choices[0].message.content == texts[0] and result.choices[0].message.role == "assistant"
+    assert (
+        result.choices[0].message.content == texts[0]
+        and result.choices[0].message.role == "assistant"
+    )
     assert result.usage.prompt_tokens == len(ids)
-    chunks = list(server.client.chat.completions.create(model="tiny", messages=messages, temperature=0,
-                                                        max_completion_tokens=16, stream=True))
+    chunks = list(
+        server.client.chat.completions.create(
+            model="tiny", messages=messages, temperature=0, max_completion_tokens=16, stream=True
+        )
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == texts[0]
     assert chunks[-1].choices[0].finish_reason == expected.outputs[0].finish_reason
@@ -156,7 +197,10 @@ def test_a_dropped_stream_frees_its_blocks(server, offline):
             if line.startswith("data:"):
                 break  # the client goes away mid-stream
     deadline = time.monotonic() + 30
-    while server.metrics()["nanopaged_kv_blocks_free"] != server.metrics()["nanopaged_kv_blocks_total"]:
+    while (
+        server.metrics()["nanopaged_kv_blocks_free"]
+        != server.metrics()["nanopaged_kv_blocks_total"]
+    ):
         assert time.monotonic() < deadline, server.metrics()
         time.sleep(0.1)
     assert server.metrics()["nanopaged_sequences_running"] == 0
@@ -165,28 +209,67 @@ def test_a_dropped_stream_frees_its_blocks(server, offline):
                                             temperature=0).choices[0].text == texts[0]
 
 
-@pytest.mark.parametrize("path, body, status, param, message", [
-    ("/v1/completions", b"{not json", 400, None, "not valid JSON"),
-    ("/v1/completions", [1, 2], 400, None, "must be a JSON object"),
-    ("/v1/completions", {"prompt": "hi", "model": "gpt-4"}, 404, "model", "'gpt-4' does not exist"),
-    ("/v1/completions", {"max_tokens": 4}, 400, "prompt", "prompt must be"),
-    ("/v1/completions", {"prompt": "hi", "temperature": -1}, 400, "temperature", "temperature must be"),
-    ("/v1/completions", {"prompt": "hi", "max_tokens": "many"}, 400, "max_tokens", "max_tokens must be"),
-    ("/v1/completions", {"prompt": "hi", "n": 0}, 400, "n", "n must be"),
-    ("/v1/completions", {"prompt": [1, 99999]}, 400, None, "outside the vocabulary"),
-    ("/v1/completions", {"prompt": "", "max_tokens": 4}, 400, None, "prompt is empty"),
-    ("/v1/chat/completions", {"messages": "hi"}, 400, "messages", "messages must be"),
-    ("/v1/chat/completions", {"messages": [{"role": "user"}]}, 400, "messages", "message 0 has no content"),
-    ("/v1/completions", b'{"prompt": "\\ud800 hi"}', 400, None, "prompt is not valid Unicode"),
-    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\\ud800"}]}', 400,
-     "messages", "message 0's content is not valid Unicode"),
-    ("/v1/completions", {"prompt": "hi", "stop": True}, 400, "stop", "stop must be"),
-    ("/v1/completions", {"prompt": "hi", "stop": 5}, 400, "stop", "stop must be"),
-    ("/v1/completions", b"[" * 100000 + b"]" * 100000, 400, None, "not valid JSON"),
-    ("/v1/completions", {"prompt": "hi", "stream": True, "stream_options": "yes"}, 400,
-     "stream_options", "stream_options must be an object"),
-])
-def test_bad_requests_get_their_status_and_an_openai_error(server, path, body, status, param, message):
+@pytest.mark.parametrize(
+    "path, body, status, param, message",
+    [
+        ("/v1/completions", b"{not json", 400, None, "not valid JSON"),
+        ("/v1/completions", [1, 2], 400, None, "must be a JSON object"),
+        (
+            "/v1/completions",
+            {"prompt": "hi", "model": "gpt-4"},
+            404,
+            "model",
+            "'gpt-4' does not exist",
+        ),
+        ("/v1/completions", {"max_tokens": 4}, 400, "prompt", "prompt must be"),
+        (
+            "/v1/completions",
+            {"prompt": "hi", "temperature": -1},
+            400,
+            "temperature",
+            "temperature must be",
+        ),
+        (
+            "/v1/completions",
+            {"prompt": "hi", "max_tokens": "many"},
+            400,
+            "max_tokens",
+            "max_tokens must be",
+        ),
+        ("/v1/completions", {"prompt": "hi", "n": 0}, 400, "n", "n must be"),
+        ("/v1/completions", {"prompt": [1, 99999]}, 400, None, "outside the vocabulary"),
+        ("/v1/completions", {"prompt": "", "max_tokens": 4}, 400, None, "prompt is empty"),
+        ("/v1/chat/completions", {"messages": "hi"}, 400, "messages", "messages must be"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user"}]},
+            400,
+            "messages",
+            "message 0 has no content",
+        ),
+        ("/v1/completions", b'{"prompt": "\\ud800 hi"}', 400, None, "prompt is not valid Unicode"),
+        (
+            "/v1/chat/completions",
+            b'{"messages": [{"role": "user", "content": "\\ud800"}]}',
+            400,
+            "messages",
+            "message 0's content is not valid Unicode",
+        ),
+        ("/v1/completions", {"prompt": "hi", "stop": True}, 400, "stop", "stop must be"),
+        ("/v1/completions", {"prompt": "hi", "stop": 5}, 400, "stop", "stop must be"),
+        ("/v1/completions", b"[" * 100000 + b"]" * 100000, 400, None, "not valid JSON"),
+        (
+            "/v1/completions",
+            {"prompt": "hi", "stream": True, "stream_options": "yes"},
+            400,
+            "stream_options",
+            "stream_options must be an object",
+        ),
+    ],
+)
+def test_bad_requests_get_their_status_and_an_openai_error(
+    server, path, body, status, param, message
+):
     kwargs = {"content": body} if isinstance(body, bytes) else {"json": body}
     response = httpx.post(server.url + path, timeout=30, **kwargs)
     assert response.status_code == status
@@ -237,7 +320,9 @@ def test_too_many_waiting_requests_get_503_and_too_large_ones_400(qwen3_path):
         codes = sorted(r.status_code for r in responses)
         assert set(codes) == {200, 503} and codes.count(200) >= 1
         busy = next(r for r in responses if r.status_code == 503).json()["error"]
-        assert "more than 1 requests are waiting" in busy["message"] and busy["type"] == "server_error"
+        assert (
+            "more than 1 requests are waiting" in busy["message"] and busy["type"] == "server_error"
+        )
         assert server.client.completions.create(model="tiny", prompt="hi", max_tokens=2).choices
     finally:
         assert server.stop()
@@ -247,8 +332,38 @@ def test_sigterm_stops_the_server_and_its_tensor_parallel_workers(qwen3_path, of
     server = Server(qwen3_path, *OPTIONS, "--tensor-parallel-size", "2")
     children = psutil.Process(server.process.pid).children(recursive=True)
     assert children  # the worker of rank 1
-    result = server.client.completions.create(model="tiny", prompt=[5, 6, 7], max_tokens=8, temperature=0)
+    result = server.client.completions.create(
+        model="tiny", prompt=[5, 6, 7], max_tokens=8, temperature=0
+    )
     assert result.choices[0].text == offline([5, 6, 7], temperature=0, max_tokens=8)[0][0]
     assert server.stop()
     psutil.wait_procs(children, timeout=30)
     assert not any(c.is_running() and c.status() != psutil.STATUS_ZOMBIE for c in children)
+
+
+def test_two_replicas_serve_the_same_tokens_and_route_by_prefix(qwen3_path, offline):
+    server = Server(qwen3_path, *OPTIONS, "--data-parallel-size", "2")
+    try:
+        assert_concurrent_streams_equal_offline(server, offline)
+        before = server.metrics()
+        routed = [before[f'nanopaged_router_requests_total{{replica="{i}",reason="least_busy"}}']
+                  + before[f'nanopaged_router_requests_total{{replica="{i}",reason="prefix"}}']
+                  for i in range(2)]
+        assert sum(routed) == 32 and min(routed) > 0  # both replicas served
+        shared = random_prompts([48], seed=63)[0]  # three whole blocks
+        for tail in random_prompts([5, 6, 7, 8], seed=64):
+            server.client.completions.create(model="tiny", prompt=shared + tail, max_tokens=2)
+        after = server.metrics()
+        prefix_hits = [after[f'nanopaged_router_requests_total{{replica="{i}",reason="prefix"}}']
+                       - before[f'nanopaged_router_requests_total{{replica="{i}",reason="prefix"}}']
+                       for i in range(2)]
+        assert sorted(prefix_hits) == [0, 3]  # after the first, all went where it went
+        for name in ("generation_tokens_total", "kv_blocks_total"):
+            assert after[f"nanopaged_{name}"] == sum(
+                after[f'nanopaged_{name}{{replica="{i}"}}'] for i in range(2))
+        replicas = psutil.Process(server.process.pid).children(recursive=True)
+        assert len([p for p in replicas if "resource_tracker" not in " ".join(p.cmdline())]) == 2
+    finally:
+        assert server.stop()
+    _, alive = psutil.wait_procs(replicas, timeout=30)
+    assert not [p for p in alive if p.status() != psutil.STATUS_ZOMBIE]

@@ -69,14 +69,24 @@ def test_any_json_object_and_json_whitespace(qwen3_path, llm):
     assert compact != spaced_texts  # whitespace between the tokens of JSON did appear
 
 
-@pytest.mark.parametrize("constraint, check", [
-    (dict(regex=r"[0-9]{3}-[a-z]{2,4}"), lambda t: re.fullmatch(r"[0-9]{3}-[a-z]{2,4}", t)),
-    (dict(choice=["paged", "attention", "blocks"]), lambda t: t in ("paged", "attention", "blocks")),
-    (dict(grammar='root ::= ("yes" | "no") ", " [a-c]+ "."'),
-     lambda t: re.fullmatch(r"(yes|no), [a-c]+\.", t)),
-    (dict(grammar='start: ("up" | "down") " " NUMBER\nNUMBER: /[0-9]{1,4}/'),
-     lambda t: re.fullmatch(r"(up|down) [0-9]{1,4}", t)),
-])
+@pytest.mark.parametrize(
+    "constraint, check",
+    [
+        (dict(regex=r"[0-9]{3}-[a-z]{2,4}"), lambda t: re.fullmatch(r"[0-9]{3}-[a-z]{2,4}", t)),
+        (
+            dict(choice=["paged", "attention", "blocks"]),
+            lambda t: t in ("paged", "attention", "blocks"),
+        ),
+        (
+            dict(grammar='root ::= ("yes" | "no") ", " [a-c]+ "."'),
+            lambda t: re.fullmatch(r"(yes|no), [a-c]+\.", t),
+        ),
+        (
+            dict(grammar='start: ("up" | "down") " " NUMBER\nNUMBER: /[0-9]{1,4}/'),
+            lambda t: re.fullmatch(r"(up|down) [0-9]{1,4}", t),
+        ),
+    ],
+)
 def test_regex_choice_and_grammars_are_followed(llm, constraint, check):
     outputs = llm.generate(PROMPTS * 4, [sampled(s, n=2, **constraint) for s in range(12)],
                            use_tqdm=False)

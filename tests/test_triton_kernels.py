@@ -35,9 +35,13 @@ def test_decode_matches_reference(block_size, num_heads, num_kv_heads, split_tok
     context_lens = [1, 17, 300, 64, 129]
     k_cache, v_cache, tables = paged_cache(block_size, context_lens, num_kv_heads, seed=block_size)
     q = torch.randn(len(context_lens), num_heads, HEAD_DIM, device=DEVICE)
-    meta = AttentionMetadata(ragged=False, slot_mapping=torch.empty(0, device=DEVICE),
-                             context_lens=torch.tensor(context_lens, dtype=torch.int32, device=DEVICE),
-                             block_tables=tables, max_seqlen_k=max(context_lens))
+    meta = AttentionMetadata(
+        ragged=False,
+        slot_mapping=torch.empty(0, device=DEVICE),
+        context_lens=torch.tensor(context_lens, dtype=torch.int32, device=DEVICE),
+        block_tables=tables,
+        max_seqlen_k=max(context_lens),
+    )
     out = triton_attention.decode_paged(q, k_cache, v_cache, tables, meta.context_lens,
                                         meta.max_seqlen_k, 0.25, split_tokens=split_tokens)
     ref = decode_torch(q, k_cache, v_cache, meta, 0.25)
@@ -66,8 +70,9 @@ def test_decode_padding_rows_with_no_context_are_finite():
                               max_seqlen_k=20)
     ref = decode_torch(q[:1], k_cache, v_cache, first, 0.25)
     for split_tokens in (64, 16):
-        out = triton_attention.decode_paged(q, k_cache, v_cache, tables, meta.context_lens, 20, 0.25,
-                                            split_tokens=split_tokens)
+        out = triton_attention.decode_paged(
+            q, k_cache, v_cache, tables, meta.context_lens, 20, 0.25, split_tokens=split_tokens
+        )
         assert torch.isfinite(out).all()
         assert relative_error(out[:1], ref) < 1e-5
 
@@ -82,10 +87,15 @@ def test_prefill_matches_reference_with_cached_prefixes(block_size, num_heads, n
     q_lens = [n for n, _ in shapes]
     cu = torch.tensor([0] + q_lens).cumsum(0).to(torch.int32)
     q = torch.randn(sum(q_lens), num_heads, HEAD_DIM, device=DEVICE)
-    meta = AttentionMetadata(ragged=True, slot_mapping=torch.empty(0, device=DEVICE),
-                             context_lens=torch.tensor(context_lens, dtype=torch.int32, device=DEVICE),
-                             block_tables=tables, max_seqlen_k=max(context_lens),
-                             cu_seqlens_q=cu.to(DEVICE), max_seqlen_q=max(q_lens))
+    meta = AttentionMetadata(
+        ragged=True,
+        slot_mapping=torch.empty(0, device=DEVICE),
+        context_lens=torch.tensor(context_lens, dtype=torch.int32, device=DEVICE),
+        block_tables=tables,
+        max_seqlen_k=max(context_lens),
+        cu_seqlens_q=cu.to(DEVICE),
+        max_seqlen_q=max(q_lens),
+    )
     out = triton_attention.prefill_paged(q, k_cache, v_cache, meta.cu_seqlens_q, meta.context_lens,
                                          tables, max(q_lens), 0.25)
     ref = prefill_torch(q, k_cache, v_cache, meta, 0.25)

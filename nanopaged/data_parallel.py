@@ -1,0 +1,284 @@
+"""Data parallelism: `LLM(model, data_parallel_size=N)` runs N replicas of the engine, each in
+a process of its own (with its own GPUs, and itself possibly tensor-parallel), each serving a
+share of the requests. The replicas share nothing: each has its own KV cache and prefix cache.
+
+Offline, `generate` checks every request here, deals the prompts out in turn (prompt i to
+replica i mod N), runs the replicas at once and returns every output in order. A step at a
+time, `add_request` sends a request to the replica with the fewest unfinished ones and `step`
+steps every busy replica at once. The server routes each request itself (see `Router`).
+"""
+import multiprocessing as mp
+import os
+import signal
+import threading
+import weakref
+from collections import OrderedDict
+
+import torch
+
+from nanopaged.block_manager import hash_block
+from nanopaged.compat import generation_defaults, normalize_options
+from nanopaged.config import Config
+from nanopaged.inputs import InputProcessor, as_batch, eos_token_ids, load_tokenizer
+from nanopaged.llm_engine import EngineStats, LLMEngine
+from nanopaged.parallel import start_method
+from nanopaged.sampling_params import SamplingParams
+
+
+MAX_REMEMBERED_BLOCKS = 100_000  # per replica, for routing
+
+
+class ReplicaDied(RuntimeError):
+    pass
+
+
+class Replica:
+    """One engine in a child process, called through a pipe: `call(name, *args)` runs
+    `engine.name(*args)` there and returns what it returns, or raises what it raised."""
+
+    def __init__(self, model: str, options: dict, index: int, num_replicas: int):
+        method = start_method()
+        context = mp.get_context(method)
+        self.connection, child = context.Pipe()
+        self.index, self.lock = index, threading.Lock()
+        # not a daemon: a tensor-parallel replica starts worker processes of its own
+        self.process = context.Process(target=_serve, name=f"nanopaged-dp{index}", args=(
+            child, model, options, index, num_replicas, method == "fork"))
+        self.process.start()
+        child.close()
+
+    def send(self, name: str, *args, **kwargs) -> None:
+        self.connection.send((name, args, kwargs))
+
+    def receive(self):
+        try:
+            ok, value = self.connection.recv()
+        except (EOFError, OSError):
+            raise ReplicaDied(f"data-parallel replica {self.index} died (exit code "
+                              f"{self.process.exitcode}); its traceback is printed above") from None
+        if not ok:
+            raise value
+        return value
+
+    def call(self, name: str, *args, **kwargs):
+        with self.lock:  # a server's engine loop and its /metrics may both call
+            self.send(name, *args, **kwargs)
+            return self.receive()
+
+    def __getattr__(self, name: str):
+        """`replica.step()` and the like: the engine's method, called in the replica."""
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return lambda *args, **kwargs: self.call(name, *args, **kwargs)
+
+    def close(self) -> None:
+        if self.process.exitcode is None:
+            try:
+                self.send("close")
+            except OSError:
+                pass
+            self.process.join(30)
+        if self.process.exitcode is None:
+            self.process.kill()
+            self.process.join()
+
+
+def _serve(connection, model: str, options: dict, index: int, num_replicas: int,
+           forked: bool) -> None:
+    """The life of a replica's process: build the engine, then run each call until told to
+    close or the caller is gone."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the caller's to handle
+    size = options.get("tensor_parallel_size", 1)
+    if options.get("device", "cuda" if torch.cuda.is_available() else "cpu") == "cuda":
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        gpus = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
+        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(gpus[index * size:(index + 1) * size])
+    else:  # share the cores; in a forked child more than one OpenMP thread would hang
+        torch.set_num_threads(1 if forked else max(1, os.cpu_count() // num_replicas // size))
+    try:
+        engine = LLMEngine(model, **options)
+    except BaseException as error:
+        connection.send((False, error))
+        return
+    connection.send((True, None))
+    while True:
+        try:
+            name, args, kwargs = connection.recv()
+        except (EOFError, OSError):
+            break  # the caller is gone
+        if name == "close":
+            break
+        try:
+            connection.send((True, getattr(engine, name)(*args, **kwargs)))
+        except Exception as error:
+            connection.send((False, error))
+    engine.close()
+
+
+class DataParallelLLM:
+    """`LLM(model, data_parallel_size=N, **config)`: N replicas of the engine; `generate`,
+    `chat`, the step-at-a-time calls and `stats` as a single engine's."""
+
+    # what needs no model is the engine's own
+    chat, grammars, get_tokenizer = LLMEngine.chat, LLMEngine.grammars, LLMEngine.get_tokenizer
+    _check_open, _check_idle = LLMEngine._check_open, LLMEngine._check_idle
+    close, __enter__, __exit__ = LLMEngine.close, LLMEngine.__enter__, LLMEngine.__exit__
+
+    def __init__(self, model: str, **options):
+        self.config = Config.from_options(model, **normalize_options(options))
+        self.tokenizer = load_tokenizer(self.config.tokenizer)
+        self.eos_token_ids = eos_token_ids(self.config, self.tokenizer)
+        self.default_sampling = generation_defaults(self.config)
+        self._grammars = None
+        count = self.config.data_parallel_size
+        replica_options = dict(options, data_parallel_size=1, seed=self.config.seed)
+        self.replicas = [Replica(model, replica_options, i, count) for i in range(count)]
+        self._finalizer = weakref.finalize(self, _close_all, self.replicas)
+        try:
+            for replica in self.replicas:
+                replica.receive()  # built, or its error
+        except BaseException:
+            self.close()
+            raise
+        num_blocks = min(stats.num_blocks for stats in self.replica_stats())
+        self.inputs = InputProcessor(self.config, self.tokenizer, num_blocks,
+                                     self.eos_token_ids, self.default_sampling, self.grammars)
+        self.requests: dict[str, Replica] = {}  # unfinished ones added one at a time: where
+
+    def generate(self, prompts, sampling_params=None, use_tqdm: bool = True) -> list:
+        """Every request checked here first; replica r runs prompts r, r + N, r + 2N, ...;
+        the outputs come back in the prompts' order."""
+        self._check_idle("generate")
+        prompts, sampling_params = as_batch(prompts, sampling_params)
+        for prompt, params in zip(prompts, sampling_params):
+            self.inputs.make_request(prompt, params, None, ())
+        count = len(self.replicas)
+        busy = [r for r in self.replicas if prompts[r.index::count]]
+        for replica in busy:
+            replica.send("generate", prompts[replica.index::count],
+                         sampling_params[replica.index::count], use_tqdm and replica.index == 0)
+        shares, error = {}, None
+        for replica in busy:  # every answer is read, so that the pipes stay in step
+            try:
+                shares[replica.index] = replica.receive()
+            except BaseException as failure:
+                error = error or failure
+        if error is not None:
+            raise error
+        return [shares[i % count][i // count] for i in range(len(prompts))]
+
+    def add_request(self, prompt, sampling_params=None, request_id: str | None = None) -> str:
+        self._check_open()
+        if not isinstance(sampling_params, (SamplingParams, type(None))):  # vLLM's order
+            request_id, prompt, sampling_params = prompt, sampling_params, request_id
+        replica = min(self.replicas, key=lambda r: (self.load(r), r.index))
+        if request_id is None:
+            request_id = next(str(i) for i in range(len(self.requests) + 1)
+                              if str(i) not in self.requests)
+        elif request_id in self.requests:
+            raise ValueError(f"request_id must be a string not in use, got {request_id!r}")
+        request_id = replica.call("add_request", prompt, sampling_params, request_id=request_id)
+        self.requests[request_id] = replica
+        return request_id
+
+    def load(self, replica: Replica) -> int:
+        return sum(owner is replica for owner in self.requests.values())
+
+    def step(self) -> list:
+        """One step of every replica that has unfinished requests, run at once."""
+        busy = [r for r in self.replicas if self.load(r)]
+        for replica in busy:
+            replica.send("step")
+        outputs = [output for replica in busy for output in replica.receive()]
+        for output in outputs:
+            if output.finished:
+                self.requests.pop(output.request_id, None)
+        return outputs
+
+    def abort(self, request_id: str) -> None:
+        replica = self.requests.pop(request_id, None)
+        if replica is not None:
+            replica.call("abort", request_id)
+
+    def is_finished(self) -> bool:
+        return not self.requests
+
+    def replica_stats(self) -> list[EngineStats]:
+        return [replica.call("stats") for replica in self.replicas]
+
+    def stats(self) -> EngineStats:
+        return sum_stats(self.replica_stats())
+
+def sum_stats(every: list[EngineStats]) -> EngineStats:
+    """The replicas' stats added up."""
+    return EngineStats(*(sum(values) for values in zip(*(vars(s).values() for s in every))))
+
+
+class Router:
+    """The server's front for several replicas, each stepped by an engine loop of its own (as
+    `EngineLoop` it submits, aborts and counts the waiting requests). A request goes to the
+    replica that was sent the longest prefix of its prompt before, in whole KV blocks (whose
+    prefix cache then likely holds that prefix's K/V), unless that replica has more than
+    `balance` requests in flight beyond the least busy one's; else to the least busy one.
+    `policy="least"` always takes the least busy. `routed[i]` counts the requests replica i
+    got, by reason."""
+
+    def __init__(self, llm: DataParallelLLM, loops: list, max_waiting: int,
+                 policy: str = "prefix", balance: int = 4):
+        self.llm, self.loops, self.policy, self.balance = llm, loops, policy, balance
+        self.max_waiting, self.num_waiting = max_waiting, 0
+        self.block_size = llm.config.kvcache_block_size
+        # per replica: the hashes of the block prefixes it was sent, least recently sent first
+        self.prefixes = [OrderedDict() for _ in loops]
+        self.routed = [{"prefix": 0, "least_busy": 0} for _ in loops]
+
+    def submit(self, request_id: str, prompt: dict, params, outbox):
+        hashes = self._block_hashes(prompt["prompt_token_ids"])
+        index, reason = self.choose(hashes)
+        prefixes = self.prefixes[index]
+        for h in hashes:
+            prefixes[h] = None
+            prefixes.move_to_end(h)
+        while len(prefixes) > MAX_REMEMBERED_BLOCKS:
+            prefixes.popitem(last=False)
+        self.routed[index][reason] += 1
+        return self.loops[index].submit(request_id, prompt, params, outbox)
+
+    def choose(self, hashes: list[int]) -> tuple[int, str]:
+        loads = [len(loop.outboxes) for loop in self.loops]
+        least = min(range(len(loads)), key=loads.__getitem__)
+        if self.policy == "prefix":
+            matched = [next((n for n, h in enumerate(hashes) if h not in prefixes), len(hashes))
+                       for prefixes in self.prefixes]
+            best = max(range(len(matched)), key=lambda i: (matched[i], -loads[i]))
+            if matched[best] and loads[best] <= loads[least] + self.balance:
+                return best, "prefix"
+        return least, "least_busy"
+
+    def _block_hashes(self, token_ids: list[int]) -> list[int]:
+        """A hash per whole block of the prompt, each of the block and all before it."""
+        hashes, h = [], None
+        for start in range(0, len(token_ids) - self.block_size + 1, self.block_size):
+            h = hash_block(h, token_ids[start:start + self.block_size])
+            hashes.append(h)
+        return hashes
+
+    def abort(self, request_id: str) -> None:
+        for loop in self.loops:  # a request id unknown to a replica is ignored there
+            loop.abort(request_id)
+
+    def fail_all(self, reason: str) -> None:
+        for loop in self.loops:
+            loop.fail_all(reason)
+
+    def stop(self) -> None:
+        for loop in self.loops:
+            loop.stop()
+
+    def is_alive(self) -> bool:
+        return all(loop.is_alive() for loop in self.loops)
+
+
+def _close_all(replicas: list[Replica]) -> None:
+    for replica in replicas:
+        replica.close()

@@ -1,0 +1,121 @@
+"""Data parallelism on CPU: replicas in processes of their own give a single engine's outputs,
+in order; the server's router sends a prompt where its prefix went, within a balance."""
+import types
+
+import psutil
+import pytest
+
+from nanopaged import LLM, SamplingParams
+from nanopaged.data_parallel import DataParallelLLM, Router
+from conftest import random_prompts
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12)
+
+
+def replica_processes() -> list[psutil.Process]:
+    return [p for p in psutil.Process().children(recursive=True)
+            if "resource_tracker" not in " ".join(p.cmdline())]
+
+
+@pytest.fixture(scope="module")
+def single(qwen3_path):
+    """prompts -> a single engine's greedy tokens."""
+    llm = LLM(qwen3_path, max_model_len=256)
+    yield lambda prompts, params=GREEDY: [o.outputs[0].token_ids for o in
+                                          llm.generate(prompts, params, use_tqdm=False)]
+    llm.close()
+
+
+def test_replicas_return_a_single_engines_outputs_in_order(qwen3_path, single):
+    prompts = random_prompts([5, 30, 12, 44, 9, 17, 3], seed=70)  # not a multiple of 3
+    params = [SamplingParams(temperature=0, max_tokens=4 + i) for i in range(len(prompts))]
+    with LLM(qwen3_path, max_model_len=256, data_parallel_size=3) as llm:
+        assert isinstance(llm, DataParallelLLM) and len(replica_processes()) == 3
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        assert [o.prompt_token_ids for o in outputs] == prompts
+        assert [o.outputs[0].token_ids for o in outputs] == single(prompts, params)
+        assert llm.stats().num_generated_tokens == sum(len(o.outputs[0].token_ids) for o in outputs)
+        [chat] = llm.chat([{"role": "user", "content": "Hello"}], GREEDY, use_tqdm=False)
+        assert chat.outputs[0].token_ids == single([chat.prompt_token_ids])[0]
+    assert not replica_processes()
+
+
+def test_a_step_at_a_time_across_replicas(qwen3_path, single):
+    prompts = random_prompts([6, 20, 11], seed=71)
+    with LLM(qwen3_path, max_model_len=256, data_parallel_size=2) as llm:
+        ids = [llm.add_request(p, GREEDY) for p in prompts]
+        assert len(set(ids)) == 3
+        assert [llm.requests[i].index for i in ids] == [0, 1, 0]  # the least busy, in turn
+        with pytest.raises(ValueError, match="requests added with add_request"):
+            llm.generate(prompts, GREEDY)
+        llm.abort(ids[2])
+        finished = {}
+        while not llm.is_finished():
+            finished.update({o.request_id: o.outputs[0].token_ids
+                             for o in llm.step() if o.finished})
+        assert finished == dict(zip(ids[:2], single(prompts[:2])))
+        assert llm.stats().num_free_blocks == llm.stats().num_blocks
+
+
+def test_bad_input_is_refused_before_any_replica_runs(qwen3_path):
+    with LLM(qwen3_path, max_model_len=256, data_parallel_size=2) as llm:
+        with pytest.raises(ValueError, match="prompt is empty"):
+            llm.generate([[5, 6], []], GREEDY)
+        assert llm.stats().num_generated_tokens == 0
+        with pytest.raises(ValueError, match="outside the vocabulary|vocabulary"):
+            llm.add_request([10 ** 6], GREEDY)
+        assert llm.is_finished()
+    with pytest.raises(ValueError, match="data_parallel_size must be >= 1"):
+        LLM(qwen3_path, data_parallel_size=0)
+
+
+def test_tensor_parallel_replicas(qwen3_path, single):
+    prompts = random_prompts([8, 25, 14], seed=72)
+    with LLM(qwen3_path, max_model_len=256, data_parallel_size=2, tensor_parallel_size=2) as llm:
+        assert len(replica_processes()) == 4  # two replicas, each with a worker rank
+        outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == single(prompts)
+    assert not replica_processes()
+
+
+class FakeLoop:
+    def __init__(self, in_flight: int):
+        self.outboxes = dict.fromkeys(range(in_flight))
+        self.submitted = []
+
+    def submit(self, request_id, prompt, params, outbox):
+        self.submitted.append(request_id)
+
+
+def make_router(loads: list[int], policy: str = "prefix") -> Router:
+    llm = types.SimpleNamespace(config=types.SimpleNamespace(kvcache_block_size=4))
+    return Router(llm, [FakeLoop(n) for n in loads], max_waiting=10, policy=policy, balance=2)
+
+
+def test_the_router_follows_the_longest_prefix_within_the_balance():
+    router = make_router([0, 0, 0])
+    shared = list(range(8))  # two blocks of 4
+    router.submit("a", {"prompt_token_ids": shared + [50]}, None, None)
+    assert router.routed[0] == {"prefix": 0, "least_busy": 1}
+    router.loops[0].outboxes = dict.fromkeys(range(2))  # busier by the balance: still chosen
+    router.submit("b", {"prompt_token_ids": shared + [51]}, None, None)
+    assert router.loops[0].submitted == ["a", "b"] and router.routed[0]["prefix"] == 1
+    router.loops[0].outboxes = dict.fromkeys(range(3))  # beyond it: the least busy
+    router.submit("c", {"prompt_token_ids": shared[:4] + [52] * 4}, None, None)
+    assert router.loops[1].submitted == ["c"] and router.routed[1]["least_busy"] == 1
+    # the longest matching prefix wins: replica 1 now holds the first block, 0 holds two
+    router.loops[0].outboxes = {}
+    router.submit("d", {"prompt_token_ids": shared + [53]}, None, None)
+    assert router.loops[0].submitted[-1] == "d"
+    router.loops[0].outboxes = router.loops[1].outboxes = {0: None}
+    router.submit("e", {"prompt_token_ids": [7, 7, 7]}, None, None)  # no whole block
+    assert router.loops[2].submitted == ["e"]
+
+
+def test_the_least_busy_policy_ignores_prefixes():
+    router = make_router([1, 0], policy="least")
+    router.submit("a", {"prompt_token_ids": list(range(8))}, None, None)
+    router.loops[1].outboxes = dict.fromkeys(range(2))
+    router.submit("b", {"prompt_token_ids": list(range(8))}, None, None)
+    assert [loop.submitted for loop in router.loops] == [["b"], ["a"]]
+    assert router.routed == [{"prefix": 0, "least_busy": 1}, {"prefix": 0, "least_busy": 1}]
