@@ -41,6 +41,7 @@ class Replica:
         context = mp.get_context(method)
         self.connection, child = context.Pipe()
         self.index, self.lock = index, threading.Lock()
+        self.owed = 1  # answers not yet read: the first says the engine is built
         # not a daemon: a tensor-parallel replica starts worker processes of its own
         self.process = context.Process(target=_serve, name=f"nanopaged-dp{index}", args=(
             child, model, options, index, num_replicas, method == "fork"))
@@ -48,7 +49,15 @@ class Replica:
         child.close()
 
     def send(self, name: str, *args, **kwargs) -> None:
+        while self.owed:  # answers whose caller stopped waiting (Ctrl-C): not this call's
+            try:
+                self.receive()
+            except ReplicaDied:
+                raise
+            except Exception:
+                pass
         self.connection.send((name, args, kwargs))
+        self.owed += 1
 
     def receive(self):
         try:
@@ -56,6 +65,7 @@ class Replica:
         except (EOFError, OSError):
             raise ReplicaDied(f"data-parallel replica {self.index} died (exit code "
                               f"{self.process.exitcode}); its traceback is printed above") from None
+        self.owed -= 1
         if not ok:
             raise value
         return value
@@ -73,8 +83,8 @@ class Replica:
 
     def close(self) -> None:
         if self.process.exitcode is None:
-            try:
-                self.send("close")
+            try:  # read after any call it still runs
+                self.connection.send(("close", (), {}))
             except OSError:
                 pass
             self.process.join(30)
@@ -187,9 +197,13 @@ class DataParallelLLM:
     def step(self) -> list:
         """One step of every replica that has unfinished requests, run at once."""
         busy = [r for r in self.replicas if self.load(r)]
-        for replica in busy:
-            replica.send("step")
-        outputs = [output for replica in busy for output in replica.receive()]
+        try:
+            for replica in busy:
+                replica.send("step")
+            outputs = [output for replica in busy for output in replica.receive()]
+        except BaseException:  # outputs may be lost: no request may wait for them forever
+            self._abort_all()
+            raise
         for output in outputs:
             if output.finished:
                 self.requests.pop(output.request_id, None)
@@ -199,6 +213,13 @@ class DataParallelLLM:
         replica = self.requests.pop(request_id, None)
         if replica is not None:
             replica.call("abort", request_id)
+
+    def _abort_all(self) -> None:
+        for request_id in list(self.requests):
+            try:
+                self.abort(request_id)
+            except ReplicaDied:
+                pass
 
     def is_finished(self) -> bool:
         return not self.requests
@@ -245,12 +266,14 @@ class Router:
         return self.loops[index].submit(request_id, prompt, params, outbox)
 
     def choose(self, hashes: list[int]) -> tuple[int, str]:
+        """Among the replicas whose engine loop runs (a dead replica's stops)."""
         loads = [len(loop.outboxes) for loop in self.loops]
-        least = min(range(len(loads)), key=loads.__getitem__)
+        alive = [i for i, loop in enumerate(self.loops) if loop.is_alive()] or [0]
+        least = min(alive, key=loads.__getitem__)
         if self.policy == "prefix":
             matched = [next((n for n, h in enumerate(hashes) if h not in prefixes), len(hashes))
                        for prefixes in self.prefixes]
-            best = max(range(len(matched)), key=lambda i: (matched[i], -loads[i]))
+            best = max(alive, key=lambda i: (matched[i], -loads[i]))
             if matched[best] and loads[best] <= loads[least] + self.balance:
                 return best, "prefix"
         return least, "least_busy"

@@ -27,7 +27,7 @@ from starlette.exceptions import HTTPException
 
 from nanopaged import LLM, chat, openai_api
 from nanopaged.compat import EngineArgs, FlexibleArgumentParser
-from nanopaged.data_parallel import Router, sum_stats
+from nanopaged.data_parallel import ReplicaDied, Router, sum_stats
 from nanopaged.llm_engine import EngineStats
 from nanopaged.openai_responses import Response
 
@@ -84,13 +84,15 @@ class EngineLoop:
 
     def _fail_all(self, error: Exception) -> None:
         for request_id, (loop, outbox) in list(self.outboxes.items()):
-            self.llm.abort(request_id)
             loop.call_soon_threadsafe(outbox.put_nowait, error)
+            if not isinstance(error, ReplicaDied):  # a dead replica has nothing to abort
+                self.llm.abort(request_id)
         self.outboxes.clear()
 
     def _run(self) -> None:
         """Serves the inbox and steps the engine until stopped. Nothing a request does can end
-        this loop: a failed step fails the requests it held, and the loop goes on."""
+        this loop: a failed step fails the requests it held, and the loop goes on (a replica
+        whose process died ends its loop)."""
         while self.running:
             try:
                 if self.llm.is_finished():
@@ -102,6 +104,8 @@ class EngineLoop:
                 outputs = self.llm.step()
             except Exception as error:  # the engine has aborted every request: tell their handlers
                 self._fail_all(error)
+                if isinstance(error, ReplicaDied):
+                    return  # /health says so, and the router sends this loop nothing more
                 continue
             for output in outputs:
                 take = self.outboxes.pop if output.finished else self.outboxes.get

@@ -6,7 +6,7 @@ import psutil
 import pytest
 
 from nanopaged import LLM, SamplingParams
-from nanopaged.data_parallel import DataParallelLLM, Router
+from nanopaged.data_parallel import DataParallelLLM, Replica, Router
 from conftest import random_prompts
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12)
@@ -86,6 +86,9 @@ class FakeLoop:
     def submit(self, request_id, prompt, params, outbox):
         self.submitted.append(request_id)
 
+    def is_alive(self) -> bool:
+        return True
+
 
 def make_router(loads: list[int], policy: str = "prefix") -> Router:
     llm = types.SimpleNamespace(config=types.SimpleNamespace(kvcache_block_size=4))
@@ -110,6 +113,10 @@ def test_the_router_follows_the_longest_prefix_within_the_balance():
     router.loops[0].outboxes = router.loops[1].outboxes = {0: None}
     router.submit("e", {"prompt_token_ids": [7, 7, 7]}, None, None)  # no whole block
     assert router.loops[2].submitted == ["e"]
+    router.loops[0].is_alive = lambda: False  # its engine loop ended: never chosen
+    router.loops[0].outboxes = {}
+    router.submit("f", {"prompt_token_ids": shared + [54]}, None, None)
+    assert router.loops[0].submitted[-1] == "d" and router.loops[1].submitted[-1] == "f"
 
 
 def test_the_least_busy_policy_ignores_prefixes():
@@ -119,3 +126,36 @@ def test_the_least_busy_policy_ignores_prefixes():
     router.submit("b", {"prompt_token_ids": list(range(8))}, None, None)
     assert [loop.submitted for loop in router.loops] == [["b"], ["a"]]
     assert router.routed == [{"prefix": 0, "least_busy": 1}, {"prefix": 0, "least_busy": 1}]
+
+
+def interrupt_first_receive(monkeypatch):
+    """Ctrl-C while the caller waits for the first answer of a replica."""
+    receive, calls = Replica.receive, []
+    def interrupted(self):
+        if not calls:
+            calls.append(self.index)
+            raise KeyboardInterrupt
+        return receive(self)
+    monkeypatch.setattr(Replica, "receive", interrupted)
+
+
+def test_ctrl_c_leaves_the_replicas_in_step(qwen3_path, single, monkeypatch):
+    first, second = random_prompts([7, 9], seed=73), random_prompts([11, 5, 13], seed=74)
+    with LLM(qwen3_path, max_model_len=256, data_parallel_size=2) as llm:
+        interrupt_first_receive(monkeypatch)
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate(first, GREEDY, use_tqdm=False)
+        monkeypatch.undo()
+        # the interrupted answer is not taken for the next call's
+        outputs = llm.generate(second, GREEDY, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outputs] == single(second)
+        for prompt in first:
+            llm.add_request(prompt, GREEDY)
+        interrupt_first_receive(monkeypatch)
+        with pytest.raises(KeyboardInterrupt):
+            llm.step()
+        monkeypatch.undo()
+        assert llm.is_finished()  # every request of the step aborted: none waits forever
+        outputs = llm.generate(second, GREEDY, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outputs] == single(second)
+        assert llm.stats().num_free_blocks == llm.stats().num_blocks

@@ -361,8 +361,18 @@ def test_two_replicas_serve_the_same_tokens_and_route_by_prefix(qwen3_path, offl
         for name in ("generation_tokens_total", "kv_blocks_total"):
             assert after[f"nanopaged_{name}"] == sum(
                 after[f'nanopaged_{name}{{replica="{i}"}}'] for i in range(2))
-        replicas = psutil.Process(server.process.pid).children(recursive=True)
-        assert len([p for p in replicas if "resource_tracker" not in " ".join(p.cmdline())]) == 2
+        replicas = [p for p in psutil.Process(server.process.pid).children(recursive=True)
+                    if "resource_tracker" not in " ".join(p.cmdline())]
+        assert len(replicas) == 2
+        replicas[0].kill()  # a replica dies: the server says so, and the other serves
+        results = []
+        for _ in range(3):
+            try:
+                results.append(server.client.completions.create(
+                    model="tiny", prompt=shared, max_tokens=2).choices[0].text)
+            except openai.InternalServerError as error:
+                results.append(error)
+        assert isinstance(results[-1], str) and not server.healthy()
     finally:
         assert server.stop()
     _, alive = psutil.wait_procs(replicas, timeout=30)
