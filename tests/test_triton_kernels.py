@@ -28,6 +28,14 @@ def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
 
 
+def metadata(context_lens: list[int], tables: torch.Tensor, **ragged) -> AttentionMetadata:
+    """A decode step's metadata, or a ragged step's with `cu_seqlens_q` and `max_seqlen_q`."""
+    lens = torch.tensor(context_lens, dtype=torch.int32, device=DEVICE)
+    return AttentionMetadata(ragged=bool(ragged), slot_mapping=torch.empty(0, device=DEVICE),
+                             context_lens=lens, block_tables=tables,
+                             max_seqlen_k=max(context_lens), **ragged)
+
+
 @pytest.mark.parametrize("block_size", [16, 256])
 @pytest.mark.parametrize("num_heads, num_kv_heads", [(4, 4), (4, 2), (8, 1)])
 @pytest.mark.parametrize("split_tokens", [64, 128, 512])
@@ -35,13 +43,7 @@ def test_decode_matches_reference(block_size, num_heads, num_kv_heads, split_tok
     context_lens = [1, 17, 300, 64, 129]
     k_cache, v_cache, tables = paged_cache(block_size, context_lens, num_kv_heads, seed=block_size)
     q = torch.randn(len(context_lens), num_heads, HEAD_DIM, device=DEVICE)
-    meta = AttentionMetadata(
-        ragged=False,
-        slot_mapping=torch.empty(0, device=DEVICE),
-        context_lens=torch.tensor(context_lens, dtype=torch.int32, device=DEVICE),
-        block_tables=tables,
-        max_seqlen_k=max(context_lens),
-    )
+    meta = metadata(context_lens, tables)
     out = triton_attention.decode_paged(q, k_cache, v_cache, tables, meta.context_lens,
                                         meta.max_seqlen_k, 0.25, split_tokens=split_tokens)
     ref = decode_torch(q, k_cache, v_cache, meta, 0.25)
@@ -87,15 +89,7 @@ def test_prefill_matches_reference_with_cached_prefixes(block_size, num_heads, n
     q_lens = [n for n, _ in shapes]
     cu = torch.tensor([0] + q_lens).cumsum(0).to(torch.int32)
     q = torch.randn(sum(q_lens), num_heads, HEAD_DIM, device=DEVICE)
-    meta = AttentionMetadata(
-        ragged=True,
-        slot_mapping=torch.empty(0, device=DEVICE),
-        context_lens=torch.tensor(context_lens, dtype=torch.int32, device=DEVICE),
-        block_tables=tables,
-        max_seqlen_k=max(context_lens),
-        cu_seqlens_q=cu.to(DEVICE),
-        max_seqlen_q=max(q_lens),
-    )
+    meta = metadata(context_lens, tables, cu_seqlens_q=cu.to(DEVICE), max_seqlen_q=max(q_lens))
     out = triton_attention.prefill_paged(q, k_cache, v_cache, meta.cu_seqlens_q, meta.context_lens,
                                          tables, max(q_lens), 0.25)
     ref = prefill_torch(q, k_cache, v_cache, meta, 0.25)
