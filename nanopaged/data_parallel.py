@@ -36,15 +36,17 @@ class Replica:
     """One engine in a child process, called through a pipe: `call(name, *args)` runs
     `engine.name(*args)` there and returns what it returns, or raises what it raised."""
 
-    def __init__(self, model: str, options: dict, index: int, num_replicas: int):
-        method = start_method()
+    def __init__(self, model: str, options: dict, index: int, num_replicas: int,
+                 gpus: list[str] | None):
+        # a child forked after the parent counted its GPUs cannot choose among them: spawn it
+        method = "spawn" if gpus else start_method()
         context = mp.get_context(method)
         self.connection, child = context.Pipe()
         self.index, self.lock = index, threading.Lock()
         self.owed = 1  # answers not yet read: the first says the engine is built
         # not a daemon: a tensor-parallel replica starts worker processes of its own
         self.process = context.Process(target=_serve, name=f"nanopaged-dp{index}", args=(
-            child, model, options, index, num_replicas, method == "fork"))
+            child, model, options, gpus, num_replicas, method == "fork"))
         self.process.start()
         child.close()
 
@@ -93,17 +95,15 @@ class Replica:
             self.process.join()
 
 
-def _serve(connection, model: str, options: dict, index: int, num_replicas: int,
+def _serve(connection, model: str, options: dict, gpus: list[str] | None, num_replicas: int,
            forked: bool) -> None:
-    """The life of a replica's process: build the engine, then run each call until told to
-    close or the caller is gone."""
+    """The life of a replica's process: build the engine (on its own `gpus`), then run each
+    call until told to close or the caller is gone."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the caller's to handle
-    size = options.get("tensor_parallel_size", 1)
-    if options.get("device", "cuda" if torch.cuda.is_available() else "cpu") == "cuda":
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        gpus = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
-        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(gpus[index * size:(index + 1) * size])
+    if gpus:  # before CUDA starts in this process
+        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
     else:  # share the cores; in a forked child more than one OpenMP thread would hang
+        size = options.get("tensor_parallel_size", 1)
         torch.set_num_threads(1 if forked else max(1, os.cpu_count() // num_replicas // size))
     try:
         engine = LLMEngine(model, **options)
@@ -142,7 +142,8 @@ class DataParallelLLM:
         self._grammars = None
         count = self.config.data_parallel_size
         replica_options = dict(options, data_parallel_size=1, seed=self.config.seed)
-        self.replicas = [Replica(model, replica_options, i, count) for i in range(count)]
+        self.replicas = [Replica(model, replica_options, i, count, self._gpus(i))
+                         for i in range(count)]
         self._finalizer = weakref.finalize(self, _close_all, self.replicas)
         try:
             for replica in self.replicas:
@@ -154,6 +155,15 @@ class DataParallelLLM:
         self.inputs = InputProcessor(self.config, self.tokenizer, num_blocks,
                                      self.eos_token_ids, self.default_sampling, self.grammars)
         self.requests: dict[str, Replica] = {}  # unfinished ones added one at a time: where
+
+    def _gpus(self, index: int) -> list[str] | None:
+        """Replica `index`'s share of the visible GPUs: `tensor_parallel_size` of them."""
+        if self.config.device != "cuda":
+            return None
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        gpus = visible.split(",") if visible else list(map(str, range(torch.cuda.device_count())))
+        size = self.config.tensor_parallel_size
+        return gpus[index * size:(index + 1) * size]
 
     def generate(self, prompts, sampling_params=None, use_tqdm: bool = True) -> list:
         """Every request checked here first; replica r runs prompts r, r + N, r + 2N, ...;

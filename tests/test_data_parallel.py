@@ -159,3 +159,17 @@ def test_ctrl_c_leaves_the_replicas_in_step(qwen3_path, single, monkeypatch):
         outputs = llm.generate(second, GREEDY, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outputs] == single(second)
         assert llm.stats().num_free_blocks == llm.stats().num_blocks
+
+
+def test_spawned_replicas_and_their_share_of_the_gpus(qwen3_path, single, monkeypatch):
+    """On GPUs replicas are spawned (a forked child could not choose its GPUs), each seeing its
+    own `tensor_parallel_size` of them; spawned on CPU here, as vLLM's variable asks."""
+    monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+    prompts = random_prompts([6, 15, 9], seed=75)
+    with LLM(qwen3_path, max_model_len=256, data_parallel_size=2) as llm:
+        outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == single(prompts)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
+    on_gpus = types.SimpleNamespace(
+        config=types.SimpleNamespace(device="cuda", tensor_parallel_size=2))
+    assert [DataParallelLLM._gpus(on_gpus, i) for i in range(2)] == [["4", "5"], ["6", "7"]]
