@@ -107,6 +107,7 @@ def run_nanopaged(model: str, work: Workload, args, backend: str = "auto") -> di
     llm.generate(warmup_prompts(work), params[:4], use_tqdm=False)
     elapsed, outputs = timed(lambda: llm.generate(work.prompts, params, use_tqdm=False))
     llm.close()
+    stats = llm.stats()
     ttft = [o.metrics.first_token_time - o.metrics.arrival_time for o in outputs]
     tpot = [
         (o.metrics.finish_time - o.metrics.first_token_time)
@@ -118,14 +119,13 @@ def run_nanopaged(model: str, work: Workload, args, backend: str = "auto") -> di
                 ttft_median=statistics.median(ttft), ttft_p99=percentile(ttft, 99),
                 tpot_median=statistics.median(tpot), tpot_p99=percentile(tpot, 99),
                 prefix_hit_rate=sum(o.num_cached_tokens for o in outputs) / prompt_tokens,
-                preemptions=llm.scheduler.num_preemptions, kv_blocks=llm.block_manager.num_blocks,
-                backend=llm.config.attention_backend, **speculation_stats(llm))
+                preemptions=stats.num_preemptions, kv_blocks=stats.num_blocks,
+                backend=llm.config.attention_backend, **speculation_stats(stats))
 
 
-def speculation_stats(llm) -> dict:
+def speculation_stats(stats) -> dict:
     """vLLM's measures: the share of proposals accepted, and the tokens a sequence gets per
     step that verifies proposals (1 + accepted / drafts)."""
-    stats = llm.stats()
     return dict(drafts=stats.num_drafts, proposed=stats.num_proposed_tokens,
                 acceptance_rate=stats.num_accepted_tokens / max(1, stats.num_proposed_tokens),
                 mean_accepted_length=1 + stats.num_accepted_tokens / max(1, stats.num_drafts))
@@ -343,7 +343,7 @@ def step_times(model: str, args) -> list[dict]:
     """Decode step time at several batch sizes with `--context`-token contexts, and prefill tok/s,
     each against its floor: the bytes a decode step must move, the arithmetic of a prefill."""
     from nanopaged import LLM
-    from nanopaged.config import flash_attn_available
+    from nanopaged.core.config import flash_attn_available
     dtype = engine_dtype(model)
     device = measure_device(dtype)
     shape = model_shape(model)
@@ -403,12 +403,13 @@ def _decode_step_time(llm, batch: int, context: int):
     """The same decode step of `batch` sequences, timed again and again (it rewrites the same
     cache slots); the prompts are prefilled first, untimed. -> (seconds, the step)"""
     request_ids = _random_requests(llm, batch, context, seed=batch)
-    while llm.scheduler.waiting:
+    engine = llm.engine
+    while engine.scheduler.waiting:
         llm.run_step()
-    step = llm.scheduler.schedule()
+    step = engine.scheduler.schedule()
     assert not step.ragged and len(step.seqs) == batch
-    seconds = best_time(lambda: llm.model_runner.run(step), repeat=20)
-    llm.block_manager.commit()  # the step ran: its K/V is written
+    seconds = best_time(lambda: engine.runner.run(step), repeat=20)
+    engine.block_manager.commit()  # the step ran: its K/V is written
     for request_id in request_ids:
         llm.abort(request_id)
     return seconds, step
@@ -430,26 +431,27 @@ def _prefill_step_time(llm, count: int, context: int):
 # ---- host work per step ----
 
 class HostOnlyRunner:
-    """The model runner less the model: builds each step's inputs and, for the rows with a
-    grammar, their token masks; then "samples" token 0, or for a row with a grammar the allowed
-    token that a fixed random score prefers (a model whose choices the grammar steers)."""
+    """The model runner less the model: builds each step's inputs and, for the rows with logits
+    processors (a grammar), applies them; then "samples" token 0, or for a row with processors
+    the allowed token that a fixed random score prefers (a model whose choices a grammar
+    steers)."""
 
     def __init__(self, runner):
-        self.runner, self.steps = runner, 0
+        self.runner, self.proposer, self.steps = runner, None, 0
         vocab_size = runner.config.hf_config.vocab_size
         self.scores = torch.rand(1024, vocab_size, generator=torch.Generator().manual_seed(0))
 
     def run(self, step):
-        from nanopaged.sampler import SamplerOutput
+        from nanopaged.core.model_runner import SamplerOutput
         self.runner.prepare_inputs(step)
         tokens = [[0]] * len(step.samplers)
-        if any(seq.grammar is not None for seq in step.samplers):
-            from nanopaged.structured_outputs import mask_logits
+        if any(seq.logits_processors for seq in step.samplers):
             first = self.steps % (len(self.scores) - len(step.samplers))
             self.steps += 1
-            logits = mask_logits(self.scores[first:first + len(step.samplers)], step.samplers)
+            logits = self.runner.sampler.apply_processors(
+                self.scores[first:first + len(step.samplers)], step.samplers)
             tokens = logits.argmax(dim=-1).view(-1, 1).tolist()
-        return SamplerOutput(tokens, [None] * len(step.samplers))
+        return SamplerOutput(tokens)
 
 
 # What --host --structured constrains each request to: a 10-field object
@@ -546,7 +548,7 @@ def _host_step_time(model: str, args, batch: int, block_size: int, schema) -> di
     max_model_len = args.context + 512
     llm = LLM(model, device="cpu", kvcache_block_size=block_size, max_model_len=max_model_len,
               num_kvcache_blocks=batch * -(-max_model_len // block_size))
-    llm.model_runner = HostOnlyRunner(llm.model_runner)
+    llm.engine.runner = HostOnlyRunner(llm.engine.runner)
     g = torch.Generator().manual_seed(0)
     params = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=max_model_len,
                             structured_outputs=schema)
@@ -554,7 +556,7 @@ def _host_step_time(model: str, args, batch: int, block_size: int, schema) -> di
     for _ in range(batch):
         llm.add_request(torch.randint(0, vocab_size, (args.context,), generator=g).tolist(),
                         params)
-    while llm.scheduler.waiting:
+    while llm.engine.scheduler.waiting:
         llm.run_step()
     generated = llm.stats().num_generated_tokens
     ms = best_time(llm.run_step, repeat=100) * 1e3
@@ -617,7 +619,7 @@ class NanopagedServer:
     """`python -m nanopaged.server` in a subprocess, for the length of a `with` block."""
 
     def __init__(self, model: str, args, flags: list[str]):
-        from nanopaged.config import free_port
+        from nanopaged.parallel import free_port
         self.port = free_port()
         self.command = [sys.executable, "-m", "nanopaged.server", model, "--port", str(self.port),
                         *flags, "--max-model-len", str(args.max_model_len),

@@ -77,10 +77,10 @@ def main() -> None:
               f"{output.num_cached_tokens} from the prefix cache)\n--- answer "
               f"({len(completion.token_ids)} tokens, finish: {completion.finish_reason})\n"
               f"{completion.text!r}")
-    num_generated = sum(len(o.outputs[0].token_ids) for o in outputs)
+    num_generated, stats = sum(len(o.outputs[0].token_ids) for o in outputs), llm.stats()
     print(f"\n{len(outputs)} requests, {num_generated} tokens in {elapsed:.2f} s "
-          f"({num_generated / elapsed:,.0f} tok/s); {llm.scheduler.num_preemptions} preemptions; "
-          f"{llm.block_manager.num_blocks} KV blocks of {llm.config.kvcache_block_size} tokens "
+          f"({num_generated / elapsed:,.0f} tok/s); {stats.num_preemptions} preemptions; "
+          f"{stats.num_blocks} KV blocks of {llm.config.kvcache_block_size} tokens "
           f"on {llm.config.device} ({llm.config.attention_backend} attention)")
 
 

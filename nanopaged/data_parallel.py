@@ -16,12 +16,14 @@ from collections import OrderedDict
 
 import torch
 
-from nanopaged.block_manager import hash_block
-from nanopaged.compat import generation_defaults, normalize_options
-from nanopaged.config import Config
-from nanopaged.inputs import InputProcessor, as_batch, eos_token_ids, load_tokenizer
-from nanopaged.llm_engine import EngineStats, LLMEngine
-from nanopaged.parallel import start_method
+from nanopaged.checkpoint import resolve_model
+from nanopaged.compat import VLLMEngineAPI
+from nanopaged.core.block_manager import hash_block
+from nanopaged.core.config import Config
+from nanopaged.engine_args import split_options
+from nanopaged.inputs import InputProcessor, as_batch
+from nanopaged.outputs import EngineStats
+from nanopaged.parallel import ParallelConfig, start_method
 from nanopaged.sampling_params import SamplingParams
 
 
@@ -33,11 +35,12 @@ class ReplicaDied(RuntimeError):
 
 
 class Replica:
-    """One engine in a child process, called through a pipe: `call(name, *args)` runs
-    `engine.name(*args)` there and returns what it returns, or raises what it raised."""
+    """One engine (an `engine_class`) in a child process, called through a pipe:
+    `call(name, *args)` runs `engine.name(*args)` there and returns what it returns, or raises
+    what it raised."""
 
-    def __init__(self, model: str, options: dict, index: int, num_replicas: int,
-                 gpus: list[str] | None):
+    def __init__(self, engine_class: type, model: str, options: dict, index: int,
+                 num_replicas: int, gpus: list[str] | None):
         # a child forked after the parent counted its GPUs cannot choose among them: spawn it
         method = "spawn" if gpus else start_method()
         context = mp.get_context(method)
@@ -46,7 +49,7 @@ class Replica:
         self.owed = 1  # answers not yet read: the first says the engine is built
         # not a daemon: a tensor-parallel replica starts worker processes of its own
         self.process = context.Process(target=_serve, name=f"nanopaged-dp{index}", args=(
-            child, model, options, gpus, num_replicas, method == "fork"))
+            child, engine_class, model, options, gpus, num_replicas, method == "fork"))
         self.process.start()
         child.close()
 
@@ -95,8 +98,8 @@ class Replica:
             self.process.join()
 
 
-def _serve(connection, model: str, options: dict, gpus: list[str] | None, num_replicas: int,
-           forked: bool) -> None:
+def _serve(connection, engine_class: type, model: str, options: dict, gpus: list[str] | None,
+           num_replicas: int, forked: bool) -> None:
     """The life of a replica's process: build the engine (on its own `gpus`), then run each
     call until told to close or the caller is gone."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the caller's to handle
@@ -106,7 +109,7 @@ def _serve(connection, model: str, options: dict, gpus: list[str] | None, num_re
         size = options.get("tensor_parallel_size", 1)
         torch.set_num_threads(1 if forked else max(1, os.cpu_count() // num_replicas // size))
     try:
-        engine = LLMEngine(model, **options)
+        engine = engine_class(model, **options)
     except BaseException as error:
         connection.send((False, error))
         return
@@ -125,24 +128,20 @@ def _serve(connection, model: str, options: dict, gpus: list[str] | None, num_re
     engine.close()
 
 
-class DataParallelLLM:
-    """`LLM(model, data_parallel_size=N, **config)`: N replicas of the engine; `generate`,
-    `chat`, the step-at-a-time calls and `stats` as a single engine's."""
+class DataParallelLLM(VLLMEngineAPI):
+    """`LLM(model, data_parallel_size=N, **options)`: N replicas of the engine (each an
+    `engine_class`); `generate`, `chat`, `stream`, the step-at-a-time calls and `stats` as a
+    single engine's."""
 
-    # what needs no model is the engine's own
-    chat, grammars, get_tokenizer = LLMEngine.chat, LLMEngine.grammars, LLMEngine.get_tokenizer
-    _check_open, _check_idle = LLMEngine._check_open, LLMEngine._check_idle
-    close, __enter__, __exit__ = LLMEngine.close, LLMEngine.__enter__, LLMEngine.__exit__
-
-    def __init__(self, model: str, **options):
-        self.config = Config.from_options(model, **normalize_options(options))
-        self.tokenizer = load_tokenizer(self.config.tokenizer)
-        self.eos_token_ids = eos_token_ids(self.config, self.tokenizer)
-        self.default_sampling = generation_defaults(self.config)
-        self._grammars = None
-        count = self.config.data_parallel_size
+    def __init__(self, engine_class: type, model: str, **options):
+        core, parallel, surface = split_options(model, options)
+        self.config = Config(resolve_model(model), **core)
+        self.parallel = ParallelConfig(**parallel)
+        self.parallel.check(self.config)
+        self.inputs = InputProcessor.for_checkpoint(self.config, surface)
+        count = self.parallel.data_parallel_size
         replica_options = dict(options, data_parallel_size=1, seed=self.config.seed)
-        self.replicas = [Replica(model, replica_options, i, count, self._gpus(i))
+        self.replicas = [Replica(engine_class, model, replica_options, i, count, self._gpus(i))
                          for i in range(count)]
         self._finalizer = weakref.finalize(self, _close_all, self.replicas)
         try:
@@ -151,10 +150,12 @@ class DataParallelLLM:
         except BaseException:
             self.close()
             raise
-        num_blocks = min(stats.num_blocks for stats in self.replica_stats())
-        self.inputs = InputProcessor(self.config, self.tokenizer, num_blocks,
-                                     self.eos_token_ids, self.default_sampling, self.grammars)
+        self.inputs.num_blocks = min(stats.num_blocks for stats in self.replica_stats())
         self.requests: dict[str, Replica] = {}  # unfinished ones added one at a time: where
+
+    def reset_prefix_cache(self) -> bool:
+        """Forgets every replica's cached prefixes; False where requests run."""
+        return all([replica.call("reset_prefix_cache") for replica in self.replicas])
 
     def _gpus(self, index: int) -> list[str] | None:
         """Replica `index`'s share of the visible GPUs: `tensor_parallel_size` of them."""
@@ -162,7 +163,7 @@ class DataParallelLLM:
             return None
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         gpus = visible.split(",") if visible else list(map(str, range(torch.cuda.device_count())))
-        size = self.config.tensor_parallel_size
+        size = self.parallel.tensor_parallel_size
         return gpus[index * size:(index + 1) * size]
 
     def generate(self, prompts, sampling_params=None, use_tqdm: bool = True) -> list:

@@ -2,20 +2,19 @@
 SamplingParams, checked and made into a `Request` before anything is queued. Bad input is a
 ValueError naming the problem. At vLLM's module path (`vllm.inputs`) for the prompt types."""
 import itertools
-import os
+import threading
 from typing import TypedDict
 
 import numpy as np
-from transformers import AutoTokenizer, GenerationConfig, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase
 
 from nanopaged.chat import check_text
-from nanopaged.config import Config
-from nanopaged.logits_processors import bad_words_token_ids
+from nanopaged.checkpoint import eos_token_ids, generation_defaults, load_tokenizer, resolve_model
+from nanopaged.core.config import Config
+from nanopaged.core.sequence import Sequence
+from nanopaged.logits_processors import SamplingAdjustments
 from nanopaged.outputs import Request
 from nanopaged.sampling_params import SamplingParams
-from nanopaged.sequence import Sequence
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 
 
 class TextPrompt(TypedDict):
@@ -32,14 +31,42 @@ Prompt = str | list[int] | dict
 
 class InputProcessor:
     """Makes requests of one engine: tokenizes their prompts, checks them against the model,
-    the pool and the limits, and gives each sample its sequence."""
+    the pool and the limits, and gives each sample its sequence: its stop tokens, its logits
+    processors, its seed. The grammars of structured outputs are built on the first request
+    that asks for one (`grammars`). `num_blocks`, the size of the KV pool, is set once the
+    engine has sized it."""
 
-    def __init__(self, config: Config, tokenizer: PreTrainedTokenizerBase, num_blocks: int,
-                 eos_token_ids: frozenset[int], default_sampling: dict, grammars):
-        self.config, self.tokenizer, self.num_blocks = config, tokenizer, num_blocks
+    def __init__(self, config: Config, tokenizer: PreTrainedTokenizerBase,
+                 eos_token_ids: frozenset[int], default_sampling: dict,
+                 structured_outputs_config: dict | None = None):
+        self.config, self.tokenizer, self.num_blocks = config, tokenizer, 0
         self.eos_token_ids, self.default_sampling = eos_token_ids, default_sampling
-        self.grammars = grammars  # () -> the structured outputs' grammars, built on first use
+        self.structured_outputs_config = structured_outputs_config or {}
         self.request_ids = itertools.count()
+        self._grammars, self._lock = None, threading.Lock()
+
+    @classmethod
+    def for_checkpoint(cls, config: Config, surface: dict) -> "InputProcessor":
+        """The processor of the checkpoint `config.model` with the surface's options: its
+        tokenizer (or `tokenizer`'s), EOS ids and default sampling settings (checked now)."""
+        tokenizer = load_tokenizer(resolve_model(surface["tokenizer"] or config.model))
+        defaults = generation_defaults(config.model, surface["generation_config"])
+        SamplingParams(**defaults)
+        return cls(config, tokenizer, eos_token_ids(config.model, config.hf_config, tokenizer),
+                   defaults, surface["structured_outputs_config"])
+
+    def grammars(self):
+        """The structured outputs' grammars (llguidance), built on first use."""
+        with self._lock:
+            if self._grammars is None:
+                try:
+                    from nanopaged.structured_outputs import Grammars
+                except ImportError:
+                    raise ValueError("structured outputs need llguidance: pip install "
+                                     "'nanopaged[structured]'") from None
+                self._grammars = Grammars(self.tokenizer, self.config.hf_config.vocab_size,
+                                          self.eos_token_ids, self.structured_outputs_config)
+        return self._grammars
 
     def make_request(self, prompt: Prompt, params: SamplingParams | None,
                      request_id: str | None, ids_in_use) -> Request:
@@ -50,21 +77,24 @@ class InputProcessor:
         text, token_ids = self.tokenize(prompt)
         token_ids = token_ids[-(params.truncate_prompt_tokens or len(token_ids)):]
         self._check_fits(token_ids, params)
-        params.bad_words_token_ids = bad_words_token_ids(params, self.tokenizer)
         if request_id is None:  # the first automatic id nobody chose
             request_id = next(i for i in map(str, self.request_ids) if i not in ids_in_use)
         if not isinstance(request_id, str) or request_id in ids_in_use:
             raise ValueError(f"request_id must be a string not in use, got {request_id!r}")
+        spec = params.structured_outputs or params.guided_decoding
+        matchers = self.grammars().matchers(spec, params.n) if spec is not None else None
         stop_token_ids = frozenset(params.stop_token_ids or ()) | (
             frozenset() if params.ignore_eos else self.eos_token_ids)
-        seqs = [Sequence(token_ids, params, self.config.kvcache_block_size, stop_token_ids,
-                         request_id, i) for i in range(params.n)]
-        spec = params.structured_outputs or params.guided_decoding
-        if spec is not None:
-            for seq, matcher in zip(seqs, self.grammars().matchers(spec, len(seqs))):
-                seq.grammar = matcher
-        seqs[0].forks = seqs[1:]
-        return Request(request_id, text, token_ids, params, seqs, self.tokenizer)
+        adjustments = SamplingAdjustments(params, self.tokenizer) \
+            if SamplingAdjustments.wanted(params) else None
+        seqs = []
+        for i in range(params.n):
+            processors = [p for p in (adjustments, matchers and matchers[i]) if p is not None]
+            # sample 0 is what n=1 gives; the others get their own, fixed, seeds
+            seed = params.seed if i == 0 or params.seed is None else hash((params.seed, i))
+            seqs.append(Sequence(token_ids, params, stop_token_ids, processors, seed,
+                                 prompt_logits=params.prompt_logprobs is not None and i == 0))
+        return Request(request_id, text, token_ids, params, seqs, self.tokenizer, matchers)
 
     def _check_fits(self, token_ids: list[int], params: SamplingParams) -> None:
         """Whether the engine can ever run the request: its length, its blocks, its samples."""
@@ -132,27 +162,6 @@ def as_batch(prompts, sampling_params) -> tuple[list, list]:
     if len(sampling_params) != len(prompts):
         raise ValueError(f"got {len(prompts)} prompts but {len(sampling_params)} sampling params")
     return list(prompts), list(sampling_params)
-
-
-def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
-    # without these, transformers makes an empty tokenizer rather than fail
-    if not any(os.path.exists(os.path.join(path, f)) for f in TOKENIZER_FILES):
-        raise ValueError(f"cannot load the tokenizer of {path!r}: it has none of "
-                         f"{', '.join(TOKENIZER_FILES)}")
-    try:
-        return AutoTokenizer.from_pretrained(path)
-    except Exception as error:
-        raise ValueError(f"cannot load the tokenizer of {path!r}: {error}") from None
-
-
-def eos_token_ids(config: Config, tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:
-    """The generation config's EOS ids, else the model config's, else the tokenizer's."""
-    eos = None
-    if os.path.exists(os.path.join(config.model, "generation_config.json")):
-        eos = GenerationConfig.from_pretrained(config.model).eos_token_id
-    for fallback in (getattr(config.hf_config, "eos_token_id", None), tokenizer.eos_token_id):
-        eos = fallback if eos is None else eos
-    return frozenset([] if eos is None else eos if isinstance(eos, list) else [eos])
 
 
 def _token_id(value) -> int:

@@ -1,17 +1,47 @@
-"""What a request may ask of the logits before they are sampled, applied as vLLM applies it.
+"""What vLLM's SamplingParams may ask of the logits before sampling, as one kind of the core's
+logits processors (see `Sampler`), applied as vLLM applies it.
 
 In order: only `allowed_token_ids` may be sampled; a `bad_words` entry may not be completed;
 `logit_bias` is added; the repetition penalty (tokens of the prompt and the completion), then
-the frequency and presence penalties (tokens of the completion) are applied. `min_p` comes
-later, beside top-k and top-p, on the tempered distribution (see the sampler). Each step works
-on the rows that ask for any of this, as batched tensor ops; a batch whose requests ask for
-none never calls it.
+the frequency and presence penalties (tokens of the completion) are applied; and until a
+completion has `min_tokens` tokens, the tokens that would stop it cannot be sampled. Each step
+works on the rows that ask for any of this, as batched tensor ops; a sequence that asks for
+none carries no processor, and a batch of such sequences costs nothing.
 """
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from nanopaged.core.sequence import Sequence
 from nanopaged.sampling_params import LOGIT_BIAS_LIMIT, SamplingParams
-from nanopaged.sequence import Sequence
+
+
+class SamplingAdjustments:
+    """The adjustments one sequence's SamplingParams ask for (`wanted` says whether any)."""
+
+    def __init__(self, params: SamplingParams, tokenizer: PreTrainedTokenizerBase):
+        self.params = params
+        self.bad_words = bad_words_token_ids(params, tokenizer)
+
+    @staticmethod
+    def wanted(params: SamplingParams) -> bool:
+        return bool(params.presence_penalty or params.frequency_penalty or params.min_tokens
+                    or params.repetition_penalty != 1.0 or params.logit_bias
+                    or params.allowed_token_ids or params.bad_words)
+
+    @classmethod
+    def apply(cls, logits: torch.Tensor, processors: list["SamplingAdjustments"],
+              seqs: list[Sequence]) -> torch.Tensor:
+        """logits (R, V) float32, a row per sequence, adjusted in place and returned."""
+        _mask_tokens(logits, processors, seqs)
+        for r, processor in enumerate(processors):
+            for token_id, bias in (processor.params.logit_bias or {}).items():
+                logits[r, token_id] += max(-LOGIT_BIAS_LIMIT, min(LOGIT_BIAS_LIMIT, bias))
+        penalized = [r for r, p in enumerate(processors) if _penalized(p.params)]
+        if penalized:
+            index = torch.tensor(penalized, device=logits.device)
+            logits[index] = _penalties(logits[index], [processors[r].params for r in penalized],
+                                       [seqs[r] for r in penalized])
+        return logits
 
 
 def bad_words_token_ids(params: SamplingParams, tokenizer: PreTrainedTokenizerBase
@@ -27,36 +57,22 @@ def bad_words_token_ids(params: SamplingParams, tokenizer: PreTrainedTokenizerBa
     return variants
 
 
-def adjust_logits(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-    """logits: (B, V), a row per sequence of `seqs` -> float32 logits with each row adjusted
-    as its request asks (the rows that ask nothing are returned as they were)."""
-    rows = [i for i, seq in enumerate(seqs) if seq.sampling_params.adjusts_logits]
-    logits = logits.float().clone()
-    subset = [seqs[i] for i in rows]
-    index = torch.tensor(rows, device=logits.device)
-    adjusted = logits[index]  # (R, V)
-    _mask_tokens(adjusted, subset)
-    for r, seq in enumerate(subset):
-        for token_id, bias in (seq.sampling_params.logit_bias or {}).items():
-            adjusted[r, token_id] += max(-LOGIT_BIAS_LIMIT, min(LOGIT_BIAS_LIMIT, bias))
-    if any(_penalized(seq.sampling_params) for seq in subset):
-        _apply_penalties(adjusted, subset)
-    logits[index] = adjusted
-    return logits
-
-
-def _mask_tokens(logits: torch.Tensor, seqs: list[Sequence]) -> None:
+def _mask_tokens(logits: torch.Tensor, processors: list[SamplingAdjustments],
+                 seqs: list[Sequence]) -> None:
     """Forbids, in place, the tokens each row may not sample: all but its allowed token ids,
-    and the last token of each bad word whose other tokens end the completion."""
+    the last token of each bad word whose other tokens end the completion, and the tokens that
+    would stop the completion before its min_tokens."""
     forbidden = torch.zeros(logits.shape, dtype=torch.bool, device=logits.device)
-    for r, seq in enumerate(seqs):
-        params, completion = seq.sampling_params, seq.completion_token_ids
+    for r, (processor, seq) in enumerate(zip(processors, seqs)):
+        params, completion = processor.params, seq.completion_token_ids
         if params.allowed_token_ids:
             forbidden[r] = True
             forbidden[r, list(params.allowed_token_ids)] = False
-        for word in params.bad_words_token_ids or ():
+        for word in processor.bad_words:
             if len(word) == 1 or completion[len(completion) - len(word) + 1:] == word[:-1]:
                 forbidden[r, word[-1]] = True
+        if len(completion) < params.min_tokens:
+            forbidden[r, list(seq.stop_token_ids)] = True
     logits.masked_fill_(forbidden, float("-inf"))
 
 
@@ -65,20 +81,20 @@ def _penalized(params: SamplingParams) -> bool:
                 or params.presence_penalty)
 
 
-def _apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> None:
-    """vLLM's penalties, in place: logits (R, V)."""
+def _penalties(logits: torch.Tensor, params: list[SamplingParams], seqs: list[Sequence]
+               ) -> torch.Tensor:
+    """vLLM's penalties: logits (R, V)."""
     device, vocab_size = logits.device, logits.shape[1]
     completion_counts = _token_counts([s.completion_token_ids for s in seqs], vocab_size, device)
     prompt_counts = _token_counts([s.token_ids[:s.num_prompt_tokens] for s in seqs], vocab_size,
                                   device)
-    params = [seq.sampling_params for seq in seqs]
     repetition, frequency, presence = (
         torch.tensor([getattr(p, name) for p in params], device=device).unsqueeze(1)
         for name in ("repetition_penalty", "frequency_penalty", "presence_penalty"))
     seen = (prompt_counts + completion_counts) > 0
     penalty = torch.where(seen, repetition, 1.0)
-    logits.copy_(torch.where(logits > 0, logits / penalty, logits * penalty))
-    logits -= frequency * completion_counts + presence * (completion_counts > 0)
+    logits = torch.where(logits > 0, logits / penalty, logits * penalty)
+    return logits - frequency * completion_counts - presence * (completion_counts > 0)
 
 
 def _token_counts(token_lists: list[list[int]], vocab_size: int,

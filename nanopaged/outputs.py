@@ -1,13 +1,14 @@
-"""What a request gives back, in vLLM's shape: its completions as they grow, their text decoded
-a whole character at a time and cut at stop strings, and their log-probabilities."""
+"""What a request gives back, in vLLM's shape (at vLLM's module path): its completions as they
+grow, their text decoded a whole character at a time and cut at stop strings, and their
+log-probabilities; and the engine's counters."""
 import time
 from dataclasses import dataclass
 
+import torch
 from transformers import PreTrainedTokenizerBase
 
-from nanopaged.sampler import TokenLogprobs
+from nanopaged.core.sequence import Sequence
 from nanopaged.sampling_params import SamplingParams
-from nanopaged.sequence import Sequence
 
 
 @dataclass
@@ -62,6 +63,44 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
 
+@dataclass
+class EngineStats:
+    """A snapshot of the engine's load: what `/metrics` serves."""
+    num_unfinished_requests: int
+    num_waiting_seqs: int  # not yet prefilled, or preempted
+    num_running_seqs: int
+    num_free_blocks: int
+    num_blocks: int
+    num_preemptions: int
+    num_generated_tokens: int
+    num_drafts: int  # speculative decoding: rows that verified proposals, how many, accepted
+    num_proposed_tokens: int
+    num_accepted_tokens: int
+
+
+@dataclass
+class TokenLogprobs:
+    """The log-probability and 1-based rank of a token, and the most likely tokens'."""
+    logprob: float
+    rank: int
+    top_token_ids: list[int]
+    top_logprobs: list[float]
+
+
+def token_logprobs(logits: torch.Tensor, token_ids: list[int], ks: list[int]
+                   ) -> list[TokenLogprobs]:
+    """logits (R, V), a token per row -> for each row, the log-softmax of its token in the
+    model's own distribution, its rank, and the ks[row] most likely tokens'."""
+    logprobs = logits.float().log_softmax(dim=-1)                                    # (R, V)
+    chosen = logprobs.gather(1, torch.tensor(token_ids, device=logits.device)[:, None])  # (R, 1)
+    ranks = (logprobs > chosen).sum(dim=-1) + 1
+    top = logprobs.topk(max(ks), dim=-1)
+    columns = zip(chosen[:, 0].tolist(), ranks.tolist(), top.indices.tolist(),
+                  top.values.tolist(), ks)
+    return [TokenLogprobs(logprob, rank, top_ids[:k], top_logprobs[:k])
+            for logprob, rank, top_ids, top_logprobs, k in columns]
+
+
 class Detokenizer:
     """The text of one completion, decoded as its tokens come and cut at the first stop string.
 
@@ -84,39 +123,32 @@ class Detokenizer:
         self.prefix_offset, self.read_offset = 0, len(self.token_ids)
         self.num_read = 0  # completion tokens read
         self.text = ""
-        self.stopped = False
         self.stop_strings = params.stop_strings
         longest = max((len(s) for s in self.stop_strings), default=0)
         self.held_back = 0 if params.include_stop_str_in_output else max(0, longest - 1)
 
-    def update(self, seq: Sequence) -> str | None:
-        """Reads the tokens `seq` added since the last call; returns the stop string found, if
-        any (none before `min_tokens`)."""
-        if self.stopped:
-            return None
-        new = seq.token_ids[seq.num_prompt_tokens + self.num_read:]
+    def update(self, seq: Sequence, end: int | None = None, stop_token: bool = False
+               ) -> str | None:
+        """Reads the completion tokens of `seq` from where the last call stopped up to `end`
+        (None: all); `stop_token`: the last of them is a stop token, which has no text. Returns
+        the stop string found, if any (none before `min_tokens`)."""
+        new = seq.completion_token_ids[self.num_read:end]
         self.num_read += len(new)
-        stopped_by_token = seq.finish_reason == "stop" and not isinstance(seq.stop_reason, str)
-        if new and stopped_by_token and not self.params.include_stop_str_in_output:
+        if new and stop_token and not self.params.include_stop_str_in_output:
             new = new[:-1]
         self.token_ids += new
         if self.read_offset == len(self.token_ids):
             return None  # nothing left to decode
         before = self._decode(self.token_ids[self.prefix_offset:self.read_offset])
         after = self._decode(self.token_ids[self.prefix_offset:])
-        split = after.endswith("\ufffd") and seq.finish_reason is None
+        final = seq.finish_reason is not None and self.num_read == seq.num_completion_tokens
+        split = after.endswith("\ufffd") and not final
         if len(after) <= len(before) or split:
             return None  # no whole new character yet (or a special token that prints nothing)
         self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
-        return self._append(after[len(before):], seq)
-
-    def _decode(self, token_ids: list[int]) -> str:
-        return self.tokenizer.decode(token_ids, skip_special_tokens=self.params.skip_special_tokens)
-
-    def _append(self, delta: str, seq: Sequence) -> str | None:
         old_length = len(self.text)
-        self.text += delta
-        if seq.num_completion_tokens < self.params.min_tokens:
+        self.text += after[len(before):]
+        if self.num_read < self.params.min_tokens:
             return None
         found = [(index, stop) for stop in self.stop_strings
                  if (index := self.text.find(stop, max(0, old_length - len(stop) + 1))) >= 0]
@@ -124,26 +156,33 @@ class Detokenizer:
             return None
         index, stop = min(found)
         self.text = self.text[:index + (len(stop) if self.params.include_stop_str_in_output else 0)]
-        self.stopped = True
         return stop
+
+    def _decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=self.params.skip_special_tokens)
 
     def visible_text(self, finished: bool) -> str:
         return self.text if finished else self.text[:max(0, len(self.text) - self.held_back)]
 
 
 class Request:
-    """One request from its arrival to its last output: its n sequences and what they produced."""
+    """One request from its arrival to its last output: its n sequences (its samples, each with
+    its detokenizer and, when it has a grammar, its matcher) and what they produced."""
 
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                 params: SamplingParams, seqs: list[Sequence], tokenizer: PreTrainedTokenizerBase):
+                 params: SamplingParams, seqs: list[Sequence], tokenizer: PreTrainedTokenizerBase,
+                 matchers: list | None = None):
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids
         self.params = params
         self.seqs = seqs
+        self.matchers = matchers
         self.tokenizer = tokenizer
         self.metrics = RequestMetrics(arrival_time=time.perf_counter())
         self.detokenizers = [Detokenizer(tokenizer, params, prompt_token_ids) for _ in seqs]
+        self.num_seen = [0] * len(seqs)  # completion tokens taken note of, per sample
+        self.stop_reasons: list[int | str | None] = [None] * len(seqs)
         self.logprobs: list[list[dict[int, Logprob]]] = [[] for _ in seqs]
         self.cumulative_logprobs = [0.0] * len(seqs)
         self.prompt_logprobs: list[dict[int, Logprob] | None] = [None]
@@ -153,10 +192,41 @@ class Request:
     def finished(self) -> bool:
         return all(seq.finish_reason is not None for seq in self.seqs)
 
-    def record_logprobs(self, seq: Sequence, logprobs: TokenLogprobs) -> None:
-        """Takes note of the logprobs of the token `seq` just got."""
-        self.logprobs[seq.index].append(self._entries(seq.token_ids[-1], logprobs))
-        self.cumulative_logprobs[seq.index] += logprobs.logprob
+    def take_tokens(self, index: int, logprobs: list[TokenLogprobs] | None) -> bool:
+        """Takes note of the tokens sample `index` got in a step: advances its grammar, records
+        their logprobs, and looks for a stop string after each. Returns whether one was found:
+        the tokens after it are then dropped, and the sample must end as "stop"."""
+        seq = self.seqs[index]
+        if self.matchers or logprobs is not None or self.detokenizers[index].stop_strings:
+            first = self.num_seen[index]
+            self.num_seen[index] = seq.num_completion_tokens
+            for j, token_id in enumerate(seq.token_ids[seq.num_prompt_tokens + first:]):
+                if self._take_token(index, first + j, token_id, logprobs and logprobs[j]):
+                    return True
+        if seq.finish_reason == "stop":  # at a stop token: it is the reason, unless it is EOS
+            last = seq.token_ids[-1]
+            self.stop_reasons[index] = last if last in (self.params.stop_token_ids or ()) else None
+        return False
+
+    def _take_token(self, index: int, position: int, token_id: int,
+                    logprobs: TokenLogprobs | None) -> bool:
+        """Takes note of token `position` of the completion of sample `index`; True when it
+        completes a stop string (the tokens after it are dropped)."""
+        seq, detokenizer = self.seqs[index], self.detokenizers[index]
+        if self.matchers:
+            self.matchers[index].accept(token_id)
+        if logprobs is not None:
+            self.logprobs[index].append(self._entries(token_id, logprobs))
+            self.cumulative_logprobs[index] += logprobs.logprob
+        if not detokenizer.stop_strings:
+            return False
+        stop_token = seq.finish_reason == "stop" and position + 1 == seq.num_completion_tokens
+        stop = detokenizer.update(seq, position + 1, stop_token)
+        if stop is None:
+            return False
+        del seq.token_ids[seq.num_prompt_tokens + position + 1:]
+        self.stop_reasons[index] = stop
+        return True
 
     def record_prompt_logprobs(self, position: int, logprobs: list[TokenLogprobs]) -> None:
         """Takes note of the logprobs of the prompt tokens from `position` on (a prompt that is
@@ -176,15 +246,17 @@ class Request:
     def output(self, with_text: bool = True) -> RequestOutput:
         """The request's completions so far, their text brought up to date."""
         outputs, with_logprobs = [], self.params.logprobs is not None
-        for seq, detokenizer in zip(self.seqs, self.detokenizers):
+        for i, (seq, detokenizer) in enumerate(zip(self.seqs, self.detokenizers)):
             if with_text and self.params.detokenize:
-                detokenizer.update(seq)
+                stop_token = seq.finish_reason == "stop" and not isinstance(self.stop_reasons[i],
+                                                                            str)
+                detokenizer.update(seq, None, stop_token)
             outputs.append(CompletionOutput(
-                index=seq.index, text=detokenizer.visible_text(seq.finish_reason is not None),
+                index=i, text=detokenizer.visible_text(seq.finish_reason is not None),
                 token_ids=seq.completion_token_ids,
-                cumulative_logprob=self.cumulative_logprobs[seq.index] if with_logprobs else None,
-                logprobs=list(self.logprobs[seq.index]) if with_logprobs else None,
-                finish_reason=seq.finish_reason, stop_reason=seq.stop_reason))
+                cumulative_logprob=self.cumulative_logprobs[i] if with_logprobs else None,
+                logprobs=list(self.logprobs[i]) if with_logprobs else None,
+                finish_reason=seq.finish_reason, stop_reason=self.stop_reasons[i]))
         prompt_logprobs = self.prompt_logprobs if self.params.prompt_logprobs is not None else None
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outputs,
                              self.finished, self.seqs[0].num_cached_tokens, self.metrics,

@@ -1,4 +1,5 @@
-"""Tensor parallelism: one process per rank, joined by torch.distributed.
+"""Tensor parallelism: one process per rank, joined by torch.distributed; and the options of
+scaling out (`ParallelConfig`).
 
 On one machine (the default), rank 0 lives in the caller's process: it schedules, prepares
 each step's inputs and samples. Ranks 1..N-1 are worker processes it starts, holding their own
@@ -14,22 +15,29 @@ same order, the same seeds, and logits that the collectives leave identical on e
 LM head gathers all of them everywhere). So no step pays a broadcast, and every rank returns
 the same outputs, as vLLM's torchrun_example.py expects. A rank that dies breaks the next
 collective on the others, which raise (gloo) or time out (NCCL) rather than wait forever.
+
+The core sees none of this: the model's layers shard themselves over the ranks of the default
+process group, and `make_runner` hands the engine a `ModelRunner` whose steps run on every rank.
 """
 import datetime
 import multiprocessing as mp
 import multiprocessing.connection
 import os
 import signal
+import socket
 import sys
 import time
 import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from nanopaged.config import Config
+from nanopaged.core.config import Config, check_fields
+from nanopaged.core.model_runner import ModelRunner, SamplerOutput, StepInputs
+from nanopaged.core.scheduler import ScheduledStep
 
 # Workers wait for rank 0's next message for as long as the caller leaves the engine idle.
 IDLE_TIMEOUT = datetime.timedelta(days=365)
@@ -38,12 +46,147 @@ SHUTDOWN_TIMEOUT_S = 30
 COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=10)
 
 
+TORCHRUN_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+BACKENDS = (None, "mp", "external_launcher")
+
+
 class WorkerDied(RuntimeError):
     pass
 
 
-def start_workers(config: Config, target: Callable[[Config, int], None]) -> list[mp.Process]:
-    """Starts ranks 1..N-1, each running `target(config, rank)`: forked, as vLLM's workers are,
+@dataclass
+class ParallelConfig:
+    """How many processes run the engine. `tensor_parallel_size` ranks are processes the engine
+    starts, meeting on `distributed_port` of 127.0.0.1 (a free port when None); with
+    `distributed_executor_backend` "external_launcher" they are the processes torchrun started,
+    on any machines. `data_parallel_size` replicas of the engine each serve a share of the
+    requests (see `data_parallel.py`)."""
+    tensor_parallel_size: int = 1
+    distributed_port: int | None = None
+    distributed_executor_backend: str | None = None
+    data_parallel_size: int = 1
+
+    def __post_init__(self) -> None:
+        check_fields(self, {"distributed_executor_backend": BACKENDS},
+                     ("tensor_parallel_size", "distributed_port", "data_parallel_size"))
+        if self.distributed_port is not None and self.distributed_port > 65535:
+            raise ValueError(f"distributed_port must be in [1, 65535], "
+                             f"got {self.distributed_port}")
+
+    @property
+    def external_launcher(self) -> bool:
+        return self.distributed_executor_backend == "external_launcher"
+
+    def check(self, config: Config) -> None:
+        """Whether the model can be split this way on this machine; picks a free port."""
+        size = self.tensor_parallel_size
+        for name in ("num_attention_heads", "num_key_value_heads", "vocab_size",
+                     "intermediate_size"):
+            if getattr(config.hf_config, name) % size:
+                raise ValueError(f"the model's {name}={getattr(config.hf_config, name)} is not "
+                                 f"divisible by tensor_parallel_size={size}")
+        if self.external_launcher:
+            self._check_torchrun(config)
+            return
+        gpus = size * self.data_parallel_size
+        if config.device == "cuda" and gpus > torch.cuda.device_count():
+            raise ValueError(f"tensor_parallel_size={size} x data_parallel_size="
+                             f"{self.data_parallel_size} needs {gpus} GPUs but only "
+                             f"{torch.cuda.device_count()} CUDA GPU(s) are visible")
+        if size > 1 and self.distributed_port is None:
+            self.distributed_port = free_port()
+
+    def _check_torchrun(self, config: Config) -> None:
+        missing = [name for name in TORCHRUN_VARIABLES if name not in os.environ]
+        if missing:
+            raise ValueError(f"distributed_executor_backend='external_launcher' runs under "
+                             f"torchrun, which sets {', '.join(missing)}: launch the script "
+                             f"with torchrun --nproc-per-node N [--nnodes M ...]")
+        world_size = int(os.environ["WORLD_SIZE"])
+        if world_size != self.tensor_parallel_size or self.data_parallel_size != 1:
+            raise ValueError(f"torchrun started {world_size} processes; with "
+                             f"distributed_executor_backend='external_launcher' they are the "
+                             f"tensor_parallel_size={self.tensor_parallel_size} ranks of one "
+                             f"engine (data_parallel_size must be 1: one torchrun job a replica)")
+        if config.device == "cuda" and int(os.environ["LOCAL_RANK"]) >= torch.cuda.device_count():
+            raise ValueError(f"LOCAL_RANK={os.environ['LOCAL_RANK']} but only "
+                             f"{torch.cuda.device_count()} CUDA GPU(s) are visible on this node")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def make_runner(config: Config, parallel: ParallelConfig, proposer=None) -> ModelRunner:
+    """The engine's model runner: in this process alone, on every rank torchrun started, or on
+    this process (rank 0) and the worker processes it starts."""
+    if parallel.tensor_parallel_size == 1:
+        return ModelRunner(config, proposer)
+    if parallel.external_launcher:
+        return TorchrunRunner(config, proposer)
+    return MultiprocRunner(config, parallel, proposer)
+
+
+class TorchrunRunner(ModelRunner):
+    """A rank of torchrun's job: it runs the whole engine, and leaves the group when closed."""
+
+    def __init__(self, config: Config, proposer=None):
+        join_torchrun(config)
+        super().__init__(config, proposer)
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+class MultiprocRunner(ModelRunner):
+    """Rank 0 of a tensor-parallel engine on one machine: it starts ranks 1..N-1 (`run_worker`)
+    and, every step, sends them the step's inputs before running its own shard."""
+
+    def __init__(self, config: Config, parallel: ParallelConfig, proposer=None):
+        self.workers, workers = [], start_workers(config, parallel, run_worker)
+        try:
+            with in_lockstep(workers):
+                self.group = join_ranks(config, parallel, 0, workers)
+                super().__init__(config, proposer)  # each rank sizes its pool, captures graphs
+        except BaseException:
+            stop_workers(workers, None)
+            raise
+        self.workers = workers
+
+    @torch.inference_mode()
+    def run(self, step: ScheduledStep) -> SamplerOutput:
+        with in_lockstep(self.workers):
+            sampled = super().run(step)
+            if self.device.type == "cuda":
+                wait_for_gpu(self.workers)
+            return sampled
+
+    def execute(self, inputs: StepInputs) -> torch.Tensor | None:
+        if self.workers:  # built: the workers wait for every step
+            broadcast(inputs, self.group, self.workers)
+        return super().execute(inputs)
+
+    def close(self) -> None:
+        """Stops the workers and leaves the process group."""
+        workers, self.workers = self.workers, []
+        stop_workers(workers, self.group)
+
+
+def run_worker(config: Config, parallel: ParallelConfig, rank: int) -> None:
+    """The life of a tensor-parallel worker process: run every step rank 0 sends, until `None`."""
+    group = join_ranks(config, parallel, rank, [])
+    runner = ModelRunner(config)
+    while (inputs := receive(group)) is not None:
+        runner.execute(inputs)
+    dist.destroy_process_group()
+
+
+def start_workers(config: Config, parallel: ParallelConfig,
+                  target: Callable[[Config, ParallelConfig, int], None]) -> list[mp.Process]:
+    """Starts ranks 1..N-1, each running `target(config, parallel, rank)`: forked, as vLLM's workers are,
     while this process has not initialised CUDA (so a script may create the engine at module
     level); else spawned (or as $VLLM_WORKER_MULTIPROC_METHOD says), and a spawned worker first
     imports the caller's script, which must then be a file that creates the engine under
@@ -59,10 +202,10 @@ def start_workers(config: Config, target: Callable[[Config, int], None]) -> list
                          f"import (standard input?): save it to a file and run that")
     context = mp.get_context(method)
     workers = []
-    for rank in range(1, config.tensor_parallel_size):
+    for rank in range(1, parallel.tensor_parallel_size):
         receiver, sender = context.Pipe(duplex=False)
         worker = context.Process(target=_worker_main,
-                                 args=(target, config, rank, sender, method == "fork"),
+                                 args=(target, config, parallel, rank, sender, method == "fork"),
                                  daemon=True, name=f"nanopaged-tp{rank}")
         worker.start()
         sender.close()  # the worker holds the only sending end now
@@ -77,28 +220,30 @@ def start_method() -> str:
         "spawn" if torch.cuda.is_initialized() else "fork")
 
 
-def _worker_main(target: Callable[[Config, int], None], config: Config, rank: int,
-                 errors: mp.connection.Connection, forked: bool) -> None:
+def _worker_main(target: Callable[[Config, ParallelConfig, int], None], config: Config,
+                 parallel: ParallelConfig, rank: int, errors: mp.connection.Connection,
+                 forked: bool) -> None:
     # Ctrl-C is rank 0's to handle: it stops the workers
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     if config.device == "cpu":  # share the cores with the other ranks; in a forked child the
         # parent's OpenMP threads do not exist, and more than one thread would hang
-        share = max(1, torch.get_num_threads() // config.tensor_parallel_size)
+        share = max(1, torch.get_num_threads() // parallel.tensor_parallel_size)
         torch.set_num_threads(1 if forked else share)
     try:
-        target(config, rank)
+        target(config, parallel, rank)
     except BaseException:
         errors.send(traceback.format_exc())  # for rank 0's error message
         raise
 
 
-def join_ranks(config: Config, rank: int, workers: list[mp.Process]) -> dist.ProcessGroup:
+def join_ranks(config: Config, parallel: ParallelConfig, rank: int,
+               workers: list[mp.Process]) -> dist.ProcessGroup:
     """Joins this process to the others; returns the gloo group that carries rank 0's messages.
     The model's collectives run on the default group: NCCL on GPUs, gloo on CPU.
 
     Rank 0 serves the rendezvous store and waits until every worker has reached it, raising
     WorkerDied as soon as one exits instead."""
-    size, port = config.tensor_parallel_size, config.distributed_port
+    size, port = parallel.tensor_parallel_size, parallel.distributed_port
     if rank == 0:
         try:
             store = dist.TCPStore("127.0.0.1", port, size, is_master=True, wait_for_workers=False)
@@ -120,17 +265,16 @@ def join_ranks(config: Config, rank: int, workers: list[mp.Process]) -> dist.Pro
     return dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
 
 
-def join_torchrun(config: Config) -> dist.ProcessGroup:
+def join_torchrun(config: Config) -> None:
     """Joins the processes torchrun started: env:// rendezvous (MASTER_ADDR, MASTER_PORT, RANK,
-    WORLD_SIZE), LOCAL_RANK picks this process's GPU. Returns a gloo group for the host's
-    collectives; the model's run on the default group (NCCL on GPUs, gloo on CPU)."""
+    WORLD_SIZE), LOCAL_RANK picks this process's GPU. The collectives run on the default group
+    (NCCL on GPUs, gloo on CPU)."""
     backend = "gloo"
     if config.device == "cuda":
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
         backend = "nccl"
     if not dist.is_initialized():  # a script may have joined already
         dist.init_process_group(backend, init_method="env://", timeout=COLLECTIVE_TIMEOUT)
-    return dist.new_group(backend="gloo", timeout=COLLECTIVE_TIMEOUT)
 
 
 def broadcast(message, group: dist.ProcessGroup, workers: list[mp.Process]) -> None:
@@ -142,12 +286,6 @@ def receive(group: dist.ProcessGroup):
     box = [None]
     dist.broadcast_object_list(box, src=0, group=group)
     return box[0]
-
-
-def min_over_ranks(value: int, group: dist.ProcessGroup) -> int:
-    tensor = torch.tensor([value])
-    dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=group)
-    return int(tensor.item())
 
 
 def check_workers(workers: list[mp.Process]) -> None:

@@ -1,5 +1,8 @@
-"""How one request samples and when it stops, with vLLM's names and meanings."""
-from dataclasses import dataclass, field
+"""How one request samples and when it stops, with vLLM's names and meanings, at vLLM's module
+path: the core's sampling settings, and vLLM's own fields, every one checked."""
+from dataclasses import dataclass
+
+from nanopaged.core import sampling_params as core
 
 MAX_LOGPROBS = 20  # as vLLM's default max_logprobs
 FLOAT32_MAX = 3.4028234663852886e38  # the sampler works in float32
@@ -28,7 +31,7 @@ GuidedDecodingParams = StructuredOutputsParams  # its name in vLLM before 0.11
 
 
 @dataclass
-class SamplingParams:
+class SamplingParams(core.SamplingParams):
     """Sampling settings for one request, as in vLLM.
 
     `n` completions are sampled from one prompt, whose K/V is computed once and shared.
@@ -54,17 +57,12 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
     seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
-    max_tokens: int | None = 16
     min_tokens: int = 0
     logprobs: int | None = None
     prompt_logprobs: int | None = None
@@ -75,10 +73,6 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
     structured_outputs: StructuredOutputsParams | None = None
     guided_decoding: StructuredOutputsParams | None = None  # vLLM's name before 0.11
-    # Whether sampling must first adjust the logits (penalties, biases, masks): set by validate
-    adjusts_logits: bool = field(default=False, init=False, repr=False)
-    # the token ids of `bad_words`, set by the engine, which has the tokenizer
-    bad_words_token_ids: list[list[int]] | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -118,9 +112,6 @@ class SamplingParams:
                                  f"{getattr(self, name)!r}")
         if self.structured_outputs and self.guided_decoding:
             raise ValueError("give structured_outputs or guided_decoding, not both")
-        self.adjusts_logits = bool(
-            self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
-            or self.min_p or self.logit_bias or self.allowed_token_ids or self.bad_words)
 
     def _check_token_ids(self) -> None:
         for name in ("stop_token_ids", "allowed_token_ids"):

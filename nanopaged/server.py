@@ -26,9 +26,9 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from nanopaged import LLM, chat, openai_api
-from nanopaged.compat import EngineArgs, FlexibleArgumentParser
 from nanopaged.data_parallel import ReplicaDied, Router, sum_stats
-from nanopaged.llm_engine import EngineStats
+from nanopaged.engine_args import EngineArgs, FlexibleArgumentParser
+from nanopaged.outputs import EngineStats
 from nanopaged.openai_responses import Response
 
 

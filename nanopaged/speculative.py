@@ -1,38 +1,36 @@
 """Speculative decoding: propose a few tokens cheaply, verify them all in one forward of the
-model, and keep the longest run it agrees with, plus one token of its own.
+model, and keep the run the model agrees with, plus one token of its own.
 
 Proposals come from n-grams of the sequence itself (vLLM's "ngram" method: the tokens that
 followed the latest earlier occurrence of the sequence's last n tokens) or from a small draft
-model with the same tokenizer (vLLM's "draft_model"), proposing its most likely tokens. The
-scheduler reserves cache slots for a sequence's token and its proposals (its lookahead slots);
-the verifying step runs them as one query of k+1 tokens through the paged attention of any
-backend, and `verify` accepts them: a greedy row while they are the target's argmax, a sampled
-row by rejection sampling (Leviathan et al. 2023), which leaves every token's distribution
-exactly the target's. `BlockManager.trim` then gives back the blocks reserved for rejected
-proposals; only blocks whose every token was accepted enter the prefix cache.
+model with the same tokenizer (vLLM's "draft_model"), proposing its most likely tokens. This
+file is the proposer that the core's seams take: the scheduler reserves cache slots for a
+sequence's token and its proposals (its lookahead slots); the runner runs them as one query of
+k+1 tokens through the paged attention of any backend, samples every row, and keeps the
+proposals while the model's own samples equal them. Both proposers are deterministic, so this
+accepts a proposal x with probability p(x), as rejection sampling would, and each token is
+still sampled from the model's distribution, with a seeded sequence's numbers: speculative or
+not, a seeded request gives the same tokens. `BlockManager.trim` then gives back the blocks
+reserved for rejected proposals; only blocks whose every token was accepted enter the prefix
+cache.
 
-The draft model keeps its own KV cache in the same blocks as the target's, at the same slots:
-it runs every token the target runs (prompt chunks included), so that wherever the target's
+The draft model keeps its own KV cache in the same blocks as the model's, at the same slots:
+it runs every token the model runs (prompt chunks included), so that wherever the model's
 cache holds a token, prefix hits included, the draft's holds it too.
 """
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from dataclasses import dataclass, fields
 
 import numpy as np
 import torch
-from transformers import AutoConfig
 
-from nanopaged.attention import AttentionMetadata
-from nanopaged.sampler import sample
-
-if TYPE_CHECKING:
-    from nanopaged.config import Config
-    from nanopaged.model_runner import StepInputs
-    from nanopaged.scheduler import ScheduledStep
+from nanopaged.checkpoint import resolve_model
+from nanopaged.core.attention import AttentionMetadata
+from nanopaged.core.config import Config, check_fields, read_checkpoint_config
+from nanopaged.core.loader import load_model
+from nanopaged.core.model_runner import ModelRunner, StepInputs
+from nanopaged.core.scheduler import ScheduledStep
 
 DEFAULT_NGRAM = 5  # vLLM's prompt_lookup_min and _max when neither is given
-OPTIONS = {"num_speculative_tokens", "method", "model", "prompt_lookup_min", "prompt_lookup_max",
-           "disable_by_batch_size"}
 
 
 @dataclass
@@ -44,59 +42,56 @@ class SpeculativeConfig:
     num_speculative_tokens: int
     method: str = "ngram"
     model: str | None = None
-    prompt_lookup_min: int = DEFAULT_NGRAM
-    prompt_lookup_max: int = DEFAULT_NGRAM
+    prompt_lookup_min: int | None = None
+    prompt_lookup_max: int | None = None
     disable_by_batch_size: int | None = None
-    draft_hf_config: object = None
 
     @classmethod
-    def from_dict(cls, options: dict, config: "Config") -> "SpeculativeConfig":
+    def from_dict(cls, options: dict, config: Config, tensor_parallel_size: int = 1
+                  ) -> "SpeculativeConfig":
         """Checks vLLM's options against the engine's; a ValueError names what is wrong."""
-        unknown = set(options) - OPTIONS
+        names = [f.name for f in fields(cls)]
+        if not isinstance(options, dict):
+            raise ValueError(f"speculative_config must be a dict, got {options!r}")
+        unknown = set(options) - set(names)
         if unknown:
-            raise ValueError(f"speculative_config takes {', '.join(sorted(OPTIONS))}; got "
+            raise ValueError(f"speculative_config takes {', '.join(sorted(names))}; got "
                              f"{', '.join(sorted(unknown))}")
-        options = dict(options)
-        k = options.get("num_speculative_tokens")
-        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
-            raise ValueError(f"speculative_config needs num_speculative_tokens >= 1, got {k!r}")
-        method = options.setdefault("method", "draft_model" if options.get("model") else "ngram")
-        if method not in ("ngram", "draft_model"):
-            raise ValueError(f"speculative_config method must be 'ngram' or 'draft_model' (a "
-                             f"draft model with the same tokenizer), got {method!r}")
-        if (method == "draft_model") != isinstance(options.get("model"), str):
+        if "num_speculative_tokens" not in options:
+            raise ValueError("speculative_config needs num_speculative_tokens")
+        spec = cls(**options)
+        check_fields(spec, {"method": ("ngram", "draft_model")}, (
+            "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
+            "disable_by_batch_size"))
+        if "method" not in options and spec.model is not None:
+            spec.method = "draft_model"
+        if (spec.method == "draft_model") != (spec.model is not None):
             raise ValueError("speculative_config: a draft model is named with 'model' (and "
                              "only with method 'draft_model')")
-        low, high = options.get("prompt_lookup_min"), options.get("prompt_lookup_max")
-        options["prompt_lookup_min"] = low = low or high or DEFAULT_NGRAM
-        options["prompt_lookup_max"] = high = high or low
-        disable = options.get("disable_by_batch_size")
-        if not 1 <= low <= high or disable is not None and disable < 1:
-            raise ValueError(f"speculative_config needs 1 <= prompt_lookup_min <= "
-                             f"prompt_lookup_max and disable_by_batch_size >= 1; got {low}, "
-                             f"{high}, {disable}")
-        spec = cls(**options)
-        if method == "draft_model":
-            spec.model, spec.draft_hf_config = _check_draft(spec.model, config)
+        low, high = spec.prompt_lookup_min, spec.prompt_lookup_max
+        spec.prompt_lookup_min = low = low or high or DEFAULT_NGRAM
+        spec.prompt_lookup_max = high = high or low
+        if low > high:
+            raise ValueError(f"speculative_config needs prompt_lookup_min <= prompt_lookup_max, "
+                             f"got {low} > {high}")
+        if spec.method == "draft_model":
+            spec.model = _check_draft(spec.model, config, tensor_parallel_size)
         return spec
 
 
-def _check_draft(model: str, config: "Config") -> tuple[str, object]:
-    from nanopaged.config import resolve_model
-    from nanopaged.model import check_supported
+def _check_draft(model: str, config: Config, tensor_parallel_size: int) -> str:
     path = resolve_model(model)
-    draft = AutoConfig.from_pretrained(path)
-    check_supported(draft)
+    draft = read_checkpoint_config(path)
     if draft.vocab_size != config.hf_config.vocab_size:
         raise ValueError(f"the draft model's vocabulary ({draft.vocab_size} tokens) is not the "
                          f"model's ({config.hf_config.vocab_size}): it needs the same tokenizer")
     if draft.max_position_embeddings < config.max_model_len:
         raise ValueError(f"the draft model takes {draft.max_position_embeddings} positions, "
                          f"fewer than max_model_len={config.max_model_len}")
-    if config.tensor_parallel_size > 1:
+    if tensor_parallel_size > 1:
         raise ValueError("a draft model runs with tensor_parallel_size=1 only (the ngram "
                          "method works with any)")
-    return path, draft
+    return path
 
 
 def ngram_proposals(token_ids: list[int], k: int, shortest: int, longest: int) -> list[int]:
@@ -127,34 +122,45 @@ def ngram_proposals(token_ids: list[int], k: int, shortest: int, longest: int) -
 
 
 class NgramProposer:
-    def __init__(self, config: SpeculativeConfig):
-        self.shortest, self.longest = config.prompt_lookup_min, config.prompt_lookup_max
+    """Proposes what followed the last n-gram before (see `ngram_proposals`); keeps no cache.
+    Counts the sequences it proposed for (`num_drafts`) and the tokens it proposed."""
+
+    def __init__(self, spec: SpeculativeConfig):
+        self.num_speculative_tokens = spec.num_speculative_tokens
+        self.disable_by_batch_size = spec.disable_by_batch_size
+        self.shortest, self.longest = spec.prompt_lookup_min, spec.prompt_lookup_max
+        self.num_drafts = self.num_proposed_tokens = 0
+
+    def count(self, proposals: dict[int, list[int]]) -> dict[int, list[int]]:
+        self.num_drafts += len(proposals)
+        self.num_proposed_tokens += sum(map(len, proposals.values()))
+        return proposals
 
     def kv_bytes_per_block(self) -> int:
-        return 0  # it keeps no cache
+        return 0
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         pass
 
-    def propose(self, step: "ScheduledStep", inputs: "StepInputs") -> dict[int, list[int]]:
+    def propose(self, step: ScheduledStep, inputs: StepInputs, runner: ModelRunner
+                ) -> dict[int, list[int]]:
         """Per sequence of the step (by index) with lookahead slots, its proposals."""
         proposals = {}
         for i, k in step.lookahead_slots.items():
             tokens = ngram_proposals(step.seqs[i].token_ids, k, self.shortest, self.longest)
             if tokens:
                 proposals[i] = tokens
-        return proposals
+        return self.count(proposals)
 
 
-class DraftProposer:
-    """A smaller model proposing its greedy continuation, run eagerly beside the target."""
+class DraftProposer(NgramProposer):
+    """A smaller model proposing its greedy continuation, run eagerly beside the model."""
 
-    def __init__(self, config: "Config", spec: SpeculativeConfig, device: torch.device,
-                 device_inputs: Callable):
-        from nanopaged.loader import load_model
-        self.model = load_model(spec.model, spec.draft_hf_config, config.dtype, device,
-                                config.attention_backend)
-        self.config, self.device, self.device_inputs = config, device, device_inputs
+    def __init__(self, spec: SpeculativeConfig, config: Config):
+        super().__init__(spec)
+        self.config, self.device = config, torch.device(config.device)
+        self.model = load_model(spec.model, read_checkpoint_config(spec.model), config.dtype,
+                                self.device, config.attention_backend)
         self.block_size = config.kvcache_block_size
 
     def kv_bytes_per_block(self) -> int:
@@ -165,14 +171,12 @@ class DraftProposer:
         self.kv_cache = self.model.allocate_kv_cache(num_blocks, self.block_size,
                                                      self.config.dtype, self.device)
 
-    def propose(self, step: "ScheduledStep", inputs: "StepInputs") -> dict[int, list[int]]:
+    def propose(self, step: ScheduledStep, inputs: StepInputs, runner: ModelRunner
+                ) -> dict[int, list[int]]:
         """Runs the step's tokens through the draft (writing its K/V), then, for the sequences
         with lookahead slots, one more forward per slot: each writes the K/V of the token
         proposed last and proposes the next (the last proposal is not verified)."""
-        if len(inputs.block_copies):
-            source, destination = torch.as_tensor(inputs.block_copies, device=self.device).T
-            self.kv_cache[:, :, destination] = self.kv_cache[:, :, source]
-        hidden = self.model(*self.device_inputs(inputs))
+        hidden = self.model(*runner.device_inputs(inputs))
         if not step.lookahead_slots:
             return {}
         index = list(step.lookahead_slots)
@@ -198,7 +202,7 @@ class DraftProposer:
                 full[self._tensor(active, torch.int64)] = self._greedy(hidden)
                 proposed.append(full)
         columns = torch.stack(proposed, dim=1).tolist()
-        return {i: row[:k] for i, row, k in zip(index, columns, ks.tolist())}
+        return self.count({i: row[:k] for i, row, k in zip(index, columns, ks.tolist())})
 
     def _greedy(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.model.compute_logits(hidden).argmax(dim=-1)
@@ -207,44 +211,5 @@ class DraftProposer:
         return torch.as_tensor(values, dtype=dtype, device=self.device)
 
 
-def make_proposer(config: "Config", device: torch.device, device_inputs: Callable):
-    spec = config.speculative
-    if spec.method == "ngram":
-        return NgramProposer(spec)
-    return DraftProposer(config, spec, device, device_inputs)
-
-
-def verify(logits: torch.Tensor, temperatures: torch.Tensor | None,
-           proposals: list[list[int]], uniform: torch.Tensor) -> list[list[int]]:
-    """The tokens each sequence emits. Its rows of `logits` (R, V), consecutive, score its last
-    token and then each of its proposals; `temperatures` (R,) (None: all greedy) and the
-    two uniform numbers per row (R, 2) are the sampler's. A proposal x is accepted with
-    probability p(x) under the row's distribution p (greedy: when it is p's argmax); the first
-    rejected one is replaced by a sample of p without x, renormalised (greedy: the argmax);
-    when all are accepted, the last row adds a sample of its own."""
-    drafted = torch.tensor([t for tokens in proposals for t in [*tokens, -1]],
-                           device=logits.device)
-    proposed = drafted >= 0
-    x = drafted.clamp(min=0).unsqueeze(1)
-    if temperatures is None:
-        replacement = logits.argmax(dim=-1)
-        accepted = replacement == drafted
-    else:
-        logits = logits.float()
-        tempered = (logits - logits.amax(dim=-1, keepdim=True)) \
-            / torch.where(temperatures > 0, temperatures, 1.0).unsqueeze(1)
-        p_x = tempered.softmax(dim=-1).gather(1, x).squeeze(1)
-        accepted = torch.where(temperatures > 0, uniform[:, 0] < p_x,
-                               logits.argmax(dim=-1) == drafted) & proposed
-        residual = tempered.scatter(1, x, torch.where(proposed, float("-inf"), tempered.gather(
-            1, x).squeeze(1)).unsqueeze(1))
-        replacement = sample(residual, (temperatures > 0).float(), uniform[:, 1])
-    accepted, replacement = accepted.tolist(), replacement.tolist()
-    emitted, row = [], 0
-    for tokens in proposals:
-        n = 0
-        while n < len(tokens) and accepted[row + n]:
-            n += 1
-        emitted.append([*tokens[:n], replacement[row + n]])
-        row += len(tokens) + 1
-    return emitted
+def make_proposer(spec: SpeculativeConfig, config: Config) -> NgramProposer:
+    return NgramProposer(spec) if spec.method == "ngram" else DraftProposer(spec, config)

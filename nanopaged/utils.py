@@ -1,4 +1,4 @@
 """vLLM's helpers that its example scripts import from `vllm.utils`."""
-from nanopaged.compat import FlexibleArgumentParser
+from nanopaged.engine_args import FlexibleArgumentParser
 
 __all__ = ["FlexibleArgumentParser"]

@@ -15,7 +15,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
 from nanopaged.random_checkpoint import CORPUS, TINY_QWEN3, write_random_checkpoint
-from nanopaged.sampler import SamplerOutput
+from nanopaged.core.model_runner import SamplerOutput
 
 TINY = {
     "qwen3": TINY_QWEN3,
@@ -74,7 +74,7 @@ class ScriptedRunner:
     def run(self, step):
         self.steps.append(step)
         token = self.script.pop(0) if self.script else self.token
-        return SamplerOutput([[token] for _ in step.samplers], [None] * len(step.samplers))
+        return SamplerOutput([[token] for _ in step.samplers])
 
 
 @pytest.fixture(scope="session")

@@ -196,8 +196,8 @@ def test_options_vllm_scripts_pass_are_taken(qwen3_path, hf_greedy, options):
 def test_without_chunked_prefill_a_prompt_runs_whole(qwen3_path):
     llm = LLM(qwen3_path, max_model_len=64, max_num_batched_tokens=64,
               enable_chunked_prefill=False)
-    steps, run = [], llm.model_runner.run
-    llm.model_runner.run = lambda step: steps.append(list(step.num_tokens)) or run(step)
+    steps, run = [], llm.engine.runner.run
+    llm.engine.runner.run = lambda step: steps.append(list(step.num_tokens)) or run(step)
     llm.generate(random_prompts([40, 40], seed=75), SamplingParams(max_tokens=1), use_tqdm=False)
     assert steps == [[40], [40]]  # the second waits rather than run in part beside the first
 

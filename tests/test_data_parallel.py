@@ -170,6 +170,6 @@ def test_spawned_replicas_and_their_share_of_the_gpus(qwen3_path, single, monkey
         outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == single(prompts)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
-    on_gpus = types.SimpleNamespace(
-        config=types.SimpleNamespace(device="cuda", tensor_parallel_size=2))
+    on_gpus = types.SimpleNamespace(config=types.SimpleNamespace(device="cuda"),
+                                    parallel=types.SimpleNamespace(tensor_parallel_size=2))
     assert [DataParallelLLM._gpus(on_gpus, i) for i in range(2)] == [["4", "5"], ["6", "7"]]

@@ -4,8 +4,8 @@ import os
 import re
 from dataclasses import MISSING, fields
 
-from nanopaged import LLM, SamplingParams
-from nanopaged.config import Config
+from nanopaged import LLM, EngineArgs, SamplingParams
+from nanopaged.engine_args import ALIASES, HINTS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -19,7 +19,8 @@ def readme_options() -> dict[str, str]:
 
 def test_the_readme_lists_every_option_with_its_default():
     documented = readme_options()
-    options = {f.name: f.default for f in fields(Config) if f.init and f.name != "model"}
+    options = {f.name: f.default for f in fields(EngineArgs)
+               if f.name not in ("model", *HINTS, *ALIASES, "guided_decoding_backend")}
     assert set(documented) == set(options)
     for name, default in options.items():
         if default is not MISSING and default is not None:  # a literal the table must state
@@ -28,12 +29,13 @@ def test_the_readme_lists_every_option_with_its_default():
 
 
 def test_the_defaults_the_readme_describes_on_a_cpu(qwen3_path):
-    config = LLM(qwen3_path).config
+    llm = LLM(qwen3_path)
+    config = llm.config
     assert (config.device, config.dtype.__repr__(), config.attention_backend) == \
         ("cpu", "torch.float32", "torch")
     assert config.kvcache_block_size == 16  # without flash-attn
     assert config.max_model_len == config.hf_config.max_position_embeddings
-    assert config.tokenizer == config.model
+    assert llm.tokenizer.name_or_path == config.model
 
 
 def test_sampling_defaults_are_vllms():

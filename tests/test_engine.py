@@ -33,7 +33,7 @@ def test_outputs_carry_text_and_finish_reason(qwen3_path, hf_greedy):
 
 def test_stops_at_eos_unless_ignore_eos(qwen3_path):
     llm = LLM(qwen3_path, max_model_len=512)
-    eos = next(iter(llm.eos_token_ids))
+    eos = next(iter(llm.inputs.eos_token_ids))
     prompts = random_prompts([4] * 32, seed=1)
     outputs = llm.generate(prompts, SamplingParams(temperature=1.0, max_tokens=300, seed=0),
                            use_tqdm=False)
@@ -90,9 +90,9 @@ def test_preemption_gives_the_same_tokens(qwen3_path, hf_greedy):
     # 12 blocks of 16 tokens cannot hold six sequences of 50-100 tokens at once
     llm = LLM(qwen3_path, max_model_len=512, kvcache_block_size=16, num_kvcache_blocks=12)
     outputs = llm.generate(prompts, params, use_tqdm=False)
-    assert llm.scheduler.num_preemptions > 0
+    assert llm.engine.scheduler.num_preemptions > 0
     assert token_ids(outputs) == hf_greedy(qwen3_path, prompts, params.max_tokens)
-    assert llm.block_manager.num_free_blocks == 12
+    assert llm.engine.block_manager.num_free_blocks == 12
 
 
 def test_chunked_prefill_gives_the_same_tokens(qwen3_path, hf_greedy):
@@ -154,14 +154,14 @@ def test_mixed_scheduling_gives_the_tokens_of_prefill_first(backend, qwen3_path,
     params = SamplingParams(temperature=0, max_tokens=12)
     llm = LLM(qwen3_path, max_model_len=512, kvcache_block_size=16, attention_backend=backend,
               scheduling="mixed", max_num_batched_tokens=32)
-    run, step_kinds = llm.model_runner.run, set()
+    run, step_kinds = llm.engine.runner.run, set()
     def recording_run(step):
         decodes = any(
             n == 1 and s.num_completion_tokens for s, n in zip(step.seqs, step.num_tokens)
         )
         step_kinds.add((step.ragged, decodes))
         return run(step)
-    llm.model_runner.run = recording_run
+    llm.engine.runner.run = recording_run
     ids = [llm.add_request(p, params) for p in prompts[:2]]
     outputs = {}
     for step in range(40):
@@ -206,10 +206,10 @@ def test_chat_and_stream_refuse_too_while_step_api_requests_are_unfinished(qwen3
                  lambda: next(llm.stream("Hi", GREEDY))):
         with pytest.raises(ValueError, match="1 requests added with add_request.* unfinished"):
             call()
-    assert len(llm.requests) == 1 and len(llm.scheduler.waiting) == 1
+    assert len(llm.requests) == 1 and len(llm.engine.scheduler.waiting) == 1
 
 
 def test_a_cpu_pool_holds_max_num_seqs_sequences_of_max_model_len(qwen3_path):
     """On CPU the pool is what the batch can use at most (when RAM allows, as here)."""
     llm = LLM(qwen3_path, max_model_len=64, max_num_seqs=3, kvcache_block_size=16)
-    assert llm.block_manager.num_blocks == 3 * 64 // 16
+    assert llm.engine.block_manager.num_blocks == 3 * 64 // 16

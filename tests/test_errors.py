@@ -22,7 +22,7 @@ def llm(qwen3_path):
 
 
 def assert_untouched_and_working(llm) -> None:
-    assert llm.is_finished() and not llm.requests and llm.block_manager.num_free_blocks == 4
+    assert llm.is_finished() and not llm.requests and llm.engine.block_manager.num_free_blocks == 4
     [out] = llm.generate([GOOD], GREEDY, use_tqdm=False)
     assert len(out.outputs[0].token_ids) == 4
 
@@ -100,8 +100,8 @@ def test_bad_request_is_rejected_by_add_request_too(llm):
 
 
 def test_huge_sampling_values_that_are_valid_sample_beside_the_others(llm):
-    huge = [SamplingParams(temperature=10 ** 30, max_tokens=4, seed=1),
-            SamplingParams(temperature=1.0, top_k=10 ** 30, max_tokens=4, seed=1)]
+    huge = [SamplingParams(temperature=10 ** 30, max_tokens=4, seed=1, ignore_eos=True),
+            SamplingParams(temperature=1.0, top_k=10 ** 30, max_tokens=4, seed=1, ignore_eos=True)]
     outputs = llm.generate([GOOD] * 3, huge + [GREEDY], use_tqdm=False)
     assert [len(o.outputs[0].token_ids) for o in outputs] == [4, 4, 4]
     assert outputs[2].outputs[0].token_ids == llm.generate([GOOD], GREEDY, use_tqdm=False)[0] \
@@ -131,8 +131,9 @@ def test_samples_of_requests_admitted_together_never_exceed_max_num_seqs(llm):
     running = []
     while not llm.is_finished():
         llm.step()
-        running.append(len(llm.scheduler.running))
-    assert running == [2, 0, 4, 0]  # max_num_seqs is 4: the third request waits once, then fits
+        running.append(len(llm.engine.scheduler.running))
+    # max_num_seqs is 4: the first four samples run, the last two wait for them to finish
+    assert running == [4, 0, 2, 0]
 
 
 def test_numpy_token_ids_are_token_ids(llm):
@@ -208,7 +209,7 @@ def test_invalid_sampling_values(kwargs, message):
         (dict(enforce_eager="yes"), "enforce_eager must be bool, got 'yes'"),
         (dict(tensor_parallel_size=True), "tensor_parallel_size must be int, got True"),
         (dict(gpu_memory_utilization=1.5), r"gpu_memory_utilization must be in \(0, 1\]"),
-        (dict(gpu_memory_utilization="0.5"), "gpu_memory_utilization must be float, got '0.5'"),
+        (dict(gpu_memory_utilization="0.5"), "gpu_memory_utilization must be a number, got '0.5'"),
         (dict(num_kvcache_blocks=0), "num_kvcache_blocks must be >= 1"),
         (dict(attention_backend="magic"), "attention_backend must be one of"),
         (dict(attention_backend="flash", device="cpu"), "needs a CUDA GPU"),
@@ -328,7 +329,7 @@ def test_text_prompt_is_checked_against_the_model_vocabulary(qwen3_path, tmp_pat
         ValueError, match=r"outside the vocabulary \[0, 256\): the tokenizer does not match"
     ):
         llm.generate(["Paged attention stores the key and value cache"], GREEDY, use_tqdm=False)
-    assert llm.is_finished() and llm.block_manager.num_free_blocks == llm.block_manager.num_blocks
+    assert llm.is_finished() and llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
 
 
 def test_a_closed_engine_says_so(qwen3_path):

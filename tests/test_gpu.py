@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from nanopaged import LLM, SamplingParams
-from nanopaged.config import flash_attn_available
+from nanopaged.core.config import flash_attn_available
 from nanopaged.random_checkpoint import TINY_QWEN3, write_random_checkpoint
 from conftest import random_prompts
 

@@ -5,8 +5,8 @@ import torch
 from transformers import MinPLogitsWarper
 
 from nanopaged import LLM, SamplingParams
-from nanopaged.sampler import Sampler
-from nanopaged.sequence import Sequence
+from nanopaged.core.sampler import Sampler
+from nanopaged.core.sequence import Sequence
 from conftest import random_prompts
 
 PROMPTS = random_prompts([6, 17, 30], seed=70)
@@ -107,8 +107,8 @@ def test_each_row_of_a_batch_gets_its_own_adjustments(llm):
 def test_min_p_keeps_the_tokens_at_least_min_p_times_as_likely_as_the_best():
     logits = torch.tensor([[0.5, 0.3, 0.15, 0.05]]).log()
     sampler = Sampler(torch.device("cpu"))
-    seqs = [Sequence([1], SamplingParams(min_p=0.2, temperature=1.0), 16) for _ in range(400)]
-    sampled = {t for [t] in sampler(logits.expand(400, -1).clone(), seqs).token_ids}
+    seqs = [Sequence([1], SamplingParams(min_p=0.2, temperature=1.0)) for _ in range(400)]
+    sampled = set(sampler(logits.expand(400, -1).clone(), seqs).tolist())
     kept = MinPLogitsWarper(min_p=0.2)(None, logits.clone()).isfinite()[0].nonzero()
     assert sampled == {0, 1, 2} == set(kept.flatten().tolist())
 

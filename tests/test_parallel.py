@@ -15,7 +15,8 @@ import psutil
 import pytest
 
 from nanopaged import LLM, SamplingParams
-from nanopaged.config import Config, free_port
+from nanopaged.core.config import Config
+from nanopaged.parallel import ParallelConfig, free_port
 from conftest import ARCHITECTURES, random_prompts
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -42,7 +43,7 @@ def test_two_ranks_match_transformers_with_prefix_hits_and_preemption(arch, mode
              num_kvcache_blocks=14, max_num_batched_tokens=48) as llm:
         first = llm.generate(prompts, GREEDY, use_tqdm=False)
         second = llm.generate(prompts[:3], GREEDY, use_tqdm=False)
-        assert llm.scheduler.num_preemptions > 0
+        assert llm.engine.scheduler.num_preemptions > 0
     # the shared 40 tokens fill two whole blocks, computed once
     assert [o.num_cached_tokens for o in first][:3] == [0, 32, 32]
     assert [o.num_cached_tokens for o in second] == [0, 32, 32]
@@ -98,13 +99,13 @@ def test_after_a_failed_start_the_next_engine_starts(qwen3_path, hf_greedy):
     assert out.outputs[0].token_ids == hf_greedy(qwen3_path, [[5, 6, 7]], GREEDY.max_tokens)[0]
 
 
-def failing_worker(config, rank):
+def failing_worker(config, parallel, rank):
     """Stands in for the worker's code: fails as a missing module would."""
     raise ImportError("No module named 'flash_attn_2_cuda'")
 
 
 def test_a_worker_failing_at_start_raises_its_error_at_once(qwen3_path, monkeypatch):
-    monkeypatch.setattr("nanopaged.model_runner.run_worker", failing_worker)
+    monkeypatch.setattr("nanopaged.parallel.run_worker", failing_worker)
     start = time.monotonic()
     with pytest.raises(
         RuntimeError,
@@ -156,14 +157,14 @@ def test_spawned_workers_need_a_script_they_can_import(qwen3_path, tmp_path, how
 
 def test_a_dead_worker_is_an_error_not_a_hang(qwen3_path):
     llm = LLM(qwen3_path, max_model_len=512, tensor_parallel_size=2)
-    [worker] = llm.model_runner.workers
-    execute, steps = llm.model_runner.execute, itertools.count()
+    [worker] = llm.engine.runner.workers
+    execute, steps = llm.engine.runner.execute, itertools.count()
     def execute_killing_the_worker(inputs):
         if next(steps) == 5:  # after rank 0 sent the step, before the step's collectives
             worker.kill()
             worker.join()
         return execute(inputs)
-    llm.model_runner.execute = execute_killing_the_worker
+    llm.engine.runner.execute = execute_killing_the_worker
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     with pytest.raises(RuntimeError, match="worker nanopaged-tp1 died"):
         llm.generate(random_prompts([20] * 4, seed=13), params, use_tqdm=False)
@@ -179,7 +180,7 @@ def test_a_step_failing_on_rank_0_stops_the_workers(qwen3_path):
     [worker] = worker_processes()
     def failing_logits(hidden):
         raise RuntimeError("logits failed")
-    llm.model_runner.model.compute_logits = failing_logits
+    llm.engine.runner.model.compute_logits = failing_logits
     with pytest.raises(RuntimeError, match="logits failed"):
         llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)
     assert not worker.is_running()
@@ -190,14 +191,15 @@ def test_a_step_failing_on_rank_0_stops_the_workers(qwen3_path):
 
 
 def test_tensor_parallel_errors(qwen3_path, monkeypatch):
+    config = Config(qwen3_path)
     with pytest.raises(ValueError, match="num_attention_heads=4 is not divisible"):
-        Config(qwen3_path, tensor_parallel_size=3)
+        ParallelConfig(tensor_parallel_size=3).check(config)
     with pytest.raises(ValueError, match="tensor_parallel_size must be >= 1"):
-        Config(qwen3_path, tensor_parallel_size=0)
+        LLM(qwen3_path, tensor_parallel_size=0)
     with pytest.raises(ValueError, match="distributed_port"):
-        Config(qwen3_path, tensor_parallel_size=2, distributed_port=70000)
+        ParallelConfig(tensor_parallel_size=2, distributed_port=70000)
     monkeypatch.setattr("torch.cuda.is_available", lambda: True)
     monkeypatch.setattr("torch.cuda.device_count", lambda: 1)
+    on_gpu = Config(qwen3_path, device="cuda", dtype="bfloat16", attention_backend="torch")
     with pytest.raises(ValueError, match="only 1 CUDA GPU"):
-        Config(qwen3_path, device="cuda", dtype="bfloat16", attention_backend="torch",
-               tensor_parallel_size=2)
+        ParallelConfig(tensor_parallel_size=2).check(on_gpu)

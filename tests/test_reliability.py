@@ -24,7 +24,7 @@ class Boom(Exception):
 @contextmanager
 def first_layer_raises(llm, error: type[BaseException], should_fail):
     """Makes the model's first layer raise `error` on the calls for which `should_fail(meta)`."""
-    layer = llm.model_runner.model.model.layers[0]
+    layer = llm.engine.runner.model.model.layers[0]
     forward = layer.forward
     def failing_forward(positions, hidden, residual, meta):
         if should_fail(meta):
@@ -50,15 +50,15 @@ def nth(kind: str, n: int):
 def fresh_engine(qwen3_path, **options) -> LLM:
     llm = LLM(qwen3_path, max_model_len=512, kvcache_block_size=BLOCK, **options)
     # slots that were never written hold noise, not zeros: serving one changes the tokens
-    llm.model_runner.kv_cache.normal_(0, 100)
+    llm.engine.runner.kv_cache.normal_(0, 100)
     return llm
 
 
 def assert_engine_is_clean(llm) -> None:
     assert llm.is_finished() and not llm.requests
-    assert llm.block_manager.num_free_blocks == llm.block_manager.num_blocks
-    assert all(block.ref_count == 0 for block in llm.block_manager.blocks)
-    assert not llm.block_manager.uncommitted
+    assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
+    assert all(block.ref_count == 0 for block in llm.engine.block_manager.blocks)
+    assert not llm.engine.block_manager.uncommitted
 
 
 def completions(outputs) -> list[list[int]]:
@@ -155,7 +155,7 @@ def traced_generate(qwen3_path):
     llm = fresh_engine(qwen3_path, **INTERRUPT_OPTIONS)
     with interrupted_at_line(None) as lines:
         llm.generate(INTERRUPT_PROMPTS, GREEDY, use_tqdm=False)
-    assert llm.scheduler.num_preemptions > 0
+    assert llm.engine.scheduler.num_preemptions > 0
     return lines
 
 
@@ -216,12 +216,12 @@ def test_a_failure_in_one_requests_bookkeeping_ends_that_request_alone(qwen3_pat
     request, with its error; the others in the same steps finish as they would alone."""
     llm = fresh_engine(qwen3_path)
     prompts = random_prompts([20, 30, 25], seed=36)
-    record = Request.record_logprobs
-    def failing_record(self, seq, logprobs):
-        if self.request_id == "1" and seq.num_completion_tokens == 5:
+    take = Request._take_token
+    def failing_take(self, index, position, token_id, logprobs):
+        if self.request_id == "1" and position == 4:
             raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "injected")
-        return record(self, seq, logprobs)
-    monkeypatch.setattr(Request, "record_logprobs", failing_record)
+        return take(self, index, position, token_id, logprobs)
+    monkeypatch.setattr(Request, "_take_token", failing_take)
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=1)
     with pytest.warns(UserWarning, match="request 1 failed: UnicodeDecodeError"):
         outputs = llm.generate(prompts, params, use_tqdm=False)

@@ -122,16 +122,16 @@ def test_a_stop_string_completed_by_the_last_allowed_token_is_a_stop(llm, qwen3_
     assert (completion.token_ids, completion.text, completion.finish_reason,
             completion.stop_reason) == expected == (tokens[:k], expected[1], "stop", "che")
     assert second.outputs[0].finish_reason == "length" and len(second.outputs[0].token_ids) == 3
-    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    assert engine.engine.block_manager.num_free_blocks == engine.engine.block_manager.num_blocks
 
 
 def test_eos_and_max_tokens_on_the_same_token_is_a_stop(llm):
-    eos = next(iter(llm.eos_token_ids))
-    llm.model_runner, runner = ScriptedRunner(script=[5, eos]), llm.model_runner
+    eos = next(iter(llm.inputs.eos_token_ids))
+    llm.engine.runner, runner = ScriptedRunner(script=[5, eos]), llm.engine.runner
     try:
         [output] = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2), use_tqdm=False)
     finally:
-        llm.model_runner = runner
+        llm.engine.runner = runner
     completion = output.outputs[0]
     assert (completion.token_ids, completion.finish_reason, completion.stop_reason) == \
         ([5, eos], "stop", None)
@@ -158,7 +158,7 @@ def test_stop_token_ids_and_min_tokens_match_transformers(llm, qwen3_path, hf_mo
 
 
 def test_eos_stops_with_no_stop_reason(llm):
-    eos = next(iter(llm.eos_token_ids))
+    eos = next(iter(llm.inputs.eos_token_ids))
     outputs = llm.generate(random_prompts([4] * 32, seed=1),
                            SamplingParams(temperature=1.0, max_tokens=300, seed=0), use_tqdm=False)
     stopped = [(o.prompt_token_ids, o.outputs[0]) for o in outputs
@@ -169,29 +169,31 @@ def test_eos_stops_with_no_stop_reason(llm):
 
 # ---- n samples of one prompt ----
 
-def test_n_samples_share_the_prompt_blocks_and_compute_it_once(qwen3_path):
+def test_n_samples_share_the_prompt_full_blocks_and_compute_them_once(qwen3_path):
     llm = LLM(qwen3_path, max_model_len=512, kvcache_block_size=16)
     prompt = random_prompts([100], seed=51)[0]  # 6 full blocks and 4 tokens
     params = SamplingParams(n=8, temperature=1.0, max_tokens=20, ignore_eos=True, seed=7)
-    prefill_tokens, run = [0], llm.model_runner.run
+    prefill_tokens, run = [0], llm.engine.runner.run
     def counting_run(step):
         prefill_tokens[0] += step.num_scheduled_tokens if step.ragged else 0
         return run(step)
-    llm.model_runner.run = counting_run
+    llm.engine.runner.run = counting_run
     llm.add_request(prompt, params)
     peak, outputs = 0, []
     while not llm.is_finished():
         outputs += llm.step()
-        peak = max(peak, llm.block_manager.num_blocks - llm.block_manager.num_free_blocks)
-    assert prefill_tokens[0] == 100
-    # 6 shared prompt blocks; each sample: its copy of the partial block, and one more block
+        peak = max(peak, llm.engine.block_manager.num_blocks - llm.engine.block_manager.num_free_blocks)
+    # the first sample computes the prompt; the 7 others, its last 4 tokens (the prefix cache
+    # serves them the 6 full blocks, entered in the same step)
+    assert prefill_tokens[0] == 100 + 7 * 4
+    # 6 shared prompt blocks; each sample: its own partial block, and one more block
     assert peak == 6 + 8 * 2  # unshared: 8 * 8
     completions = [c.token_ids for c in outputs[-1].outputs]
     assert [c.index for c in outputs[-1].outputs] == list(range(8))
     assert len(set(map(tuple, completions))) == 8 and all(len(c) == 20 for c in completions)
     again = llm.generate([prompt], params, use_tqdm=False)[0]
     assert [c.token_ids for c in again.outputs] == completions  # reproducible with a seed
-    assert llm.block_manager.num_free_blocks == llm.block_manager.num_blocks
+    assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
 
 
 def test_greedy_samples_equal_transformers_even_under_preemption(qwen3_path, hf_greedy):
@@ -201,10 +203,10 @@ def test_greedy_samples_equal_transformers_even_under_preemption(qwen3_path, hf_
     llm = LLM(qwen3_path, max_model_len=512, kvcache_block_size=16, num_kvcache_blocks=12)
     outputs = llm.generate(prompts, [SamplingParams(n=4, temperature=0, max_tokens=40),
                                      SamplingParams(temperature=0, max_tokens=40)], use_tqdm=False)
-    assert llm.scheduler.num_preemptions > 0
+    assert llm.engine.scheduler.num_preemptions > 0
     assert [c.token_ids for c in outputs[0].outputs] == [expected[0]] * 4
     assert outputs[1].outputs[0].token_ids == expected[1]
-    assert llm.block_manager.num_free_blocks == 12
+    assert llm.engine.block_manager.num_free_blocks == 12
 
 
 # ---- streamed outputs ----
@@ -267,14 +269,14 @@ def test_sentencepiece_text_keeps_the_space_before_a_word(metaspace_path, patter
     words = sorted((t for t in vocab if t.startswith("\u2581") and len(t) > 3), key=vocab.get)
     tokens = {"a": words[0], "b": words[1], "</s>": "</s>", "<s>": "<s>"}
     script = [vocab[tokens[name]] for name in pattern]
-    llm.model_runner = ScriptedRunner(script=script)
+    llm.engine.runner = ScriptedRunner(script=script)
     prompt = "Paged attention stores"
     params = SamplingParams(max_tokens=len(script), ignore_eos=True)
     [output] = llm.generate(prompt, params, use_tqdm=False)
     text = output.outputs[0].text
     assert text == " " + words[0][1:] + " " + words[1][1:]
     assert text == added_text(llm.tokenizer, output.prompt_token_ids, script)
-    llm.model_runner.script = list(script)
+    llm.engine.runner.script = list(script)
     assert "".join(llm.stream(prompt, params)) == text
 
 
@@ -291,17 +293,17 @@ def test_abort_frees_every_block_and_leaves_the_others_alone(qwen3_path, hf_gree
     ids = [llm.add_request(p, params) for p in prompts]
     for _ in range(5):
         llm.step()
-    free_before = llm.block_manager.num_free_blocks
+    free_before = llm.engine.block_manager.num_free_blocks
     held = len(llm.requests[ids[1]].seqs[0].block_table)
     llm.abort(ids[1])
-    assert llm.block_manager.num_free_blocks == free_before + held
+    assert llm.engine.block_manager.num_free_blocks == free_before + held
     outputs = {}
     while not llm.is_finished():
         outputs.update({o.request_id: o for o in llm.step()})
     assert set(outputs) == {ids[0], ids[2]}
     assert [outputs[i].outputs[0].token_ids for i in (ids[0], ids[2])] == \
         hf_greedy(qwen3_path, [prompts[0], prompts[2]], 30)
-    assert llm.block_manager.num_free_blocks == llm.block_manager.num_blocks
+    assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
 
 
 # ---- chat and model ids ----

@@ -2,8 +2,8 @@
 import torch
 
 from nanopaged import LLM, SamplingParams
-from nanopaged.sampler import Sampler
-from nanopaged.sequence import Sequence
+from nanopaged.core.sampler import Sampler
+from nanopaged.core.sequence import Sequence
 from conftest import random_prompts
 
 PROMPTS = random_prompts([5, 30, 12], seed=11)
@@ -44,8 +44,8 @@ def test_a_tiny_temperature_samples_the_argmax(qwen3_path):
 
 def _sample_many(logits: torch.Tensor, params: SamplingParams, n: int = 400) -> set[int]:
     sampler = Sampler(torch.device("cpu"))
-    seqs = [Sequence([1], params, 16) for _ in range(n)]
-    return {t for [t] in sampler(logits.expand(n, -1).clone(), seqs).token_ids}
+    seqs = [Sequence([1], params) for _ in range(n)]
+    return set(sampler(logits.expand(n, -1).clone(), seqs).tolist())
 
 
 def test_top_k_keeps_only_the_k_most_likely():

@@ -3,16 +3,16 @@ scheduler's steps run through the engine's own step, with a stand-in for the mod
 import pytest
 
 from nanopaged import LLM, SamplingParams
-from nanopaged import block_manager as bm
-from nanopaged.block_manager import BlockManager
-from nanopaged.sequence import Sequence
+from nanopaged.core import block_manager as bm
+from nanopaged.core.block_manager import BlockManager
+from nanopaged.core.sequence import Sequence
 from conftest import ScriptedRunner
 
 BLOCK = 4
 
 
 def seq_of(tokens: list[int], **params) -> Sequence:
-    return Sequence(tokens, SamplingParams(**params), BLOCK)
+    return Sequence(tokens, SamplingParams(**params))
 
 
 def admit(manager: BlockManager, seq: Sequence) -> Sequence:
@@ -182,29 +182,14 @@ def test_can_append_is_false_when_the_pool_is_empty():
     assert not manager.can_append(seq)
 
 
-def test_fork_shares_every_block_and_copies_the_last_on_write():
+def test_a_shared_full_block_is_never_written_a_new_token_takes_a_new_block():
     manager = BlockManager(8, BLOCK)
-    parent = admit(manager, seq_of(list(range(6))))  # blocks [0..3] full, [4, 5] partial
-    child = seq_of(list(range(6)))
-    manager.fork(parent, child)
-    assert child.block_table == parent.block_table
-    assert [manager.blocks[b].ref_count for b in parent.block_table] == [2, 2]
-    child.token_ids.append(9)
-    copy = manager.may_append(child)  # writes into the shared partial block: copy it first
-    assert child.block_table[0] == parent.block_table[0]
-    assert copy == (parent.block_table[1], child.block_table[1]) and copy[0] != copy[1]
-    parent.token_ids.append(8)
-    assert manager.may_append(parent) is None  # now the only holder: writes in place
-    assert [manager.blocks[b].ref_count for b in parent.block_table] == [2, 1]
-
-
-def test_can_append_into_a_shared_block_needs_a_free_block():
-    manager = BlockManager(2, BLOCK)
-    parent = admit(manager, seq_of(list(range(6))))
-    child = seq_of(list(range(6)))
-    manager.fork(parent, child)
-    child.token_ids.append(9)
-    assert not manager.can_append(child)
+    a = admit(manager, seq_of(list(range(9))))
+    b = admit(manager, seq_of(list(range(8)) + [70]))  # shares a's two full blocks
+    b.token_ids.append(71)
+    manager.may_append(b)
+    assert b.block_table[:2] == a.block_table[:2] and b.block_table[2] != a.block_table[2]
+    assert [manager.blocks[x].ref_count for x in b.block_table] == [2, 2, 1]
 
 
 def test_deallocate_returns_every_block():
@@ -225,7 +210,7 @@ def engine(qwen3_path):
         llm = LLM(qwen3_path, kvcache_block_size=BLOCK, num_kvcache_blocks=num_blocks,
                   max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                   scheduling=scheduling, max_model_len=max_model_len)
-        llm.model_runner = ScriptedRunner()
+        llm.engine.runner = ScriptedRunner()
         return llm
     return make
 
@@ -238,7 +223,7 @@ def add(llm: LLM, tokens: list[int], max_tokens: int = 8, **params) -> Sequence:
 
 def last_step(llm: LLM) -> list[tuple[Sequence, int]]:
     """(sequence, tokens it ran) for each sequence of the step that ran last."""
-    step = llm.model_runner.steps[-1]
+    step = llm.engine.runner.steps[-1]
     return list(zip(step.seqs, step.num_tokens))
 
 
@@ -247,8 +232,8 @@ def test_prefill_admits_in_order_and_chunks_only_the_last_prompt(engine):
     seqs = [add(llm, list(range(s, s + n))) for s, n in ((10, 8), (100, 9), (200, 10), (300, 3))]
     llm.step()
     assert last_step(llm) == [(seqs[0], 8), (seqs[1], 9), (seqs[2], 3)]  # the third is cut
-    assert list(llm.scheduler.waiting) == seqs[2:] and list(llm.scheduler.running) == seqs[:2]
-    assert llm.model_runner.steps[-1].samplers == seqs[:2]  # a cut prompt samples nothing yet
+    assert list(llm.engine.scheduler.waiting) == seqs[2:] and list(llm.engine.scheduler.running) == seqs[:2]
+    assert llm.engine.runner.steps[-1].samplers == seqs[:2]  # a cut prompt samples nothing yet
 
 
 def test_each_admitted_sequence_counts_once_against_max_num_seqs(engine):
@@ -258,38 +243,37 @@ def test_each_admitted_sequence_counts_once_against_max_num_seqs(engine):
     assert [seq for seq, _ in last_step(llm)] == seqs[:8]
     llm.step()
     assert [seq for seq, _ in last_step(llm)] == seqs[:8]  # a decode step: the ninth waits
-    assert list(llm.scheduler.waiting) == seqs[8:]
+    assert list(llm.engine.scheduler.waiting) == seqs[8:]
 
 
-def test_the_samples_of_a_request_count_against_max_num_seqs(engine):
+def samples(llm: LLM, seq: Sequence) -> list[Sequence]:
+    """The sequences of the request `seq` belongs to."""
+    return llm.owners[seq][0].seqs
+
+
+def test_each_sample_of_a_request_counts_once_against_max_num_seqs(engine):
     llm = engine(max_num_seqs=4)
     first = add(llm, [1, 2])
-    add(llm, [3, 4, 5], n=4)  # 1 + 4 sequences would exceed 4
+    second = samples(llm, add(llm, [3, 4, 5], n=4))
     llm.step()
-    assert last_step(llm) == [(first, 2)]
+    assert last_step(llm) == [(first, 2), *((s, 3) for s in second[:3])]
+    assert list(llm.engine.scheduler.waiting) == second[3:]
 
 
-def test_the_samples_of_requests_admitted_together_count_against_max_num_seqs(engine):
-    llm = engine(max_num_seqs=4)
-    first, second = add(llm, [1, 2], n=2), add(llm, [3, 4], n=3)
-    llm.step()
-    assert last_step(llm) == [(first, 2)] and len(llm.scheduler.running) == 2
-    assert list(llm.scheduler.waiting) == [second]
-
-
-def test_forks_share_the_prompt_and_sample_from_its_row(engine):
+def test_the_samples_of_a_prompt_share_its_full_blocks_through_the_prefix_cache(engine):
+    """A request's n samples are n sequences; those admitted after the first find its full
+    blocks entered in the prefix cache (in the same step), and compute only the rest."""
     llm = engine()
-    leader = add(llm, list(range(6)), n=3)
-    forks = list(leader.forks)
+    leader, *others = samples(llm, add(llm, list(range(6)), n=3))  # one full block, 2 tokens
     llm.step()
-    step = llm.model_runner.steps[-1]
-    assert step.samplers == [leader, *forks] and step.sample_rows == [0, 0, 0]
-    assert list(llm.scheduler.running) == [leader, *forks] and leader.forks == []
-    assert all(f.block_table == leader.block_table and f.token_ids == leader.token_ids
-               for f in forks)
+    step = llm.engine.runner.steps[-1]
+    assert last_step(llm) == [(leader, 6), (others[0], 2), (others[1], 2)]
+    assert step.samplers == [leader, *others] and step.sample_rows == [0, 1, 2]
+    assert all(s.block_table[0] == leader.block_table[0] and s.num_cached_tokens == 4
+               for s in others)
+    assert len({s.block_table[1] for s in (leader, *others)}) == 3  # the partial block: private
     llm.step()
-    assert last_step(llm) == [(leader, 1), (forks[0], 1), (forks[1], 1)]
-    assert len(llm.model_runner.steps[-1].block_copies) == 2  # the partial prompt block, twice
+    assert last_step(llm) == [(leader, 1), (others[0], 1), (others[1], 1)]
 
 
 def test_decode_preempts_the_newest_and_puts_it_at_the_front_of_waiting(engine):
@@ -300,7 +284,7 @@ def test_decode_preempts_the_newest_and_puts_it_at_the_front_of_waiting(engine):
     queued = add(llm, [40], max_tokens=2)
     llm.step()  # `oldest` needs a block: the newest running sequence gives up its own
     assert last_step(llm) == [(oldest, 1), (middle, 1), (newer, 1)]
-    assert list(llm.scheduler.waiting) == [newest, queued] and llm.scheduler.num_preemptions == 1
+    assert list(llm.engine.scheduler.waiting) == [newest, queued] and llm.engine.scheduler.num_preemptions == 1
     assert newest.block_table == [] and newest.num_computed_tokens == 0
 
 
@@ -310,8 +294,8 @@ def test_a_preempted_sequence_is_recomputed_with_its_tokens(engine):
     llm.step()
     llm.step()  # `first` takes the last block
     llm.step()  # `second` needs a block: it is the newest, so it gives up its own
-    assert list(llm.scheduler.waiting) == [second] and len(second) == 5
-    while second not in llm.model_runner.steps[-1].seqs:
+    assert list(llm.engine.scheduler.waiting) == [second] and len(second) == 5
+    while second not in llm.engine.runner.steps[-1].seqs:
         llm.step()
     assert last_step(llm) == [(second, 5)]  # its prompt and its sampled tokens, recomputed
 
@@ -324,14 +308,14 @@ def test_decode_preempts_the_sequence_itself_when_no_other_runs(engine):
     llm.step()  # the prompt's first chunk takes the rest of the pool
     llm.step()  # a decode step between chunks: `alone` needs a block and gives up its own;
     # with nothing left to decode, the prompt's next chunk runs instead
-    assert last_step(llm) == [(prompt, 6)] and list(llm.scheduler.waiting) == [alone]
-    assert alone.block_table == [] and llm.scheduler.num_preemptions == 1
+    assert last_step(llm) == [(prompt, 6)] and list(llm.engine.scheduler.waiting) == [alone]
+    assert alone.block_table == [] and llm.engine.scheduler.num_preemptions == 1
 
 
 def test_decode_batch_is_capped_by_the_token_budget_oldest_first(engine):
     llm = engine(max_num_batched_tokens=3)
     seqs = [add(llm, [i + 1]) for i in range(5)]
-    while llm.scheduler.waiting:
+    while llm.engine.scheduler.waiting:
         llm.step()
     llm.step()
     assert [seq for seq, _ in last_step(llm)] == seqs[:3]
@@ -366,7 +350,7 @@ def test_mixed_decodes_everyone_and_fills_the_budget_with_prefill_chunks(engine)
     long_prompt = add(llm, list(range(30)))
     llm.step()
     assert last_step(llm) == [(decoding[0], 1), (decoding[1], 1), (long_prompt, 8)]
-    assert llm.model_runner.steps[-1].ragged
+    assert llm.engine.runner.steps[-1].ragged
 
 
 def test_a_step_is_a_plain_decode_only_when_each_sequence_runs_its_last_token_once(engine):
@@ -374,15 +358,16 @@ def test_a_step_is_a_plain_decode_only_when_each_sequence_runs_its_last_token_on
     add(llm, [1, 2]), add(llm, [3, 4])
     llm.step()
     llm.step()
-    assert not llm.model_runner.steps[-1].ragged  # two decodes
-    prompt = add(llm, [5, 6, 7], n=2)
+    assert not llm.engine.runner.steps[-1].ragged  # two decodes
+    prompt = add(llm, [5, 6])
     kinds = []
-    for _ in range(3):  # two decodes and one prompt token a step
+    for _ in range(2):  # two decodes and one prompt token a step
         llm.step()
-        step = llm.model_runner.steps[-1]
+        step = llm.engine.runner.steps[-1]
         kinds.append((last_step(llm)[-1], len(step.samplers), step.ragged))
-    # a token inside the prompt, then its last token, whose row its fork samples too
-    assert kinds == [((prompt, 1), 2, True), ((prompt, 1), 2, True), ((prompt, 1), 4, True)]
+    # a token inside the prompt (ragged), then its last token: every sequence runs its last
+    # token once, a plain decode step
+    assert kinds == [((prompt, 1), 2, True), ((prompt, 1), 3, False)]
 
 
 def test_a_preempted_sequence_waits_behind_a_prompt_being_chunked(engine):
@@ -393,15 +378,14 @@ def test_a_preempted_sequence_waits_behind_a_prompt_being_chunked(engine):
     llm.step()
     prompt = add(llm, list(range(100, 112)), max_tokens=4)  # 3 blocks, 5 tokens a step
     llm.step()
-    assert prompt.num_computed_tokens == 5 and llm.block_manager.num_free_blocks == 0
+    assert prompt.num_computed_tokens == 5 and llm.engine.block_manager.num_free_blocks == 0
     llm.step()  # `decoding` needs a block: it is preempted
-    assert last_step(llm) == [(prompt, 6)] and list(llm.scheduler.waiting) == [prompt, decoding]
+    assert last_step(llm) == [(prompt, 6)] and list(llm.engine.scheduler.waiting) == [prompt, decoding]
 
 
 @pytest.mark.parametrize("params, tokens, reason, stop_reason", [
     (dict(max_tokens=3), [5, 5, 5], "length", None),
     (dict(max_tokens=9, stop_token_ids=[6]), [5, 6], "stop", 6),
-    (dict(max_tokens=9, stop_token_ids=[6], min_tokens=3), [6, 5, 6], "stop", 6),
     (dict(max_tokens=2, stop_token_ids=[6]), [5, 6], "stop", 6),  # a stop token beats max_tokens
 ])
 def test_a_step_finishes_and_frees(engine, params, tokens, reason, stop_reason):
@@ -409,10 +393,11 @@ def test_a_step_finishes_and_frees(engine, params, tokens, reason, stop_reason):
     seq = add(llm, [1, 2, 3], **params)
     for token in tokens:
         assert seq.finish_reason is None
-        llm.model_runner.token = token
-        llm.step()
-    assert (seq.finish_reason, seq.stop_reason) == (reason, stop_reason)
-    assert llm.is_finished() and llm.block_manager.num_free_blocks == 64
+        llm.engine.runner.token = token
+        [output] = llm.step()
+    completion = output.outputs[0]
+    assert (completion.finish_reason, completion.stop_reason) == (reason, stop_reason)
+    assert llm.is_finished() and llm.engine.block_manager.num_free_blocks == 64
 
 
 def test_length_stops_at_max_model_len(engine):

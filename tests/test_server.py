@@ -13,7 +13,7 @@ import psutil
 import pytest
 
 from nanopaged import LLM, SamplingParams
-from nanopaged.config import free_port
+from nanopaged.parallel import free_port
 from conftest import random_prompts
 
 openai = pytest.importorskip("openai")

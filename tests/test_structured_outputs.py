@@ -119,7 +119,7 @@ def test_structured_outputs_under_preemption_and_streamed(qwen3_path):
                 shown[key] = c.text
             if output.finished:
                 final[output.request_id] = output
-    assert llm.scheduler.num_preemptions > 0 and set(final) == set(ids)
+    assert llm.engine.scheduler.num_preemptions > 0 and set(final) == set(ids)
     for text in texts(final.values()):
         jsonschema.validate(json.loads(text), SCHEMA)
 

@@ -8,7 +8,8 @@ import sys
 import psutil
 import pytest
 
-from nanopaged.config import Config, free_port
+from nanopaged import LLM
+from nanopaged.parallel import free_port
 from conftest import random_prompts
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -149,13 +150,13 @@ def test_external_launcher_outside_torchrun_is_an_error(qwen3_path, monkeypatch)
     for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR"):
         monkeypatch.delenv(name, raising=False)
     with pytest.raises(ValueError, match="runs under torchrun, which sets RANK"):
-        Config(qwen3_path, tensor_parallel_size=2, distributed_executor_backend="external_launcher")
+        LLM(qwen3_path, tensor_parallel_size=2, distributed_executor_backend="external_launcher")
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("LOCAL_RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "4")
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", "29500")
     with pytest.raises(ValueError, match="torchrun started 4 processes.*tensor_parallel_size=2"):
-        Config(qwen3_path, tensor_parallel_size=2, distributed_executor_backend="external_launcher")
+        LLM(qwen3_path, tensor_parallel_size=2, distributed_executor_backend="external_launcher")
     with pytest.raises(ValueError, match="distributed_executor_backend must be one of"):
-        Config(qwen3_path, distributed_executor_backend="ray")
+        LLM(qwen3_path, distributed_executor_backend="ray")

@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-triton_attention = pytest.importorskip("nanopaged.triton_attention")
-from nanopaged.attention import (AttentionMetadata, decode_torch, prefill_torch,  # noqa: E402
+triton_attention = pytest.importorskip("nanopaged.core.triton_attention")
+from nanopaged.core.attention import (AttentionMetadata, decode_torch, prefill_torch,  # noqa: E402
                                  store_kvcache_torch)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

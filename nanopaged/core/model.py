@@ -1,16 +1,18 @@
 """One decoder for Qwen3, Qwen2 and Llama checkpoints; they differ only in two details.
 
 Qwen3 normalises q and k per head (RMSNorm) before the rotary embedding; Qwen2 has biases on
-the q/k/v projections; Llama has neither (unless its config asks for biases).
+the q/k/v projections; Llama has neither (unless its config asks for biases). Other model
+families stand above the core (`nanopaged/models/`) and enter `ARCHITECTURES` themselves.
 """
 import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from nanopaged.attention import Attention, AttentionMetadata
-from nanopaged.layers import (MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear,
-                              RMSNorm, RotaryEmbedding, RowParallelLinear, VocabParallelEmbedding,
-                              silu_and_mul, tp_rank_and_size)
+from nanopaged.core.attention import Attention, AttentionMetadata
+from nanopaged.core.layers import (MergedColumnParallelLinear, ParallelLMHead,
+                                   QKVParallelLinear, RMSNorm, RotaryEmbedding,
+                                   RowParallelLinear, VocabParallelEmbedding, silu_and_mul,
+                                   tp_rank_and_size)
 
 
 def rope_parameters(config: PretrainedConfig) -> dict:
@@ -20,35 +22,35 @@ def rope_parameters(config: PretrainedConfig) -> dict:
     return dict(getattr(config, "rope_scaling", None) or {}, rope_theta=config.rope_theta)
 
 
-ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen2ForCausalLM", "LlamaForCausalLM")
-
-
 def check_supported(config: PretrainedConfig) -> None:
-    """Raises ValueError naming an architecture, or a config field, that asks for something this
+    """Raises ValueError naming an architecture, or a config field, that asks for something the
     model does not do, rather than run a silently different model."""
     architectures = getattr(config, "architectures", None) or []
-    if not any(a in ARCHITECTURES for a in architectures):
+    supported = [a for a in architectures if a in ARCHITECTURES]
+    if not supported:
         raise ValueError(f"unsupported architecture {architectures}; nanopaged supports "
                          f"{', '.join(ARCHITECTURES)}")
+    for name, value in ARCHITECTURES[supported[0]].unsupported(config).items():
+        shown = f"{name}={value!r}" if value not in (None, True) else name
+        raise ValueError(f"the checkpoint's config has {shown}, which nanopaged does not "
+                         f"implement")
+
+
+def unsupported_fields(config: PretrainedConfig, activation: str = "silu") -> dict:
+    """The fields of a Qwen- or Llama-like config that ask for what this decoder does not do,
+    with their values."""
     rope = rope_parameters(config)
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    partial = rope.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
     layer_types = getattr(config, "layer_types", None)
     sliding = (any(t != "full_attention" for t in layer_types) if layer_types
                else getattr(config, "use_sliding_window", False))
-    unsupported = {
-        "hidden_act": config.hidden_act != "silu",
-        "rope_type": rope.get("rope_type", rope.get("type", "default"))
-        not in ("default", "llama3"),
-        "partial_rotary_factor": rope.get("partial_rotary_factor",
-                                          getattr(config, "partial_rotary_factor", 1.0)) != 1.0,
-        "use_sliding_window / layer_types (sliding-window attention)": sliding,
-        "quantization_config": getattr(config, "quantization_config", None) is not None,
-    }
-    for name, bad in unsupported.items():
-        if bad:
-            value = getattr(config, name, None) or rope.get(name)
-            shown = f"{name}={value!r}" if value else name
-            raise ValueError(f"the checkpoint's config has {shown}, which nanopaged does not "
-                             f"implement")
+    found = {"hidden_act": config.hidden_act if config.hidden_act != activation else None,
+             "rope_type": rope_type if rope_type not in ("default", "llama3") else None,
+             "partial_rotary_factor": partial if partial != 1.0 else None,
+             "use_sliding_window / layer_types (sliding-window attention)": sliding or None,
+             "quantization_config": getattr(config, "quantization_config", None)}
+    return {name: value for name, value in found.items() if value is not None}
 
 
 class DecoderAttention(nn.Module):
@@ -140,7 +142,9 @@ class DecoderModel(nn.Module):
 
 class CausalLM(nn.Module):
     """The decoder plus the LM head; `forward` returns hidden states, `compute_logits` the
-    logits of the rows that sample."""
+    logits of the rows that sample. `unsupported(config)` names what a checkpoint's config asks
+    for that the model does not do; the loader fills the parameters through `packed_modules`."""
+    unsupported = staticmethod(unsupported_fields)
 
     # checkpoint name fragment -> (packed parameter fragment, shard id)
     packed_modules = {
@@ -180,3 +184,8 @@ class CausalLM(nn.Module):
             layer.self_attn.attn.k_cache = kv_cache[0, i]
             layer.self_attn.attn.v_cache = kv_cache[1, i]
         return kv_cache
+
+
+# architecture name (a checkpoint's `architectures`) -> its model class
+ARCHITECTURES: dict[str, type[nn.Module]] = dict.fromkeys(
+    ("Qwen3ForCausalLM", "Qwen2ForCausalLM", "LlamaForCausalLM"), CausalLM)

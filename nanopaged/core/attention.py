@@ -99,13 +99,13 @@ def decode_flash(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> 
 
 
 def prefill_triton(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    from nanopaged.triton_attention import prefill_paged
+    from nanopaged.core.triton_attention import prefill_paged
     return prefill_paged(q, k_cache, v_cache, meta.cu_seqlens_q, meta.context_lens,
                          meta.block_tables, meta.max_seqlen_q, scale)
 
 
 def decode_triton(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    from nanopaged.triton_attention import decode_paged
+    from nanopaged.core.triton_attention import decode_paged
     return decode_paged(q, k_cache, v_cache, meta.block_tables, meta.context_lens,
                         meta.max_seqlen_k, scale)
 
@@ -114,7 +114,7 @@ def get_backend(name: str):
     """(store_kvcache, prefill, decode) functions for a backend name."""
     if name == "torch":
         return store_kvcache_torch, prefill_torch, decode_torch
-    from nanopaged.triton_attention import store_kvcache
+    from nanopaged.core.triton_attention import store_kvcache
     if name == "triton":
         return store_kvcache, prefill_triton, decode_triton
     return store_kvcache, prefill_flash, decode_flash

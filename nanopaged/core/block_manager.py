@@ -4,7 +4,7 @@ from collections import OrderedDict
 import numpy as np
 import xxhash
 
-from nanopaged.sequence import Sequence
+from nanopaged.core.sequence import Sequence
 
 
 def hash_block(parent_hash: int | None, token_ids: list[int]) -> int:
@@ -36,14 +36,15 @@ class BlockManager:
 
     Free blocks wait in `free_block_ids`, least recently freed first: that order is the eviction
     policy. A freed block keeps its hash, so a later request with the same prefix can take it
-    back, until the block is handed out again and its contents overwritten.
+    back, until the block is handed out again and its contents overwritten. Only full blocks are
+    shared, and a full block is never written again, so a shared block needs no copy.
 
     A block's hash is entered when the step that fills it is scheduled, so that later sequences
-    of the same step can share it, but it is only *committed* once that step has run: after a
-    failed step, `rollback` forgets every hash the step entered, because their K/V was never
-    written. A shared block that a sequence must write into is first copied (copy-on-write).
-    Without `enable_prefix_caching`, and for a request that asks for its prompt's logprobs
-    (which must be computed to be reported), nothing is looked up.
+    of the same step can share it (the n samples of a prompt, say), but it is only *committed*
+    once that step has run: after a failed step, `rollback` forgets every hash the step entered,
+    because their K/V was never written. Without `enable_prefix_caching`, and for a sequence
+    that asks for its prompt's logits (which must be computed to be reported), nothing is
+    looked up.
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
@@ -62,6 +63,9 @@ class BlockManager:
     def num_free_blocks(self) -> int:
         return len(self.free_block_ids)
 
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
     def _cached_prefix(self, seq: Sequence) -> list[int]:
         """Block ids that already hold the leading full blocks of `seq`.
 
@@ -69,10 +73,10 @@ class BlockManager:
         is always left to compute: the model needs it to produce the next token's logits.
         """
         hits, parent = [], None
-        if not self.enable_prefix_caching or seq.sampling_params.prompt_logprobs is not None:
+        if not self.enable_prefix_caching or seq.prompt_logits:
             return hits
         for i in range((len(seq) - 1) // self.block_size):
-            token_ids = seq.block_tokens(i)
+            token_ids = self._block_tokens(seq, i)
             parent = hash_block(parent, token_ids)
             block_id = self.hash_to_block.get(parent)
             if block_id is None or self.blocks[block_id].token_ids != token_ids:
@@ -87,68 +91,45 @@ class BlockManager:
         assert not seq.block_table
         hits = self._cached_prefix(seq)
         hits_in_use = sum(1 for b in hits if self.blocks[b].ref_count > 0)
-        if seq.num_blocks - hits_in_use > self.num_free_blocks:
+        if self.blocks_for(len(seq)) - hits_in_use > self.num_free_blocks:
             return False
         for block_id in hits:
-            self._share(block_id)
+            block = self.blocks[block_id]
+            if block.ref_count == 0:
+                del self.free_block_ids[block_id]
+            block.ref_count += 1
         seq.block_table = list(hits)
-        for _ in range(seq.num_blocks - len(hits)):
+        for _ in range(self.blocks_for(len(seq)) - len(hits)):
             seq.block_table.append(self._take_free_block())
         seq.num_computed_tokens = len(hits) * self.block_size
         if seq.num_completion_tokens == 0:  # first admission, not a recompute after preemption
             seq.num_cached_tokens = seq.num_computed_tokens
         return True
 
-    def fork(self, parent: Sequence, child: Sequence) -> None:
-        """Gives `child` (a sample of the same prompt) a share of every block of `parent`."""
-        for block_id in parent.block_table:
-            self._share(block_id)
-        child.block_table = list(parent.block_table)
-        child.num_computed_tokens = parent.num_computed_tokens
-        child.num_cached_tokens = parent.num_cached_tokens
-
     def deallocate(self, seq: Sequence) -> None:
-        """Release the blocks of `seq`. Its tail blocks are freed first, so they are evicted
+        """Releases the blocks of `seq`. Its tail blocks are freed first, so they are evicted
         before the shared head of the prefix."""
-        for block_id in reversed(seq.block_table):
-            block = self.blocks[block_id]
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                self.free_block_ids[block_id] = None
-        seq.block_table = []
+        while seq.block_table:
+            self._release(seq.block_table.pop())
         seq.num_computed_tokens = 0
 
     def can_append(self, seq: Sequence) -> bool:
-        """Whether the pool can hold the K/V of the token that `seq` decodes next: in a new
-        block, or in a copy of its last block when that block is shared."""
-        if self.free_block_ids:
-            return True
-        full = len(seq.token_ids) > len(seq.block_table) * self.block_size
-        return not full and self.blocks[seq.block_table[-1]].ref_count == 1
+        """Whether the pool can hold the K/V of the token that `seq` decodes next."""
+        return bool(self.free_block_ids) or len(seq) <= len(seq.block_table) * self.block_size
 
-    def may_append(self, seq: Sequence) -> tuple[int, int] | None:
+    def may_append(self, seq: Sequence) -> None:
         """Makes room for the K/V of the token that `seq` decodes next: a new block when its last
-        one is full, a private copy when it is shared (copy-on-write; returns the (source,
-        destination) copy that the step must make before it runs). When that token fills its
-        block, enters the block in the prefix cache."""
-        num_tokens, copy = len(seq.token_ids), None
-        if num_tokens > len(seq.block_table) * self.block_size:
+        one is full. When that token fills its block, enters the block in the prefix cache."""
+        if len(seq) > len(seq.block_table) * self.block_size:
             seq.block_table.append(self._take_free_block())
-        elif self.blocks[seq.block_table[-1]].ref_count > 1:  # shared with another sample
-            shared = self.blocks[seq.block_table[-1]]
-            shared.ref_count -= 1
-            seq.block_table[-1] = self._take_free_block()
-            copy = (shared.block_id, seq.block_table[-1])
-        if num_tokens % self.block_size == 0:
-            self._cache_block(seq, num_tokens // self.block_size - 1)
-        return copy
+        if len(seq) % self.block_size == 0:
+            self._cache_block(seq, len(seq) // self.block_size - 1)
 
     def reserve(self, seq: Sequence, num_slots: int) -> int:
         """After `may_append`: makes room for up to `num_slots` proposals past the last token of
         `seq`, with free blocks only; returns how many slots it has room for."""
-        in_last_block = len(seq.block_table) * self.block_size - len(seq.token_ids)
-        new_blocks = min(-(-(num_slots - in_last_block) // self.block_size),
-                         self.num_free_blocks)
+        in_last_block = len(seq.block_table) * self.block_size - len(seq)
+        new_blocks = min(self.blocks_for(num_slots - in_last_block), self.num_free_blocks)
         for _ in range(new_blocks):
             seq.block_table.append(self._take_free_block())
         return min(num_slots, in_last_block + max(0, new_blocks) * self.block_size)
@@ -156,15 +137,12 @@ class BlockManager:
     def trim(self, seq: Sequence) -> None:
         """After a step that verified proposals of `seq`, with the accepted ones and one token
         more appended: the K/V of every token but the last is in the cache. Enters the blocks
-        the accepted proposals fill in the prefix cache, and gives back the blocks reserved past
-        the sequence's end."""
-        self.cache_full_blocks(seq, len(seq.token_ids) - 1 - seq.num_computed_tokens)
-        seq.num_computed_tokens = len(seq.token_ids) - 1
-        while len(seq.block_table) > seq.num_blocks:
-            block = self.blocks[seq.block_table.pop()]
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                self.free_block_ids[block.block_id] = None
+        the accepted proposals filled in the prefix cache, and gives back the blocks reserved
+        past the sequence's end."""
+        self.cache_full_blocks(seq, len(seq) - 1 - seq.num_computed_tokens)
+        seq.num_computed_tokens = len(seq) - 1
+        while len(seq.block_table) > self.blocks_for(len(seq)):
+            self._release(seq.block_table.pop())
 
     def cache_full_blocks(self, seq: Sequence, num_tokens: int) -> None:
         """Enters in the prefix cache the blocks that the next `num_tokens` tokens of `seq` fill.
@@ -202,6 +180,9 @@ class BlockManager:
             block.ref_count = 0
             self.free_block_ids.setdefault(block.block_id)
 
+    def _block_tokens(self, seq: Sequence, i: int) -> list[int]:
+        return seq.token_ids[i * self.block_size:(i + 1) * self.block_size]
+
     def _cache_block(self, seq: Sequence, i: int) -> None:
         block = self.blocks[seq.block_table[i]]
         if block.hash is not None or not self.enable_prefix_caching:  # a hit: registered
@@ -209,7 +190,7 @@ class BlockManager:
         # journalled before the hash exists, so that no interrupt can leave a hash unjournalled
         self.uncommitted.append(block.block_id)
         parent = self.blocks[seq.block_table[i - 1]].hash if i > 0 else None
-        block.token_ids = seq.block_tokens(i)
+        block.token_ids = self._block_tokens(seq, i)
         block.hash = hash_block(parent, block.token_ids)
         self.hash_to_block.setdefault(block.hash, block.block_id)  # the first copy stays found
 
@@ -218,11 +199,11 @@ class BlockManager:
             del self.hash_to_block[block.hash]
         block.hash, block.token_ids = None, []
 
-    def _share(self, block_id: int) -> None:
+    def _release(self, block_id: int) -> None:
         block = self.blocks[block_id]
+        block.ref_count -= 1
         if block.ref_count == 0:
-            del self.free_block_ids[block_id]
-        block.ref_count += 1
+            self.free_block_ids[block_id] = None
 
     def _take_free_block(self) -> int:
         block_id, _ = self.free_block_ids.popitem(last=False)

@@ -7,20 +7,22 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 from transformers import PretrainedConfig
 
-from nanopaged.model import CausalLM
+from nanopaged.core.model import ARCHITECTURES
 
 # Checkpoint tensors the model has no parameter for, by design.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 def load_model(path: str, hf_config: PretrainedConfig, dtype: torch.dtype, device: torch.device,
-               attention_backend: str) -> CausalLM:
-    """The model of the checkpoint at `path`, built in `dtype` on `device`."""
+               attention_backend: str) -> nn.Module:
+    """The model of the checkpoint at `path` (its config `hf_config`, checked by
+    `check_supported`), built in `dtype` on `device`."""
+    architecture = next(a for a in hf_config.architectures if a in ARCHITECTURES)
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with device:
-            model = CausalLM(hf_config, attention_backend)
+            model = ARCHITECTURES[architecture](hf_config, attention_backend)
     finally:
         torch.set_default_dtype(default_dtype)
     load_weights(model, path)

@@ -2,24 +2,21 @@
 from collections import deque
 from dataclasses import dataclass, field
 
-from nanopaged.block_manager import BlockManager
-from nanopaged.config import Config
-from nanopaged.sequence import Sequence
+from nanopaged.core.block_manager import BlockManager
+from nanopaged.core.config import Config
+from nanopaged.core.sequence import Sequence
 
 
 @dataclass
 class ScheduledStep:
     """One step as the scheduler decided it: the record the runner and the engine work from.
 
-    The model runs `num_tokens[i]` tokens of `seqs[i]` from position `starts[i]`. Each row of
-    sampling is a sequence of `samplers`, sampled from the logits of the last token that
-    `seqs[sample_rows[j]]` runs: a sequence whose step reaches its last token samples once, and
-    on the step that ends its prompt its forks sample from the same row. A step is a plain
-    decode step when every sequence runs just its last token and samples once; any other step
-    (prompt chunks, forks) is `ragged`. `block_copies` lists the copy-on-write (source,
-    destination) block copies to make before the model runs. With speculative decoding,
-    `lookahead_slots` maps a sequence (by index) to the cache slots reserved past its last
-    token for proposals to verify.
+    The model runs `num_tokens[i]` tokens of `seqs[i]` from position `starts[i]`. A sequence
+    whose tokens reach its last token samples the next one: it is one of `samplers`, whose rows
+    in the step are `sample_rows`. A step is a plain decode step when every sequence runs just
+    its last token; any other step (prompt chunks) is `ragged`. With speculative decoding,
+    `lookahead_slots` maps a sequence (by index) to the cache slots reserved past its last token
+    for proposals to verify.
     """
     seqs: list[Sequence] = field(default_factory=list)
     starts: list[int] = field(default_factory=list)
@@ -27,7 +24,6 @@ class ScheduledStep:
     samplers: list[Sequence] = field(default_factory=list)
     sample_rows: list[int] = field(default_factory=list)
     ragged: bool = False
-    block_copies: list[tuple[int, int]] = field(default_factory=list)
     lookahead_slots: dict[int, int] = field(default_factory=dict)
 
     def add(self, seq: Sequence, num_tokens: int) -> None:
@@ -42,11 +38,10 @@ class ScheduledStep:
             self.sample_rows.append(len(self.seqs) - 1)
 
     def add_decodes(self, seqs: list[Sequence]) -> None:
-        """Runs the last token of each of `seqs` (tokens its K/V does not hold yet), which
-        then samples once."""
+        """Runs the last token of each of `seqs` (the token its K/V does not hold yet)."""
         first = len(self.seqs)
         self.seqs += seqs
-        self.starts += [len(seq.token_ids) - 1 for seq in seqs]
+        self.starts += [len(seq) - 1 for seq in seqs]
         self.num_tokens += [1] * len(seqs)
         self.samplers += seqs
         self.sample_rows += range(first, first + len(seqs))
@@ -60,39 +55,36 @@ class Scheduler:
     """Two queues: `waiting` (not yet prefilled, or preempted) and `running` (decoding).
 
     Prefill admits waiting sequences in order while the token budget
-    (`max_num_batched_tokens`), `max_num_seqs` (a request's n samples count n times) and free
-    blocks allow; only the last prompt of a step can overflow the budget, and is then prefilled
-    in chunks over several steps (without `enable_chunked_prefill`, it waits for a step with
-    room for all of it instead). Decode gives each running sequence one token, oldest first,
-    up to the token budget; when the pool has no block for one, the newest running sequence is
-    preempted: its blocks are freed and it goes back to the front of `waiting` (behind a prompt
-    being prefilled in chunks), to be recomputed later (its prefix blocks often still sit in the
-    cache).
+    (`max_num_batched_tokens`), `max_num_seqs` and free blocks allow; only the last prompt of a
+    step can overflow the budget, and is then prefilled in chunks over several steps (without
+    `enable_chunked_prefill`, it waits for a step with room for all of it instead). Decode gives
+    each running sequence one token, oldest first, up to the token budget; when the pool has no
+    block for one, the newest running sequence is preempted: its blocks are freed and it goes
+    back to the front of `waiting` (behind a prompt being prefilled in chunks), to be recomputed
+    later (its prefix blocks often still sit in the cache).
 
     The `prefill-first` policy runs a prefill step whenever a prompt can be admitted, else a
     decode step; but between two chunks of one prompt the running sequences decode, so that a
     long prompt stalls them for at most one step of `max_num_batched_tokens` tokens at a time.
     The `mixed` policy (as vLLM V1 and Sarathi-Serve) decodes every running sequence in each
-    step and spends the rest of the budget on prefill chunks.
+    step and spends the rest of the budget on prefill chunks. A scheduled step is booked at
+    once: each sequence's `num_computed_tokens` counts the tokens the step computes.
 
-    A scheduled step is booked at once: each sequence's `num_computed_tokens` counts the tokens
-    the step computes, and a prompt's forks join `running` with a share of its blocks.
-
-    With speculative decoding, once every decoding sequence has its token, each (oldest first)
-    gets lookahead slots for up to `num_speculative_tokens` proposals: as many as its max_tokens
-    and max_model_len leave room for, the token budget allows and free blocks hold (a proposal
-    never preempts); none when it penalises repeats, follows a grammar or is under min_tokens
-    (its logits depend on each token it gets), nor when a step decodes more than
-    `disable_by_batch_size` sequences.
+    Seam for speculative decoding: with `lookahead` > 0, once every decoding sequence has its
+    token, each (oldest first) gets lookahead slots for up to `lookahead` proposals: as many as
+    its max_tokens and max_model_len leave room for, the token budget allows and free blocks
+    hold (a proposal never preempts); none when it has logits processors (they may depend on
+    each token it gets), nor when a step decodes more than `lookahead_max_batch` sequences.
     """
 
-    def __init__(self, config: Config, block_manager: BlockManager):
+    def __init__(self, config: Config, block_manager: BlockManager, lookahead: int = 0,
+                 lookahead_max_batch: int | None = None):
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.max_model_len = config.max_model_len
         self.mixed = config.scheduling == "mixed"
         self.chunked_prefill = config.enable_chunked_prefill
-        self.speculative = config.speculative
-        self.max_model_len = config.max_model_len
+        self.lookahead, self.lookahead_max_batch = lookahead, lookahead_max_batch
         self.block_manager = block_manager
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
@@ -128,7 +120,7 @@ class Scheduler:
             if not self.chunked_prefill and len(seq) - seq.num_computed_tokens > budget:
                 break  # it waits for a step with room for all of it
             # a partly prefilled sequence keeps its blocks
-            if not seq.block_table and (len(self.running) + 1 + len(seq.forks) > self.max_num_seqs
+            if not seq.block_table and (len(self.running) >= self.max_num_seqs
                                         or not self.block_manager.allocate(seq)):
                 break
             num_tokens = min(len(seq) - seq.num_computed_tokens, budget)
@@ -139,49 +131,32 @@ class Scheduler:
             if seq.num_computed_tokens < len(seq):
                 break  # the rest of its prompt is prefilled in the next steps
             self.running.append(self.waiting.popleft())
-            self._fork(seq, step)
-
-    def _fork(self, seq: Sequence, step: ScheduledStep) -> None:
-        """On the step that ends its prompt, `seq`'s forks take a share of its blocks, sample
-        from its row, and run beside it from then on."""
-        step.ragged = step.ragged or bool(seq.forks)  # rows beyond one per sequence
-        for fork in seq.forks:
-            self.block_manager.fork(seq, fork)
-            step.samplers.append(fork)
-            step.sample_rows.append(step.sample_rows[-1])
-            self.running.append(fork)
-        seq.forks = []
 
     def _schedule_decode(self, step: ScheduledStep) -> None:
         scheduled: list[Sequence] = []
         while self.running and len(scheduled) < self.max_num_batched_tokens:
             seq = self.running.popleft()
             if self._make_room(seq):
-                copy = self.block_manager.may_append(seq)
-                if copy is not None:
-                    step.block_copies.append(copy)
+                self.block_manager.may_append(seq)
                 seq.num_computed_tokens += 1
                 scheduled.append(seq)
         self.running.extendleft(reversed(scheduled))
         step.add_decodes(scheduled)
-        if self.speculative is not None and len(scheduled) <= (
-                self.speculative.disable_by_batch_size or len(scheduled)):
-            self._reserve_lookahead(step, scheduled)
+        if self.lookahead and len(scheduled) <= (self.lookahead_max_batch or len(scheduled)):
+            self._reserve_lookahead(step, len(step.seqs) - len(scheduled))
 
-    def _reserve_lookahead(self, step: ScheduledStep, scheduled: list[Sequence]) -> None:
-        """Lookahead slots for the decoding sequences, oldest first, from what the token budget
-        and the free blocks have left once every sequence has its token."""
-        budget = self.max_num_batched_tokens - len(scheduled)
-        first = len(step.seqs) - len(scheduled)
-        for i, seq in enumerate(scheduled, first):
-            params = seq.sampling_params
-            if params.adjusts_logits or seq.grammar is not None \
-                    or seq.num_completion_tokens < params.min_tokens:
-                continue  # its logits depend on each token it gets
+    def _reserve_lookahead(self, step: ScheduledStep, first: int) -> None:
+        """Lookahead slots for the decoding sequences `step.seqs[first:]`, oldest first, from
+        what the token budget and the free blocks have left."""
+        budget = self.max_num_batched_tokens - step.num_scheduled_tokens
+        for i in range(first, len(step.seqs)):
+            seq = step.seqs[i]
+            if seq.logits_processors:
+                continue
             room = self.max_model_len - len(seq)
-            if params.max_tokens is not None:
-                room = min(room, params.max_tokens - seq.num_completion_tokens)
-            k = min(self.speculative.num_speculative_tokens, room - 1, budget)
+            if seq.sampling_params.max_tokens is not None:
+                room = min(room, seq.sampling_params.max_tokens - seq.num_completion_tokens)
+            k = min(self.lookahead, room - 1, budget)
             k = self.block_manager.reserve(seq, k) if k > 0 else 0
             if k:
                 step.lookahead_slots[i] = k
@@ -203,20 +178,15 @@ class Scheduler:
         self.waiting.insert(1 if self.waiting and self.waiting[0].block_table else 0, seq)
         self.num_preemptions += 1
 
-    def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
-        """Ends a running sequence: out of the queue, its blocks freed (their hashes stay)."""
-        seq.finish_reason, seq.stop_reason = reason, stop_reason
-        self.running.remove(seq)
-        self.block_manager.deallocate(seq)
-
-    def abort(self, seqs: list[Sequence]) -> None:
-        """Drops unfinished sequences wherever they are, and frees their blocks."""
+    def finish(self, seqs: list[Sequence], reason: str) -> None:
+        """Ends unfinished sequences wherever they are and frees their blocks (their hashes
+        stay): `reason` is "stop", "length" or "abort"."""
         for seq in seqs:
-            if seq in self.waiting:
-                self.waiting.remove(seq)
-            elif seq in self.running:
+            if seq.finish_reason is not None:
+                continue
+            if seq in self.running:
                 self.running.remove(seq)
-            if seq.block_table:
-                self.block_manager.deallocate(seq)
-            if seq.finish_reason is None:
-                seq.finish_reason = "abort"
+            elif seq in self.waiting:
+                self.waiting.remove(seq)
+            self.block_manager.deallocate(seq)
+            seq.finish_reason = reason

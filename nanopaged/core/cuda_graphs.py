@@ -2,8 +2,8 @@
 import torch
 from torch import nn
 
-from nanopaged.attention import AttentionMetadata
-from nanopaged.config import Config
+from nanopaged.core.attention import AttentionMetadata
+from nanopaged.core.config import Config
 
 
 class DecodeGraphs:

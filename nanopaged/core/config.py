@@ -1,0 +1,143 @@
+"""The core's options: what `LLMEngine` needs to know, each checked once. A feature's options are
+its own dataclass, in its own file (see `nanopaged/engine_args.py` for all of them)."""
+import importlib.util
+import os
+from dataclasses import dataclass, field, fields
+from typing import get_args
+
+import torch
+from transformers import AutoConfig, PretrainedConfig
+
+from nanopaged.core.model import check_supported
+
+# vLLM's dtype names, and what each means here ("auto": the checkpoint's on GPU)
+DTYPES = {None: None, "auto": None, "half": "float16", "float16": "float16",
+          "bfloat16": "bfloat16", "float": "float32", "float32": "float32"}
+CHOICES = {"device": (None, "cuda", "cpu"), "dtype": tuple(DTYPES),
+           "attention_backend": ("auto", "torch", "triton", "flash"),
+           "scheduling": ("prefill-first", "mixed")}
+POSITIVE = ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "kvcache_block_size",
+            "num_kvcache_blocks")
+FLASH_BLOCK_SIZE_MULTIPLE = 256  # flash-attn's paged KV needs pages of a multiple of 256 tokens
+
+
+def flash_attn_available() -> bool:
+    return importlib.util.find_spec("flash_attn") is not None
+
+
+def triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def triton_interpreted() -> bool:
+    """Triton's interpreter runs kernels on CPU tensors: slow, but it lets CI test them."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def check_fields(options, choices: dict[str, tuple] = {}, positive: tuple[str, ...] = ()) -> None:
+    """A ValueError naming the first field of the dataclass `options` whose value has not the
+    field's type, is not one of its `choices`, or is below 1 while it should be `positive`."""
+    for f in filter(lambda f: f.init, fields(options)):
+        value, allowed = getattr(options, f.name), get_args(f.type) or (f.type,)
+        if isinstance(value, bool) and bool not in allowed or not isinstance(
+                value, allowed + ((int,) if float in allowed else ())):
+            names = " or ".join("None" if t is type(None) else "a number" if t is float
+                                else t.__name__ for t in allowed)
+            raise ValueError(f"{f.name} must be {names}, got {value!r}")
+        if f.name in positive and value is not None and value < 1:
+            raise ValueError(f"{f.name} must be >= 1, got {value}")
+    for name, named in choices.items():
+        value = getattr(options, name)
+        value = str(value).removeprefix("torch.") if isinstance(value, torch.dtype) else value
+        if value not in named:
+            raise ValueError(f"{name} must be one of {tuple(c for c in named if c)}, "
+                             f"got {value!r}")
+
+
+@dataclass
+class Config:
+    """What the core engine needs to know: the checkpoint directory `model`, and its options.
+
+    `None` means "choose for me": `device` picks cuda when available, `dtype` the checkpoint's
+    dtype on GPU and float32 on CPU, `max_model_len` the model's, `attention_backend` "auto"
+    picks flash-attn, then Triton (both CUDA only), then plain PyTorch, and `kvcache_block_size`
+    256 with flash-attn and 16 otherwise. `num_kvcache_blocks` forces the size of the KV pool
+    instead of sizing it from free memory. `scheduling` is "prefill-first" or "mixed" (see
+    `Scheduler`); without `enable_chunked_prefill` a prompt is never split over steps. `seed`
+    seeds the samples of sequences that bring no seed of their own.
+    """
+    model: str
+    device: str | None = None
+    dtype: str | torch.dtype | None = None
+    max_num_batched_tokens: int = 16384
+    max_num_seqs: int = 512
+    max_model_len: int | None = None
+    gpu_memory_utilization: float = 0.9
+    kvcache_block_size: int | None = None
+    num_kvcache_blocks: int | None = None
+    enforce_eager: bool = False
+    attention_backend: str = "auto"
+    scheduling: str = "prefill-first"
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    seed: int = 0
+    hf_config: PretrainedConfig = field(init=False)
+
+    def __post_init__(self) -> None:
+        check_fields(self, CHOICES, POSITIVE)
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], "
+                             f"got {self.gpu_memory_utilization}")
+        self.hf_config = read_checkpoint_config(self.model)
+        longest = self.hf_config.max_position_embeddings
+        self.max_model_len = min(self.max_model_len or longest, longest)
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens} is smaller "
+                             f"than max_model_len={self.max_model_len}: without chunked prefill "
+                             f"longer prompts could never run; raise it or lower max_model_len")
+        self._resolve_device_and_dtype()
+        self._resolve_attention_backend()
+
+    def _resolve_device_and_dtype(self) -> None:
+        if self.device is None:
+            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device='cuda' was asked for but torch sees no CUDA GPU")
+        if isinstance(self.dtype, str):
+            self.dtype = DTYPES[self.dtype] and getattr(torch, DTYPES[self.dtype])
+        if self.dtype is None:
+            checkpoint_dtype = getattr(self.hf_config, "dtype", None) or torch.float32
+            self.dtype = checkpoint_dtype if self.device == "cuda" else torch.float32
+
+    def _resolve_attention_backend(self) -> None:
+        on_gpu, half = self.device == "cuda", self.dtype != torch.float32
+        if self.attention_backend == "auto":
+            self.attention_backend = ("flash" if on_gpu and half and flash_attn_available()
+                                      else "triton" if on_gpu and triton_available() else "torch")
+        needs = {"triton": [(on_gpu or triton_interpreted(), "a CUDA GPU (or TRITON_INTERPRET=1)"),
+                            (triton_available(), "triton to be importable")],
+                 "flash": [(on_gpu, "a CUDA GPU"),
+                           (flash_attn_available(), "flash_attn to be importable"),
+                           (half, "dtype float16 or bfloat16")]}
+        for met, what in needs.get(self.attention_backend, []):
+            if not met:
+                raise ValueError(f"attention_backend={self.attention_backend!r} needs {what}")
+        flash = self.attention_backend == "flash"
+        if self.kvcache_block_size is None:
+            self.kvcache_block_size = FLASH_BLOCK_SIZE_MULTIPLE if flash else 16
+        if flash and self.kvcache_block_size % FLASH_BLOCK_SIZE_MULTIPLE:
+            raise ValueError(f"kvcache_block_size={self.kvcache_block_size} does not work with "
+                             f"flash-attn, whose paged KV needs a multiple of "
+                             f"{FLASH_BLOCK_SIZE_MULTIPLE}; use attention_backend='triton'")
+
+
+def read_checkpoint_config(path: str) -> PretrainedConfig:
+    """The checkpoint's config, once its architecture and fields are known to be supported."""
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise ValueError(f"{path!r} has no config.json: it is not a Hugging Face checkpoint")
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except Exception as error:
+        raise ValueError(f"cannot read {os.path.join(path, 'config.json')}: {error}") from None
+    check_supported(config)
+    return config

@@ -1,0 +1,302 @@
+"""Runs the model: owns the weights, the KV cache, the decode graphs, and the sampler."""
+import itertools
+import os
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from nanopaged.core.attention import AttentionMetadata
+from nanopaged.core.config import Config
+from nanopaged.core.cuda_graphs import DecodeGraphs
+from nanopaged.core.loader import load_model
+from nanopaged.core.sampler import Sampler
+from nanopaged.core.sampling_params import SamplingParams
+from nanopaged.core.scheduler import ScheduledStep
+from nanopaged.core.sequence import Sequence
+
+# On CPU the KV cache takes at most this share of the RAM available at start-up.
+CPU_KV_CACHE_FRACTION = 0.25
+
+
+@dataclass
+class StepInputs:
+    """One step's model inputs as host arrays (what tensor parallelism sends to the other
+    ranks). Ragged steps (prompt chunks) fill the `cu_seqlens`. `logits_indices` picks the rows
+    whose logits are computed: the sampling rows, then the rows of the prompt tokens whose
+    logits a sequence asks for; `prompt_rows` lists (index of the sequence in the step, number
+    of rows) for the latter."""
+    ragged: bool
+    input_ids: np.ndarray
+    positions: np.ndarray
+    slot_mapping: np.ndarray
+    context_lens: np.ndarray
+    block_tables: np.ndarray
+    logits_indices: np.ndarray
+    cu_seqlens_q: np.ndarray | None = None
+    cu_seqlens_k: np.ndarray | None = None
+    max_seqlen_q: int = 1
+    prompt_rows: list[tuple[int, int]] = field(default_factory=list)
+
+
+@dataclass
+class SamplerOutput:
+    """What a step sampled, one entry per sampling row (the step's `samplers`, in order): its
+    new tokens (one; with speculative decoding, the accepted proposals and one more). `logits`
+    holds the model's logits (before any processor or temperature) that the tokens came from:
+    row `first_rows[i] + j` for token j of sampling row i. `prompt_logits` maps a sequence that
+    asks for them (by index in the step) to the logits of the prompt tokens it ran, row j
+    predicting the token after position `step.starts[i] + j`."""
+    token_ids: list[list[int]]
+    logits: torch.Tensor | None = None
+    first_rows: list[int] | range = ()
+    prompt_logits: dict[int, torch.Tensor] = field(default_factory=dict)
+
+
+class ModelRunner:
+    """Turns a scheduled step into model inputs, runs the model, and samples.
+
+    Prefill steps run eagerly over a ragged batch; decode steps replay a CUDA graph captured for
+    the next larger batch size, when graphs are on. Two seams: a `proposer` (speculative
+    decoding) is asked, each step, for tokens to run after the sequences' own, and the runner
+    keeps those the model samples itself; a subclass may run `execute` on several processes
+    (tensor parallelism, see `parallel.py`).
+
+    A proposer has `num_speculative_tokens`, `disable_by_batch_size`, `kv_bytes_per_block()`
+    and `allocate_kv_cache(num_blocks)` (a draft model's cache, in the same blocks), and
+    `propose(step, inputs, runner)`, which returns, by index into the step's sequences, the
+    tokens to try in their lookahead slots.
+    """
+
+    def __init__(self, config: Config, proposer=None):
+        self.config, self.proposer = config, proposer
+        self.block_size = config.kvcache_block_size
+        self.device = torch.device(config.device)
+        self.model = load_model(config.model, config.hf_config, config.dtype, self.device,
+                                config.attention_backend)
+        self.sampler = Sampler(self.device, config.seed)
+        self.max_blocks_per_seq = -(-config.max_model_len // self.block_size)
+        self.graphs: DecodeGraphs | None = None
+        self.num_kvcache_blocks = self._allocate_kv_cache()
+        if self.device.type == "cuda":
+            self._compile_sampler()
+            if not config.enforce_eager and config.attention_backend != "torch":
+                self.graphs = DecodeGraphs(self.model, config, self.max_blocks_per_seq)
+
+    def close(self) -> None:
+        """Releases what the runner started (a subclass's processes)."""
+
+    # ---- the KV cache ----
+
+    def _kv_bytes_per_block(self) -> int:
+        """Bytes of one block in every layer, a draft model's included."""
+        own = self.model.kv_bytes_per_block(self.block_size, self.config.dtype)
+        return own + (self.proposer.kv_bytes_per_block() if self.proposer else 0)
+
+    def _allocate_kv_cache(self) -> int:
+        """Sizes the pool (unless `num_kvcache_blocks` forces it), allocates one tensor
+        (2, num_layers, num_blocks, block_size, nkv, hs) and hands each layer its views."""
+        num_blocks = self.config.num_kvcache_blocks
+        if num_blocks is None:
+            budget = self._kv_budget_cuda() if self.device.type == "cuda" else self._kv_budget_cpu()
+            num_blocks = int(budget // self._kv_bytes_per_block())
+        if dist.is_initialized():  # one block table addresses every rank's pool
+            count = torch.tensor([num_blocks], device=self.device)
+            dist.all_reduce(count, op=dist.ReduceOp.MIN)
+            num_blocks = int(count.item())
+        if num_blocks < 1:
+            raise ValueError("not enough memory left for even one KV-cache block; lower "
+                             "max_num_batched_tokens or raise gpu_memory_utilization")
+        self._make_kv_cache(num_blocks)
+        return num_blocks
+
+    def _make_kv_cache(self, num_blocks: int) -> None:
+        self.kv_cache = None  # free the old one first
+        self.kv_cache = self.model.allocate_kv_cache(num_blocks, self.block_size,
+                                                     self.config.dtype, self.device)
+        if self.proposer:
+            self.proposer.allocate_kv_cache(num_blocks)
+
+    def _kv_budget_cpu(self) -> int:
+        available = _mem_available_bytes()
+        enough = self.config.max_num_seqs * self.max_blocks_per_seq * self._kv_bytes_per_block()
+        return min(int(available * CPU_KV_CACHE_FRACTION), enough)
+
+    def _kv_budget_cuda(self) -> int:
+        """Free GPU memory after a forward of the largest prefill the scheduler can issue, and
+        after sampling the largest decode batch: what is left of `gpu_memory_utilization`."""
+        self._make_kv_cache(1)  # the profiling forward writes and reads one block over and over
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        config = self.config
+        seq_len = min(config.max_num_batched_tokens, config.max_model_len)
+        num_seqs = max(1, min(config.max_num_batched_tokens // seq_len, config.max_num_seqs))
+        self.execute(self.prepare_inputs(_profiling_step(num_seqs, seq_len, self.block_size)))
+        self._compile_sampler(config.max_num_seqs)
+        torch.cuda.synchronize()
+        free, total = torch.cuda.mem_get_info()
+        peak, current = torch.cuda.max_memory_allocated(), torch.cuda.memory_allocated()
+        return int(total * config.gpu_memory_utilization - (total - free) - (peak - current))
+
+    def _compile_sampler(self, batch_size: int = 2) -> None:
+        """Samples batches of one and of `batch_size` rows: torch.compile specialises on batches
+        of one, so both kinds compile now, not mid-run."""
+        seq = Sequence([0], SamplingParams(temperature=1.0, top_p=0.9))
+        for size in (1, batch_size):
+            logits = torch.randn(size, self.config.hf_config.vocab_size, device=self.device)
+            self.sampler(logits, [seq] * size)
+
+    # ---- inputs ----
+
+    def prepare_inputs(self, step: ScheduledStep, proposals: dict[int, list[int]] | None = None
+                       ) -> StepInputs:
+        """The step's model inputs, as host arrays: all the host work of a step but scheduling.
+        `proposals` (by index into the step's sequences) run after their sequence's token."""
+        if step.ragged or proposals:
+            return self._prepare_ragged(step, proposals or {})
+        positions = np.array(step.starts)
+        block_tables = self._block_tables(step.seqs)
+        # the block of the token being decoded (blocks reserved for proposals may follow it)
+        blocks = block_tables[np.arange(len(positions)), positions // self.block_size]
+        return StepInputs(
+            ragged=False, input_ids=np.array([seq.token_ids[-1] for seq in step.seqs]),
+            positions=positions,
+            slot_mapping=blocks.astype(np.int64) * self.block_size + positions % self.block_size,
+            context_lens=positions + 1, block_tables=block_tables,
+            logits_indices=np.arange(len(step.seqs)))
+
+    def _prepare_ragged(self, step: ScheduledStep, proposals: dict[int, list[int]]
+                        ) -> StepInputs:
+        input_ids, positions, slots, num_tokens = [], [], [], []
+        for i, (seq, start, n) in enumerate(zip(step.seqs, step.starts, step.num_tokens)):
+            tokens = seq.token_ids[start:start + n] + proposals.get(i, [])
+            pos = np.arange(start, start + len(tokens))
+            input_ids.append(np.asarray(tokens))
+            positions.append(pos)
+            slots.append(np.asarray(seq.block_table)[pos // self.block_size] * self.block_size
+                         + pos % self.block_size)
+            num_tokens.append(len(tokens))
+        cu_seqlens_q = np.cumsum([0, *num_tokens])
+        context_lens = np.add(step.starts, num_tokens)
+        # a sampling row's logits: its sequence's last token, then one per proposal
+        counts = np.array([1 + len(proposals.get(i, ())) for i in step.sample_rows], np.int64)
+        ends = np.repeat(cu_seqlens_q[1:][step.sample_rows], counts)
+        offsets = np.arange(counts.sum()) - np.repeat(np.cumsum(counts), counts)
+        prompt_rows = [(i, min(start + n, seq.num_prompt_tokens - 1) - start) for i, (seq, start, n)
+                       in enumerate(zip(step.seqs, step.starts, step.num_tokens))
+                       if seq.prompt_logits and start + 1 < seq.num_prompt_tokens]
+        rows = [np.arange(n) + cu_seqlens_q[i] for i, n in prompt_rows]
+        return StepInputs(
+            ragged=True, input_ids=np.concatenate(input_ids),
+            positions=np.concatenate(positions), slot_mapping=np.concatenate(slots),
+            context_lens=context_lens, block_tables=self._block_tables(step.seqs),
+            logits_indices=np.concatenate([ends + offsets, *rows]).astype(np.int64),
+            cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=np.cumsum([0, *context_lens]),
+            max_seqlen_q=max(num_tokens), prompt_rows=prompt_rows)
+
+    def _block_tables(self, seqs: list[Sequence]) -> np.ndarray:
+        """(num_seqs, longest block table) int32, padded with -1."""
+        lengths = np.array([len(seq.block_table) for seq in seqs])
+        table = np.full((len(seqs), lengths.max()), -1, dtype=np.int32)
+        table[np.arange(table.shape[1]) < lengths[:, None]] = np.fromiter(
+            itertools.chain.from_iterable(seq.block_table for seq in seqs), np.int32, lengths.sum())
+        return table
+
+    def to_device(self, values: np.ndarray | None, dtype: torch.dtype) -> torch.Tensor | None:
+        if values is None:
+            return None
+        tensor = torch.as_tensor(values, dtype=dtype)
+        if self.device.type == "cuda":
+            return tensor.pin_memory().to(self.device, non_blocking=True)
+        return tensor
+
+    # ---- running ----
+
+    @torch.inference_mode()
+    def run(self, step: ScheduledStep) -> SamplerOutput:
+        """One step: runs the model over the step's tokens (and a proposer's), and samples
+        every row of `step.samplers`."""
+        inputs = self.prepare_inputs(step)
+        proposals = self.proposer.propose(step, inputs, self) if self.proposer else {}
+        if proposals:
+            inputs = self.prepare_inputs(step, proposals)
+        return self.sample(self.execute(inputs), step, inputs, proposals)
+
+    def sample(self, logits: torch.Tensor | None, step: ScheduledStep, inputs: StepInputs,
+               proposals: dict[int, list[int]]) -> SamplerOutput:
+        """Samples every row; a sequence keeps its proposals while the model samples them
+        (which leaves each token's distribution the model's), and the token after them."""
+        drafts = [proposals.get(i, []) for i in step.sample_rows] if proposals else None
+        rows = step.samplers if not drafts else [
+            seq for seq, tokens in zip(step.samplers, drafts) for _ in range(len(tokens) + 1)]
+        offsets = drafts and [j for tokens in drafts for j in range(len(tokens) + 1)]
+        sampled = self.sampler(logits[:len(rows)], rows, offsets) if rows else None
+        prompt_logits, first = {}, len(rows)
+        for i, count in inputs.prompt_rows:
+            prompt_logits[i], first = logits[first:first + count], first + count
+        if not drafts:
+            token_ids = [] if sampled is None else sampled.view(-1, 1).tolist()
+            return SamplerOutput(token_ids, logits, range(len(rows)), prompt_logits)
+        sampled, token_ids, first_rows, row = sampled.tolist(), [], [], 0
+        for tokens in drafts:
+            accepted = 0
+            while accepted < len(tokens) and sampled[row + accepted] == tokens[accepted]:
+                accepted += 1
+            token_ids.append(sampled[row:row + accepted + 1])
+            first_rows.append(row)
+            row += len(tokens) + 1
+        return SamplerOutput(token_ids, logits[:len(rows)], first_rows, prompt_logits)
+
+    @torch.inference_mode()
+    def execute(self, inputs: StepInputs) -> torch.Tensor | None:
+        """Runs the model over one step's inputs; returns the logits of the rows
+        `inputs.logits_indices` picks (None when there are none)."""
+        hidden = self._run_model(*self.device_inputs(inputs))
+        if len(inputs.logits_indices) == 0:
+            return None
+        if inputs.ragged:  # a decode step samples every row, once
+            hidden = hidden[self.to_device(inputs.logits_indices, torch.int64)]
+        return self.model.compute_logits(hidden)
+
+    def device_inputs(self, inputs: StepInputs
+                      ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """The model's arguments for a step's inputs: token ids, positions, attention metadata."""
+        meta = AttentionMetadata(
+            ragged=inputs.ragged,
+            slot_mapping=self.to_device(inputs.slot_mapping, torch.int64),
+            context_lens=self.to_device(inputs.context_lens, torch.int32),
+            block_tables=self.to_device(inputs.block_tables, torch.int32),
+            max_seqlen_k=int(inputs.context_lens.max()),
+            cu_seqlens_q=self.to_device(inputs.cu_seqlens_q, torch.int32),
+            cu_seqlens_k=self.to_device(inputs.cu_seqlens_k, torch.int32),
+            max_seqlen_q=inputs.max_seqlen_q)
+        return (self.to_device(inputs.input_ids, torch.int64),
+                self.to_device(inputs.positions, torch.int64), meta)
+
+    def _run_model(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                   meta: AttentionMetadata) -> torch.Tensor:
+        if meta.ragged or self.graphs is None or input_ids.shape[0] > self.graphs.max_batch:
+            return self.model(input_ids, positions, meta)
+        return self.graphs.replay(input_ids, positions, meta)
+
+
+def _profiling_step(num_seqs: int, length: int, block_size: int) -> ScheduledStep:
+    """The largest prefill step: `num_seqs` prompts of `length` tokens, all in block 0."""
+    step = ScheduledStep()
+    for _ in range(num_seqs):
+        seq = Sequence([0] * length, SamplingParams())
+        seq.block_table = [0] * -(-length // block_size)
+        step.add(seq, length)
+    return step
+
+
+def _mem_available_bytes() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2  # not Linux: a guess

@@ -1,0 +1,109 @@
+"""Turns the logits of the sampling rows into next tokens: greedy, or sampled at a temperature
+from the top-k, top-p and min-p tokens."""
+import torch
+import xxhash
+
+from nanopaged.core.layers import cuda_compiled
+from nanopaged.core.sequence import Sequence
+
+
+@cuda_compiled
+def sample(logits: torch.Tensor, temperatures: torch.Tensor, uniform: torch.Tensor
+           ) -> torch.Tensor:
+    """Per row, the first token whose cumulative probability under softmax(logits / T) exceeds
+    `uniform` (in [0, 1)), or argmax(logits) where T is 0."""
+    logits = logits.float()
+    shifted = logits - logits.amax(dim=-1, keepdim=True)  # <= 0, so a tiny T cannot overflow
+    sampling = temperatures > 0
+    probs = torch.softmax(shifted / torch.where(sampling, temperatures, 1.0).unsqueeze(1), dim=-1)
+    cdf = probs.cumsum(dim=-1)
+    sampled = torch.searchsorted(cdf, uniform.unsqueeze(1) * cdf[:, -1:], right=True).squeeze(1)
+    return torch.where(sampling, sampled.clamp(max=logits.shape[-1] - 1), logits.argmax(dim=-1))
+
+
+def seeded_uniform(seed: int, position: int) -> float:
+    """The uniform number in [0, 1) that samples the token at `position` of a seeded sequence."""
+    digest = xxhash.xxh64_intdigest(position.to_bytes(8, "little"), seed=seed % 2 ** 64)
+    return (digest >> 11) * 2.0 ** -53
+
+
+class Sampler:
+    """Samples one token per row of logits, each row with its own sequence's settings.
+
+    First each kind of logits processor (see `Sequence.logits_processors`; a seam for the
+    layers above: penalties, biases, grammar masks) changes the rows of the sequences that
+    carry one: the sampler calls `kind.apply(logits, processors, seqs)` once a step, with the
+    float32 logits (R, V) of those rows, their processors and sequences, in row order, and
+    takes the logits it returns. The kinds nanopaged has commute (each masks tokens or shifts
+    logits), so their order does not matter.
+
+    Then sampling inverts the cumulative distribution at one uniform number per row (a
+    vocabulary's worth of random noise per row would cost more than the rest of a CPU step). A
+    seeded sequence's number for the token at position p depends on its seed and p alone, so
+    its samples do not depend on what shares its batch, nor on how many tokens a step gives it;
+    the other rows draw from the engine's generator, seeded once (`seed`), so that a run
+    repeats.
+    """
+
+    def __init__(self, device: torch.device, seed: int = 0):
+        self.device = device
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence],
+                 offsets: list[int] | None = None) -> torch.Tensor:
+        """logits (R, V): one row per sequence of `seqs` -> the token (R,) sampled from each.
+        A sequence may have several rows: the row `r` samples the token at position
+        len(seqs[r]) + offsets[r] (offsets: all 0 when None)."""
+        logits = self.apply_processors(logits, seqs)
+        params = [seq.sampling_params for seq in seqs]
+        if all(p.temperature == 0 for p in params):
+            return logits.argmax(dim=-1)
+        temperatures = self._to_device([float(p.temperature) for p in params])
+        if any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0 for p in params):
+            shifted = logits.float() - logits.float().amax(dim=-1, keepdim=True)
+            logits = self._filter(shifted / torch.where(temperatures > 0, temperatures, 1.0)
+                                  .unsqueeze(1), params)
+            temperatures = (temperatures > 0).float()  # the logits are tempered already
+        uniform = torch.rand(len(seqs), generator=self.generator)
+        for r, seq in enumerate(seqs):
+            if seq.seed is not None:
+                uniform[r] = seeded_uniform(seq.seed, len(seq) + (offsets[r] if offsets else 0))
+        return sample(logits, temperatures, self._to_device(uniform))
+
+    def apply_processors(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        kinds: dict[type, tuple[list[int], list]] = {}
+        for r, seq in enumerate(seqs):
+            for processor in seq.logits_processors:
+                rows, processors = kinds.setdefault(type(processor), ([], []))
+                rows.append(r)
+                processors.append(processor)
+        if not kinds:
+            return logits
+        logits = logits.float().clone()
+        for kind, (rows, processors) in kinds.items():
+            index = self._to_device(rows)
+            logits[index] = kind.apply(logits[index], processors, [seqs[r] for r in rows])
+        return logits
+
+    def _filter(self, logits: torch.Tensor, params: list) -> torch.Tensor:
+        """Top-k, top-p and min-p over each row's tempered logits (B, V)."""
+        vocab_size = logits.shape[-1]
+        top_k = self._to_device([min(p.top_k, vocab_size) if p.top_k > 0 else vocab_size
+                                 for p in params])
+        top_p = self._to_device([float(p.top_p) for p in params])
+        min_p = self._to_device([float(p.min_p) for p in params])
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        drop = torch.arange(vocab_size, device=self.device).unsqueeze(0) >= top_k.unsqueeze(1)
+        sorted_probs = sorted_logits.softmax(dim=-1)
+        # drop a token when the tokens ranked above it already hold top_p of the mass
+        drop |= (sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_p.unsqueeze(1)
+        drop |= sorted_probs < min_p.unsqueeze(1) * sorted_probs[:, :1]
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+    def _to_device(self, values: list | torch.Tensor) -> torch.Tensor:
+        # from pinned memory: a copy from pageable memory would first wait for the GPU to finish
+        # the model's forward, and only then could the sampler's kernels be queued
+        if self.device.type != "cuda":
+            return torch.as_tensor(values)
+        return torch.as_tensor(values).pin_memory().to(self.device, non_blocking=True)

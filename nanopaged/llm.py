@@ -1,0 +1,240 @@
+"""vLLM's `LLM` (and `LLMEngine`) over the core engine: requests in, `RequestOutput`s out.
+
+The core (`nanopaged/core/`) runs sequences; this layer owns what a request is beyond its
+sequences: the prompt's text and tokens, its n samples, their text and stop strings, their
+logprobs, the checks before anything is queued, and the engine's counters.
+"""
+import time
+import warnings
+import weakref
+
+from tqdm.auto import tqdm
+
+from nanopaged.checkpoint import resolve_model
+from nanopaged.compat import VLLMEngineAPI
+from nanopaged.core.config import Config
+from nanopaged.core.llm_engine import LLMEngine as CoreEngine
+from nanopaged.core.model_runner import SamplerOutput
+from nanopaged.core.scheduler import ScheduledStep
+from nanopaged.core.sequence import Sequence
+from nanopaged.data_parallel import DataParallelLLM
+from nanopaged.engine_args import split_options
+from nanopaged.inputs import InputProcessor, Prompt, as_batch
+from nanopaged.outputs import EngineStats, Request, RequestOutput, token_logprobs
+from nanopaged.parallel import ParallelConfig, make_runner
+from nanopaged.sampling_params import SamplingParams
+from nanopaged.speculative import SpeculativeConfig, make_proposer
+
+
+class LLM(VLLMEngineAPI):
+    """The engine, as vLLM's: `LLM(model, **options).generate(prompts, params)`.
+
+    Requests can also be run a step at a time: `add_request`, then `step()` until
+    `is_finished()`; each step returns the outputs of the requests that advanced in it.
+    `generate`, `chat` and `stream` refuse to start while such requests are unfinished (their
+    outputs would be lost). Every request is checked before anything is queued: bad input is a
+    ValueError and leaves the engine as it was. A step that raises (an error, Ctrl-C) aborts
+    every unfinished request; the prefix cache keeps only K/V that was written. A failure in one
+    request's own bookkeeping (its text, its stop strings) ends that request alone, with its
+    `error` set. With `data_parallel_size` > 1, `LLM(...)` is a `DataParallelLLM`.
+    """
+
+    def __new__(cls, model: str = "Qwen/Qwen3-0.6B", **options):
+        size = options.get("data_parallel_size")
+        if isinstance(size, int) and not isinstance(size, bool) and size > 1:
+            return DataParallelLLM(cls, model, **options)
+        return super().__new__(cls)
+
+    def __init__(self, model: str = "Qwen/Qwen3-0.6B", **options):
+        core, parallel, surface = split_options(model, options)
+        self.config = config = Config(resolve_model(model), **core)
+        self.parallel = ParallelConfig(**parallel)
+        self.parallel.check(config)
+        spec = surface["speculative_config"]
+        spec = spec and SpeculativeConfig.from_dict(spec, config,
+                                                    self.parallel.tensor_parallel_size)
+        self.inputs = InputProcessor.for_checkpoint(config, surface)
+        self.proposer = spec and make_proposer(spec, config)
+        runner = make_runner(config, self.parallel, self.proposer)
+        # tensor-parallel workers exit when the engine is closed or garbage-collected
+        self._finalizer = weakref.finalize(self, runner.close)
+        self.engine = CoreEngine(config, runner)
+        self.inputs.num_blocks = self.engine.block_manager.num_blocks
+        self.requests: dict[str, Request] = {}  # the unfinished ones
+        self.owners: dict[Sequence, tuple[Request, int]] = {}  # a sequence's request, sample
+        self.num_accepted_tokens = 0
+
+    # ---- requests in ----
+
+    def add_request(self, prompt: Prompt, sampling_params: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:
+        """Queues one request (after checking it); returns its id. vLLM's order of arguments,
+        `add_request(request_id, prompt, params)`, works too."""
+        self._check_open()
+        if not isinstance(sampling_params, (SamplingParams, type(None))):  # vLLM's order
+            request_id, prompt, sampling_params = prompt, sampling_params, request_id
+        return self._enqueue(self._make_request(prompt, sampling_params, request_id))
+
+    def _make_request(self, prompt: Prompt, params: SamplingParams | None,
+                      request_id: str | None = None) -> Request:
+        return self.inputs.make_request(prompt, params, request_id, self.requests)
+
+    def _enqueue(self, request: Request) -> str:
+        self.requests[request.request_id] = request
+        for index, seq in enumerate(request.seqs):
+            self.owners[seq] = request, index
+            self.engine.add(seq)
+        return request.request_id
+
+    def abort(self, request_id: str) -> None:
+        """Drops a request and frees its blocks; an unknown or finished id is ignored."""
+        request = self.requests.pop(request_id, None)
+        if request is not None:
+            self.engine.finish(request.seqs)
+            self._forget(request)
+
+    def _forget(self, request: Request) -> None:
+        for seq in request.seqs:
+            self.owners.pop(seq, None)
+
+    # ---- steps ----
+
+    def step(self) -> list[RequestOutput]:
+        """Runs one step; returns an output (cumulative so far) for every request that got
+        tokens in it, `finished` on its last. Returns [] when nothing is queued."""
+        return [self._output(request) for request in self.run_step()[1]]
+
+    def run_step(self) -> tuple[ScheduledStep, list[Request]]:
+        """`step()` without the outputs: runs a step of the core engine and takes note of what
+        it sampled; returns the step and the requests that got tokens in it."""
+        self._check_open()
+        try:
+            step, sampled = self.engine.step()
+        except BaseException:
+            self._abort_all()
+            raise
+        return step, self._take(step, sampled)
+
+    def _take(self, step: ScheduledStep, sampled: SamplerOutput) -> list[Request]:
+        """Takes note of each sampling row's tokens in its request (grammar, logprobs, stop
+        strings), and of the prompt logprobs asked for. Returns the requests that got tokens,
+        in the order of their first row; a request whose bookkeeping fails ends alone."""
+        now, advanced = time.perf_counter(), {}
+        for i, logits in sampled.prompt_logits.items():
+            request, _ = self.owners[step.seqs[i]]
+            targets = request.prompt_token_ids[step.starts[i] + 1:][:len(logits)]
+            try:
+                request.record_prompt_logprobs(step.starts[i] + 1, token_logprobs(
+                    logits, targets, [request.params.prompt_logprobs] * len(targets)))
+            except Exception as error:
+                self._fail(request, error)
+        logprobs = self._logprobs(step, sampled)
+        for row, seq in enumerate(step.samplers):
+            request, index = self.owners[seq]
+            advanced[request] = None
+            if request.metrics.first_token_time is None:
+                request.metrics.first_token_time = now
+            try:
+                if request.take_tokens(index, logprobs.get(row)):  # a stop string
+                    self.engine.finish([seq], "stop")
+                    seq.finish_reason = "stop"  # also when the core ended it at a later token
+            except Exception as error:
+                self._fail(request, error)
+            if seq.finish_reason is not None and request.finished:
+                request.metrics.finish_time = now
+        if self.proposer:
+            self.num_accepted_tokens += sum(map(len, sampled.token_ids)) - len(sampled.token_ids)
+        return list(advanced)
+
+    def _logprobs(self, step: ScheduledStep, sampled: SamplerOutput) -> dict[int, list]:
+        """For the sampling rows whose request asks for logprobs, those of their new tokens,
+        each in the model's distribution at the row it came from."""
+        asking = [row for row, seq in enumerate(step.samplers)
+                  if seq.sampling_params.logprobs is not None]
+        if not asking:
+            return {}
+        rows = [sampled.first_rows[r] + j for r in asking for j in range(len(sampled.token_ids[r]))]
+        entries = iter(token_logprobs(
+            sampled.logits[rows], [t for r in asking for t in sampled.token_ids[r]],
+            [step.samplers[r].sampling_params.logprobs for r in asking
+             for _ in sampled.token_ids[r]]))
+        return {r: [next(entries) for _ in sampled.token_ids[r]] for r in asking}
+
+    def _fail(self, request: Request, error: Exception) -> None:
+        """Ends `request` alone, with its error."""
+        request.error = f"{type(error).__name__}: {error}"
+        request.metrics.finish_time = time.perf_counter()
+        self.engine.finish(request.seqs)
+
+    def _output(self, request: Request) -> RequestOutput:
+        """The request's output so far; a finished request leaves the engine with it."""
+        try:
+            output = request.output()
+        except Exception as error:
+            self._fail(request, error)
+            output = request.output(with_text=False)
+        if output.finished:
+            self.requests.pop(request.request_id, None)
+            self._forget(request)
+        return output
+
+    def _abort_all(self) -> None:
+        """After a failed or interrupted step: every request ends, nothing half-run stays."""
+        for request in self.requests.values():
+            for seq in request.seqs:
+                seq.finish_reason = seq.finish_reason or "abort"
+        self.engine.abort_all()
+        self.requests.clear()
+        self.owners.clear()
+
+    def is_finished(self) -> bool:
+        return self.engine.is_finished()
+
+    def stats(self) -> EngineStats:
+        scheduler, pool = self.engine.scheduler, self.engine.block_manager
+        return EngineStats(len(self.requests), len(scheduler.waiting), len(scheduler.running),
+                           pool.num_free_blocks, pool.num_blocks, scheduler.num_preemptions,
+                           self.engine.num_generated_tokens,
+                           self.proposer.num_drafts if self.proposer else 0,
+                           self.proposer.num_proposed_tokens if self.proposer else 0,
+                           self.num_accepted_tokens)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forgets every cached prefix; False (and nothing forgotten) while requests run."""
+        return self.engine.block_manager.reset_prefix_cache()
+
+    # ---- whole batches ----
+
+    def generate(self, prompts: Prompt | list[Prompt],
+                 sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generates the completions of every prompt; returns one output per prompt, in order."""
+        self._check_idle("generate")
+        prompts, sampling_params = as_batch(prompts, sampling_params)
+        requests = [self._make_request(p, sp) for p, sp in zip(prompts, sampling_params)]
+        try:
+            for request in requests:
+                self._enqueue(request)
+            self._run(len(requests), use_tqdm)
+            outputs = [self._output(request) for request in requests]
+        finally:
+            if self.requests:  # interrupted: no request of this call may stay behind
+                for request_id in list(self.requests):
+                    self.abort(request_id)
+        for output in outputs:
+            if output.error is not None:
+                warnings.warn(f"request {output.request_id} failed: {output.error}")
+        return outputs
+
+    def _run(self, num_requests: int, use_tqdm: bool) -> None:
+        bar = tqdm(total=num_requests, desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
+        rates = {"prefill": 0.0, "decode": 0.0}
+        with bar:
+            while not self.is_finished():
+                start = time.perf_counter()
+                step, advanced = self.run_step()
+                seconds = time.perf_counter() - start
+                rates["prefill" if step.ragged else "decode"] = step.num_scheduled_tokens / seconds
+                bar.set_postfix_str(", ".join(f"{k} {v:,.0f} tok/s" for k, v in rates.items()),
+                                    refresh=False)  # update() redraws, at most every 0.1 s
+                bar.update(sum(request.finished for request in advanced))
