@@ -343,7 +343,6 @@ def step_times(model: str, args) -> list[dict]:
     """Decode step time at several batch sizes with `--context`-token contexts, and prefill tok/s,
     each against its floor: the bytes a decode step must move, the arithmetic of a prefill."""
     from nanopaged import LLM
-    from nanopaged.core.config import flash_attn_available
     dtype = engine_dtype(model)
     device = measure_device(dtype)
     shape = model_shape(model)
@@ -354,7 +353,7 @@ def step_times(model: str, args) -> list[dict]:
         else (
             ["torch"]
             + (["triton"] if on_gpu else [])
-            + (["flash"] if on_gpu and flash_attn_available() else [])
+            + (["flash"] if on_gpu and importlib.util.find_spec("flash_attn") else [])
         )
     )
     rows = []
@@ -442,7 +441,7 @@ class HostOnlyRunner:
         self.scores = torch.rand(1024, vocab_size, generator=torch.Generator().manual_seed(0))
 
     def run(self, step):
-        from nanopaged.core.model_runner import SamplerOutput
+        from nanopaged.core.step import SamplerOutput
         self.runner.prepare_inputs(step)
         tokens = [[0]] * len(step.samplers)
         if any(seq.logits_processors for seq in step.samplers):

@@ -14,9 +14,8 @@ from nanopaged.checkpoint import resolve_model
 from nanopaged.compat import VLLMEngineAPI
 from nanopaged.core.config import Config
 from nanopaged.core.llm_engine import LLMEngine as CoreEngine
-from nanopaged.core.model_runner import SamplerOutput
-from nanopaged.core.scheduler import ScheduledStep
 from nanopaged.core.sequence import Sequence
+from nanopaged.core.step import SamplerOutput, ScheduledStep
 from nanopaged.data_parallel import DataParallelLLM
 from nanopaged.engine_args import split_options
 from nanopaged.inputs import InputProcessor, Prompt, as_batch
@@ -134,6 +133,8 @@ class LLM(VLLMEngineAPI):
             advanced[request] = None
             if request.metrics.first_token_time is None:
                 request.metrics.first_token_time = now
+            if not request.each_token and seq.finish_reason is None:
+                continue  # nothing to take note of yet
             try:
                 if request.take_tokens(index, logprobs.get(row)):  # a stop string
                     self.engine.finish([seq], "stop")

@@ -187,6 +187,8 @@ class Request:
         self.cumulative_logprobs = [0.0] * len(seqs)
         self.prompt_logprobs: list[dict[int, Logprob] | None] = [None]
         self.error: str | None = None
+        # whether each token needs a look (a grammar, logprobs, stop strings), or only the last
+        self.each_token = bool(matchers or params.logprobs is not None or params.stop)
 
     @property
     def finished(self) -> bool:
@@ -197,7 +199,7 @@ class Request:
         their logprobs, and looks for a stop string after each. Returns whether one was found:
         the tokens after it are then dropped, and the sample must end as "stop"."""
         seq = self.seqs[index]
-        if self.matchers or logprobs is not None or self.detokenizers[index].stop_strings:
+        if self.each_token:
             first = self.num_seen[index]
             self.num_seen[index] = seq.num_completion_tokens
             for j, token_id in enumerate(seq.token_ids[seq.num_prompt_tokens + first:]):

@@ -36,8 +36,8 @@ import torch
 import torch.distributed as dist
 
 from nanopaged.core.config import Config, check_fields
-from nanopaged.core.model_runner import ModelRunner, SamplerOutput, StepInputs
-from nanopaged.core.scheduler import ScheduledStep
+from nanopaged.core.model_runner import ModelRunner
+from nanopaged.core.step import SamplerOutput, ScheduledStep, StepInputs
 
 # Workers wait for rank 0's next message for as long as the caller leaves the engine idle.
 IDLE_TIMEOUT = datetime.timedelta(days=365)
@@ -186,11 +186,11 @@ def run_worker(config: Config, parallel: ParallelConfig, rank: int) -> None:
 
 def start_workers(config: Config, parallel: ParallelConfig,
                   target: Callable[[Config, ParallelConfig, int], None]) -> list[mp.Process]:
-    """Starts ranks 1..N-1, each running `target(config, parallel, rank)`: forked, as vLLM's workers are,
-    while this process has not initialised CUDA (so a script may create the engine at module
-    level); else spawned (or as $VLLM_WORKER_MULTIPROC_METHOD says), and a spawned worker first
-    imports the caller's script, which must then be a file that creates the engine under
-    `if __name__ == "__main__":`."""
+    """Starts ranks 1..N-1, each running `target(config, parallel, rank)`: forked, as vLLM's
+    workers are, while this process has not initialised CUDA (so a script may create the engine
+    at module level); else spawned (or as $VLLM_WORKER_MULTIPROC_METHOD says), and a spawned
+    worker first imports the caller's script, which must then be a file that creates the engine
+    under `if __name__ == "__main__":`."""
     if dist.is_initialized():
         raise RuntimeError("this process already belongs to a torch.distributed group (another "
                            "tensor-parallel engine?); close that engine before starting one")

@@ -27,8 +27,8 @@ from nanopaged.checkpoint import resolve_model
 from nanopaged.core.attention import AttentionMetadata
 from nanopaged.core.config import Config, check_fields, read_checkpoint_config
 from nanopaged.core.loader import load_model
-from nanopaged.core.model_runner import ModelRunner, StepInputs
-from nanopaged.core.scheduler import ScheduledStep
+from nanopaged.core.model_runner import ModelRunner
+from nanopaged.core.step import ScheduledStep, StepInputs
 
 DEFAULT_NGRAM = 5  # vLLM's prompt_lookup_min and _max when neither is given
 

@@ -8,12 +8,12 @@ its schema says so, as vLLM's default backend (xgrammar, in strict mode) has it.
 
 Each sequence that asks carries its own llguidance matcher as a logits processor (a seam of the
 core's sampler): before a step samples, the rows with a matcher get the bitmask of the tokens
-their grammar allows next, and every token a sequence gets advances its matcher. llguidance rather than xgrammar (the two
-libraries vLLM and SGLang use): measured on this engine, with a 32k-token vocabulary, it built a
-60-field schema's matcher in 5 ms where xgrammar compiled it in 335 ms, and filled the masks of
-64 sequences in 2.4 ms a step where xgrammar took 5.0 ms. Grammars are cached by their text; the
-llguidance tokenizer is built on the first request that asks for a grammar, so that the others
-never pay for any of this.
+their grammar allows next, and every token a sequence gets advances its matcher. llguidance
+rather than xgrammar (the two libraries vLLM and SGLang use): measured on this engine, with a
+32k-token vocabulary, it built a 60-field schema's matcher in 5 ms where xgrammar compiled it
+in 335 ms, and filled the masks of 64 sequences in 2.4 ms a step where xgrammar took 5.0 ms.
+Grammars are cached by their text; the llguidance tokenizer is built on the first request
+that asks for a grammar, so that the others never pay for any of this.
 """
 import functools
 import json

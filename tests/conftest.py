@@ -15,7 +15,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
 from nanopaged.random_checkpoint import CORPUS, TINY_QWEN3, write_random_checkpoint
-from nanopaged.core.model_runner import SamplerOutput
+from nanopaged.core.step import SamplerOutput
 
 TINY = {
     "qwen3": TINY_QWEN3,

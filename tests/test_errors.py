@@ -329,7 +329,8 @@ def test_text_prompt_is_checked_against_the_model_vocabulary(qwen3_path, tmp_pat
         ValueError, match=r"outside the vocabulary \[0, 256\): the tokenizer does not match"
     ):
         llm.generate(["Paged attention stores the key and value cache"], GREEDY, use_tqdm=False)
-    assert llm.is_finished() and llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
+    pool = llm.engine.block_manager
+    assert llm.is_finished() and pool.num_free_blocks == pool.num_blocks
 
 
 def test_a_closed_engine_says_so(qwen3_path):

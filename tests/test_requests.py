@@ -182,7 +182,8 @@ def test_n_samples_share_the_prompt_full_blocks_and_compute_them_once(qwen3_path
     peak, outputs = 0, []
     while not llm.is_finished():
         outputs += llm.step()
-        peak = max(peak, llm.engine.block_manager.num_blocks - llm.engine.block_manager.num_free_blocks)
+        pool = llm.engine.block_manager
+        peak = max(peak, pool.num_blocks - pool.num_free_blocks)
     # the first sample computes the prompt; the 7 others, its last 4 tokens (the prefix cache
     # serves them the 6 full blocks, entered in the same step)
     assert prefill_tokens[0] == 100 + 7 * 4

@@ -232,7 +232,8 @@ def test_prefill_admits_in_order_and_chunks_only_the_last_prompt(engine):
     seqs = [add(llm, list(range(s, s + n))) for s, n in ((10, 8), (100, 9), (200, 10), (300, 3))]
     llm.step()
     assert last_step(llm) == [(seqs[0], 8), (seqs[1], 9), (seqs[2], 3)]  # the third is cut
-    assert list(llm.engine.scheduler.waiting) == seqs[2:] and list(llm.engine.scheduler.running) == seqs[:2]
+    scheduler = llm.engine.scheduler
+    assert list(scheduler.waiting) == seqs[2:] and list(scheduler.running) == seqs[:2]
     assert llm.engine.runner.steps[-1].samplers == seqs[:2]  # a cut prompt samples nothing yet
 
 
@@ -284,7 +285,8 @@ def test_decode_preempts_the_newest_and_puts_it_at_the_front_of_waiting(engine):
     queued = add(llm, [40], max_tokens=2)
     llm.step()  # `oldest` needs a block: the newest running sequence gives up its own
     assert last_step(llm) == [(oldest, 1), (middle, 1), (newer, 1)]
-    assert list(llm.engine.scheduler.waiting) == [newest, queued] and llm.engine.scheduler.num_preemptions == 1
+    scheduler = llm.engine.scheduler
+    assert list(scheduler.waiting) == [newest, queued] and scheduler.num_preemptions == 1
     assert newest.block_table == [] and newest.num_computed_tokens == 0
 
 
@@ -380,7 +382,8 @@ def test_a_preempted_sequence_waits_behind_a_prompt_being_chunked(engine):
     llm.step()
     assert prompt.num_computed_tokens == 5 and llm.engine.block_manager.num_free_blocks == 0
     llm.step()  # `decoding` needs a block: it is preempted
-    assert last_step(llm) == [(prompt, 6)] and list(llm.engine.scheduler.waiting) == [prompt, decoding]
+    assert last_step(llm) == [(prompt, 6)]
+    assert list(llm.engine.scheduler.waiting) == [prompt, decoding]
 
 
 @pytest.mark.parametrize("params, tokens, reason, stop_reason", [

@@ -3,10 +3,9 @@
 The KV cache of one layer is two tensors of shape (num_blocks, block_size, num_kv_heads,
 head_dim). Token `p` of a sequence lives in block `block_table[p // block_size]` at offset
 `p % block_size`; its flat *slot* is `block * block_size + offset`. Three backends compute the
-same function: plain PyTorch (the CPU path and the reference), Triton, and flash-attn.
-
-Shape letters: T tokens of the step, B sequences, L context length, nh query heads, nkv key/value
-heads, g = nh // nkv query heads per key/value head, hs head size.
+same function: plain PyTorch (the CPU path and the reference), Triton, and flash-attn. Shape
+letters: T tokens of the step, B sequences, L context length, nh query heads, nkv key/value
+heads, hs head size.
 """
 from dataclasses import dataclass
 
@@ -17,12 +16,9 @@ from torch import nn
 
 @dataclass
 class AttentionMetadata:
-    """What attention needs to know about one step's batch, built by the model runner.
-
-    A ragged step (prompt chunks, maybe beside decodes) runs any number of queries per
-    sequence: sequence i owns queries `cu_seqlens_q[i]:cu_seqlens_q[i+1]`, which are its last
-    tokens among `context_lens[i]`. Otherwise every sequence runs one query (a decode).
-    Padding rows (CUDA-graph batches) have slot -1 and context length 0.
+    """What attention needs to know about one step's batch. In a ragged step sequence i runs the
+    queries `cu_seqlens_q[i]:cu_seqlens_q[i+1]`, its last tokens among `context_lens[i]`;
+    otherwise each runs one (a decode). Padding rows (CUDA graphs) have slot -1 and no context.
     """
     ragged: bool
     slot_mapping: torch.Tensor            # (num_tokens,) int64 cache slot of each new token
@@ -98,33 +94,19 @@ def decode_flash(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> 
                                    softmax_scale=scale, causal=True).squeeze(1)
 
 
-def prefill_triton(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    from nanopaged.core.triton_attention import prefill_paged
-    return prefill_paged(q, k_cache, v_cache, meta.cu_seqlens_q, meta.context_lens,
-                         meta.block_tables, meta.max_seqlen_q, scale)
-
-
-def decode_triton(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    from nanopaged.core.triton_attention import decode_paged
-    return decode_paged(q, k_cache, v_cache, meta.block_tables, meta.context_lens,
-                        meta.max_seqlen_k, scale)
-
-
 def get_backend(name: str):
     """(store_kvcache, prefill, decode) functions for a backend name."""
     if name == "torch":
         return store_kvcache_torch, prefill_torch, decode_torch
-    from nanopaged.core.triton_attention import store_kvcache
+    from nanopaged.core import triton_attention
     if name == "triton":
-        return store_kvcache, prefill_triton, decode_triton
-    return store_kvcache, prefill_flash, decode_flash
+        return triton_attention.store_kvcache, triton_attention.prefill, triton_attention.decode
+    return triton_attention.store_kvcache, prefill_flash, decode_flash
 
 
 class Attention(nn.Module):
-    """Multi-head attention over the paged KV cache of one layer.
-
-    `k_cache` and `v_cache` are views into the engine's single KV tensor, set by the model runner.
-    """
+    """Multi-head attention over the paged KV cache of one layer: `k_cache` and `v_cache` are
+    views into the engine's single KV tensor, set by `allocate_kv_cache`."""
 
     def __init__(self, head_dim: int, backend: str):
         super().__init__()

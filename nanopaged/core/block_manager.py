@@ -1,5 +1,6 @@
 """The KV-cache pool: fixed-size blocks, ref counts, and a hash-chained prefix cache."""
 from collections import OrderedDict
+from dataclasses import dataclass, field
 
 import numpy as np
 import xxhash
@@ -8,10 +9,8 @@ from nanopaged.core.sequence import Sequence
 
 
 def hash_block(parent_hash: int | None, token_ids: list[int]) -> int:
-    """Hash of a full block, chained to the hash of the block before it.
-
-    Chaining makes the hash name the whole prefix up to this block, not only its own tokens.
-    """
+    """Hash of a full block, chained to the hash of the block before it: the hash names the
+    whole prefix up to this block, not only its own tokens."""
     h = xxhash.xxh64()
     if parent_hash is not None:
         h.update(parent_hash.to_bytes(8, "little"))
@@ -19,16 +18,15 @@ def hash_block(parent_hash: int | None, token_ids: list[int]) -> int:
     return h.intdigest()
 
 
+@dataclass
 class Block:
     """One block of `block_size` token slots. A block with a hash holds a full block of tokens
     (computed, or being computed by the current step) and can be shared by every sequence with
     the same prefix."""
-
-    def __init__(self, block_id: int):
-        self.block_id = block_id
-        self.ref_count = 0
-        self.hash: int | None = None
-        self.token_ids: list[int] = []
+    block_id: int
+    ref_count: int = 0
+    hash: int | None = None
+    token_ids: list[int] = field(default_factory=list)
 
 
 class BlockManager:
@@ -36,15 +34,12 @@ class BlockManager:
 
     Free blocks wait in `free_block_ids`, least recently freed first: that order is the eviction
     policy. A freed block keeps its hash, so a later request with the same prefix can take it
-    back, until the block is handed out again and its contents overwritten. Only full blocks are
-    shared, and a full block is never written again, so a shared block needs no copy.
-
-    A block's hash is entered when the step that fills it is scheduled, so that later sequences
-    of the same step can share it (the n samples of a prompt, say), but it is only *committed*
-    once that step has run: after a failed step, `rollback` forgets every hash the step entered,
-    because their K/V was never written. Without `enable_prefix_caching`, and for a sequence
-    that asks for its prompt's logits (which must be computed to be reported), nothing is
-    looked up.
+    back, until it is handed out again. Only full blocks are shared, and a full block is never
+    written again. A block's hash is entered when the step that fills it is scheduled, so that
+    later sequences of the same step can share it (the n samples of a prompt), but *committed*
+    only once that step has run: after a failed step, `rollback` forgets the hashes it entered.
+    Without `enable_prefix_caching`, or for a sequence that asks for its prompt's logits,
+    nothing is looked up.
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
@@ -67,11 +62,8 @@ class BlockManager:
         return -(-num_tokens // self.block_size)
 
     def _cached_prefix(self, seq: Sequence) -> list[int]:
-        """Block ids that already hold the leading full blocks of `seq`.
-
-        Only blocks before the one holding the last token are looked up, so at least one token
-        is always left to compute: the model needs it to produce the next token's logits.
-        """
+        """Block ids that already hold the leading full blocks of `seq`: only blocks before the
+        one holding its last token, which the model must run to give the next token's logits."""
         hits, parent = [], None
         if not self.enable_prefix_caching or seq.prompt_logits:
             return hits
@@ -115,15 +107,17 @@ class BlockManager:
 
     def can_append(self, seq: Sequence) -> bool:
         """Whether the pool can hold the K/V of the token that `seq` decodes next."""
-        return bool(self.free_block_ids) or len(seq) <= len(seq.block_table) * self.block_size
+        return bool(self.free_block_ids) or \
+            len(seq.token_ids) <= len(seq.block_table) * self.block_size
 
     def may_append(self, seq: Sequence) -> None:
         """Makes room for the K/V of the token that `seq` decodes next: a new block when its last
         one is full. When that token fills its block, enters the block in the prefix cache."""
-        if len(seq) > len(seq.block_table) * self.block_size:
+        num_tokens = len(seq.token_ids)
+        if num_tokens > len(seq.block_table) * self.block_size:
             seq.block_table.append(self._take_free_block())
-        if len(seq) % self.block_size == 0:
-            self._cache_block(seq, len(seq) // self.block_size - 1)
+        if num_tokens % self.block_size == 0:
+            self._cache_block(seq, num_tokens // self.block_size - 1)
 
     def reserve(self, seq: Sequence, num_slots: int) -> int:
         """After `may_append`: makes room for up to `num_slots` proposals past the last token of
@@ -145,11 +139,9 @@ class BlockManager:
             self._release(seq.block_table.pop())
 
     def cache_full_blocks(self, seq: Sequence, num_tokens: int) -> None:
-        """Enters in the prefix cache the blocks that the next `num_tokens` tokens of `seq` fill.
-
-        Called when the step is scheduled: the step writes their K/V in every layer before any
-        attention reads it, so a sequence scheduled later in the same step may share them.
-        """
+        """Enters in the prefix cache the blocks that the next `num_tokens` tokens of `seq` fill,
+        when the step is scheduled: it writes their K/V in every layer before any attention
+        reads it, so a sequence scheduled later in the same step may share them."""
         first = seq.num_computed_tokens // self.block_size
         last = (seq.num_computed_tokens + num_tokens) // self.block_size
         for i in range(first, last):

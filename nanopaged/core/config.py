@@ -21,19 +21,6 @@ POSITIVE = ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "kvcache_
 FLASH_BLOCK_SIZE_MULTIPLE = 256  # flash-attn's paged KV needs pages of a multiple of 256 tokens
 
 
-def flash_attn_available() -> bool:
-    return importlib.util.find_spec("flash_attn") is not None
-
-
-def triton_available() -> bool:
-    return importlib.util.find_spec("triton") is not None
-
-
-def triton_interpreted() -> bool:
-    """Triton's interpreter runs kernels on CPU tensors: slow, but it lets CI test them."""
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
 def check_fields(options, choices: dict[str, tuple] = {}, positive: tuple[str, ...] = ()) -> None:
     """A ValueError naming the first field of the dataclass `options` whose value has not the
     field's type, is not one of its `choices`, or is below 1 while it should be `positive`."""
@@ -57,15 +44,12 @@ def check_fields(options, choices: dict[str, tuple] = {}, positive: tuple[str, .
 @dataclass
 class Config:
     """What the core engine needs to know: the checkpoint directory `model`, and its options.
-
-    `None` means "choose for me": `device` picks cuda when available, `dtype` the checkpoint's
-    dtype on GPU and float32 on CPU, `max_model_len` the model's, `attention_backend` "auto"
-    picks flash-attn, then Triton (both CUDA only), then plain PyTorch, and `kvcache_block_size`
-    256 with flash-attn and 16 otherwise. `num_kvcache_blocks` forces the size of the KV pool
-    instead of sizing it from free memory. `scheduling` is "prefill-first" or "mixed" (see
-    `Scheduler`); without `enable_chunked_prefill` a prompt is never split over steps. `seed`
-    seeds the samples of sequences that bring no seed of their own.
-    """
+    `None` means "choose for me": `device` cuda when available, `dtype` the checkpoint's on GPU
+    and float32 on CPU, `max_model_len` the model's, `kvcache_block_size` 256 with flash-attn and
+    16 otherwise; `attention_backend` "auto" picks flash-attn, then Triton (CUDA only), then
+    plain PyTorch. `num_kvcache_blocks` forces the pool's size. `scheduling` is "prefill-first"
+    or "mixed" (see `Scheduler`). `seed` seeds the samples of sequences with no seed of their
+    own."""
     model: str
     device: str | None = None
     dtype: str | torch.dtype | None = None
@@ -111,13 +95,15 @@ class Config:
 
     def _resolve_attention_backend(self) -> None:
         on_gpu, half = self.device == "cuda", self.dtype != torch.float32
+        flash_attn, triton = (importlib.util.find_spec(m) is not None for m in ("flash_attn",
+                                                                               "triton"))
         if self.attention_backend == "auto":
-            self.attention_backend = ("flash" if on_gpu and half and flash_attn_available()
-                                      else "triton" if on_gpu and triton_available() else "torch")
-        needs = {"triton": [(on_gpu or triton_interpreted(), "a CUDA GPU (or TRITON_INTERPRET=1)"),
-                            (triton_available(), "triton to be importable")],
-                 "flash": [(on_gpu, "a CUDA GPU"),
-                           (flash_attn_available(), "flash_attn to be importable"),
+            self.attention_backend = ("flash" if on_gpu and half and flash_attn
+                                      else "triton" if on_gpu and triton else "torch")
+        interpreted = os.environ.get("TRITON_INTERPRET") == "1"  # Triton on CPU tensors, for CI
+        needs = {"triton": [(on_gpu or interpreted, "a CUDA GPU (or TRITON_INTERPRET=1)"),
+                            (triton, "triton to be importable")],
+                 "flash": [(on_gpu, "a CUDA GPU"), (flash_attn, "flash_attn to be importable"),
                            (half, "dtype float16 or bfloat16")]}
         for met, what in needs.get(self.attention_backend, []):
             if not met:

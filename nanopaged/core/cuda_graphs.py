@@ -13,60 +13,45 @@ class DecodeGraphs:
     and context length 0. The block-table buffer covers `max_model_len`."""
 
     def __init__(self, model: nn.Module, config: Config, max_blocks_per_seq: int):
-        self.model = model
-        self.max_model_len = config.max_model_len
         max_batch = min(config.max_num_seqs, 512)
-        sizes = [1, 2, 4, 8] + list(range(16, max_batch + 1, 16))
-        self.batch_sizes = [size for size in sizes if size <= max_batch]
-        self.max_batch = max(self.batch_sizes)
-        device = torch.cuda.current_device()
-        self.buffers = {
-            "input_ids": torch.zeros(self.max_batch, dtype=torch.int64, device=device),
-            "positions": torch.zeros(self.max_batch, dtype=torch.int64, device=device),
-            "slot_mapping": torch.full((self.max_batch,), -1, dtype=torch.int64, device=device),
-            "context_lens": torch.zeros(self.max_batch, dtype=torch.int32, device=device),
-            "block_tables": torch.full((self.max_batch, max_blocks_per_seq), -1,
-                                       dtype=torch.int32, device=device),
-            "hidden": torch.zeros(self.max_batch, config.hf_config.hidden_size, dtype=config.dtype,
-                                  device=device),
-        }
+        self.batch_sizes = [s for s in [1, 2, 4, 8, *range(16, 513, 16)] if s <= max_batch]
+        self.max_batch = size = self.batch_sizes[-1]
+        with torch.device("cuda"):
+            self.input_ids = torch.zeros(size, dtype=torch.int64)
+            self.positions = torch.zeros(size, dtype=torch.int64)
+            self.meta = AttentionMetadata(
+                ragged=False, slot_mapping=torch.full((size,), -1, dtype=torch.int64),
+                context_lens=torch.zeros(size, dtype=torch.int32),
+                block_tables=torch.full((size, max_blocks_per_seq), -1, dtype=torch.int32),
+                max_seqlen_k=config.max_model_len)
+            self.hidden = torch.zeros(size, config.hf_config.hidden_size, dtype=config.dtype)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self._capture()
+        with torch.inference_mode():
+            for batch_size in reversed(self.batch_sizes):
+                self.graphs[batch_size] = self._capture(model, batch_size)
 
-    @torch.inference_mode()
-    def _capture(self) -> None:
-        pool = None
-        for batch_size in reversed(self.batch_sizes):
-            graph = torch.cuda.CUDAGraph()
-            args = self._args(batch_size)
-            self.buffers["hidden"][:batch_size] = self.model(*args)  # warm-up
-            with torch.cuda.graph(graph, pool):
-                self.buffers["hidden"][:batch_size] = self.model(*args)
-            pool = graph.pool()
-            self.graphs[batch_size] = graph
-            torch.cuda.synchronize()
-
-    def _args(self, batch_size: int):
-        b = self.buffers
-        meta = AttentionMetadata(
-            ragged=False, slot_mapping=b["slot_mapping"][:batch_size],
-            context_lens=b["context_lens"][:batch_size],
-            block_tables=b["block_tables"][:batch_size],
-            max_seqlen_k=self.max_model_len)
-        return b["input_ids"][:batch_size], b["positions"][:batch_size], meta
+    def _capture(self, model: nn.Module, n: int) -> torch.cuda.CUDAGraph:
+        graph, meta = torch.cuda.CUDAGraph(), self.meta
+        args = (self.input_ids[:n], self.positions[:n], AttentionMetadata(
+            False, meta.slot_mapping[:n], meta.context_lens[:n], meta.block_tables[:n],
+            meta.max_seqlen_k))
+        self.hidden[:n] = model(*args)  # warm-up
+        pool = next(iter(self.graphs.values())).pool() if self.graphs else None
+        with torch.cuda.graph(graph, pool):
+            self.hidden[:n] = model(*args)
+        torch.cuda.synchronize()
+        return graph
 
     def replay(self, input_ids: torch.Tensor, positions: torch.Tensor,
                meta: AttentionMetadata) -> torch.Tensor:
         """The hidden states of a decode batch of at most `max_batch` sequences."""
-        batch_size = input_ids.shape[0]
-        graph_size = next(size for size in self.batch_sizes if size >= batch_size)
-        b = self.buffers
-        b["input_ids"][:batch_size] = input_ids
-        b["positions"][:batch_size] = positions
-        b["slot_mapping"][:graph_size].fill_(-1)
-        b["slot_mapping"][:batch_size] = meta.slot_mapping
-        b["context_lens"][:graph_size].zero_()
-        b["context_lens"][:batch_size] = meta.context_lens
-        b["block_tables"][:batch_size, :meta.block_tables.shape[1]] = meta.block_tables
+        n = input_ids.shape[0]
+        graph_size = next(size for size in self.batch_sizes if size >= n)
+        self.input_ids[:n], self.positions[:n] = input_ids, positions
+        self.meta.slot_mapping[:graph_size].fill_(-1)
+        self.meta.slot_mapping[:n] = meta.slot_mapping
+        self.meta.context_lens[:graph_size].zero_()
+        self.meta.context_lens[:n] = meta.context_lens
+        self.meta.block_tables[:n, :meta.block_tables.shape[1]] = meta.block_tables
         self.graphs[graph_size].replay()
-        return b["hidden"][:batch_size]
+        return self.hidden[:n]

@@ -1,11 +1,7 @@
 """The building blocks of the decoder, each sharded over tensor-parallel ranks when there are
-several.
-
-A column-parallel linear splits its output features across ranks, a row-parallel one its input
-features (then sums the partial outputs with an all-reduce). With one rank both are plain
-linears. Every parameter carries a `weight_loader(param, loaded_weight, shard_id)` that copies
-this rank's slice of a checkpoint tensor into it.
-"""
+several: a column-parallel linear splits its output features, a row-parallel one its input
+features (then all-reduces its output). Its `weight_loader(param, tensor, shard_id)` copies
+this rank's slice of a checkpoint tensor into a parameter."""
 import functools
 import math
 
@@ -16,18 +12,24 @@ from torch import nn
 
 
 def cuda_compiled(fn):
-    """`fn`, fused into few kernels by torch.compile when its first argument is on a GPU.
-
-    A decode step runs a few hundred tiny element-wise kernels; under a CUDA graph their launch
-    cost is what remains, so fusing them is most of the speed of small batches. On CPU the
-    function runs as written (compiling there costs more than it saves).
-    """
+    """`fn`, fused into few kernels by torch.compile when its first argument is on a GPU (the
+    launches of a decode step's tiny kernels are most of a small batch's time); on CPU as
+    written, where compiling costs more than it saves."""
     compiled = torch.compile(fn, dynamic=True)
 
     @functools.wraps(fn)
     def dispatch(x: torch.Tensor, *args):
         return compiled(x, *args) if x.is_cuda else fn(x, *args)
     return dispatch
+
+
+def to_device(device: torch.device, values, dtype: torch.dtype | None = None):
+    """Host values (None stays None) as a tensor on `device`; on a GPU from pinned memory: a copy
+    from pageable memory would first wait for the queued kernels (the forward) to finish."""
+    tensor = None if values is None else torch.as_tensor(values, dtype=dtype)
+    if tensor is not None and device.type == "cuda":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor
 
 
 def tp_rank_and_size() -> tuple[int, int]:
@@ -46,14 +48,7 @@ class LinearBase(nn.Module):
         super().__init__()
         self.tp_rank, self.tp_size = tp_rank_and_size()
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
-        self.weight.weight_loader = self.weight_loader
-        self.bias = None
-        if bias:
-            self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
-            self.bias.weight_loader = self.weight_loader
-
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
-        param.data.copy_(loaded)
+        self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
@@ -131,7 +126,6 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_start = self.tp_rank * self.vocab_per_rank
         self.weight = nn.Parameter(torch.empty(self.vocab_per_rank, hidden_size),
                                    requires_grad=False)
-        self.weight.weight_loader = self.weight_loader
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         param.data.copy_(_shard(loaded, 0, self.tp_rank, self.tp_size))

@@ -1,23 +1,19 @@
 """The core engine loop: sequences in; schedule a step, run it, apply what it sampled."""
 from nanopaged.core.block_manager import BlockManager
 from nanopaged.core.config import Config
-from nanopaged.core.model_runner import ModelRunner, SamplerOutput
-from nanopaged.core.scheduler import ScheduledStep, Scheduler
+from nanopaged.core.model_runner import ModelRunner
+from nanopaged.core.scheduler import Scheduler
 from nanopaged.core.sequence import Sequence
+from nanopaged.core.step import SamplerOutput, ScheduledStep
 
 
 class LLMEngine:
     """The engine every request passes through: `add(seq)`, then `step()` until
     `is_finished()`. Each step appends to each sampling sequence the tokens it sampled; a
     sequence ends ("stop") at one of its stop tokens, or ("length") at its max_tokens or the
-    model's max_model_len, and its blocks are freed.
-
-    A step that raises (an error, Ctrl-C) ends every sequence ("abort") and leaves the engine
-    usable: the prefix cache keeps only K/V that was written, and every block is free again.
-
-    The layers above build on this API alone, plus the seams that `Sequence` (stop tokens,
-    logits processors, seeds, prompt logits) and `ModelRunner` (a proposer, a runner that runs
-    on several processes) document.
+    model's max_model_len, and its blocks are freed. A step that raises (an error, Ctrl-C) ends
+    every sequence ("abort") and leaves the engine usable: the prefix cache keeps only K/V that
+    was written, and every block is free again.
     """
 
     def __init__(self, config: Config, runner: ModelRunner | None = None):
@@ -76,10 +72,11 @@ class LLMEngine:
                 self.block_manager.trim(step.seqs[i])
 
     def _stop_reason(self, seq: Sequence) -> str | None:
+        num_tokens = len(seq.token_ids)
         if seq.token_ids[-1] in seq.stop_token_ids:
             return "stop"
-        if (seq.num_completion_tokens == seq.sampling_params.max_tokens
-                or len(seq) >= self.config.max_model_len):
+        if (num_tokens - seq.num_prompt_tokens == seq.sampling_params.max_tokens
+                or num_tokens >= self.config.max_model_len):
             return "length"
         return None
 

@@ -30,46 +30,49 @@ def load_model(path: str, hf_config: PretrainedConfig, dtype: torch.dtype, devic
 
 
 def load_weights(model: nn.Module, path: str) -> None:
-    """Copies every tensor of the checkpoint at `path` into `model`.
-
-    q/k/v and gate/up projections are packed into one parameter each (`model.packed_modules`).
-    A checkpoint tensor with no parameter, or a parameter no tensor filled, is an error naming it.
-    """
+    """Copies every tensor of the checkpoint at `path` into `model`, through the
+    `weight_loader` of the parameter's module, if it has one. `model.packed_modules` maps a
+    checkpoint name fragment to the packed parameter and the part it fills (q/k/v, gate/up). A
+    tensor with no parameter, or a parameter (or part) no tensor filled, is a ValueError."""
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not files:
         raise ValueError(f"no *.safetensors files in {path!r}")
     params = dict(model.named_parameters(remove_duplicate=False))
+    modules = dict(model.named_modules())
     tied = getattr(model, "tie_word_embeddings", False)
-    unfilled = set(params) - ({"lm_head.weight"} if tied else set())
+    unfilled = {(name, shard) for name in params if not (tied and name == "lm_head.weight")
+                for shard in [s for p, s in model.packed_modules.values() if f".{p}." in name]
+                or [None]}
     for file in files:
         try:
-            _load_file(model, file, params, unfilled, tied)
+            with safe_open(file, "pt", "cpu") as f:
+                for name in f.keys():
+                    if not (name.endswith(IGNORED_SUFFIXES) or tied and name == "lm_head.weight"):
+                        unfilled.discard(_load_tensor(model, params, modules, name, f, file))
         except SafetensorError as error:
             raise ValueError(f"cannot read {file}: {error} (a truncated download?)") from None
-    missing = sorted(unfilled | _incomplete_packs(params))
-    if missing:
+    if unfilled:
+        missing = sorted(name + ("" if shard is None else f" (part {shard})")
+                         for name, shard in unfilled)
         raise ValueError(f"checkpoint {path!r} is missing weights: {', '.join(missing)}")
 
 
-def _load_file(model: nn.Module, file: str, params: dict[str, nn.Parameter], unfilled: set[str],
-               tied: bool) -> None:
-    with safe_open(file, "pt", "cpu") as f:
-        for name in f.keys():
-            if name.endswith(IGNORED_SUFFIXES) or (tied and name == "lm_head.weight"):
-                continue
-            param_name, shard_id = _packed_name(model, name)
-            if param_name not in params:
-                raise ValueError(f"unexpected weight {name!r} in {file}")
-            param = params[param_name]
-            loader = getattr(param, "weight_loader", None) or (lambda p, w: p.data.copy_(w))
-            try:
-                loader(param, f.get_tensor(name), *([] if shard_id is None else [shard_id]))
-            except RuntimeError as error:  # a shape that does not fit the config
-                raise ValueError(f"weight {name!r} in {file} does not fit the model: "
-                                 f"{error}") from None
-            unfilled.discard(param_name)
-            if shard_id is not None:
-                param.loaded_shards = getattr(param, "loaded_shards", set()) | {shard_id}
+def _load_tensor(model: nn.Module, params: dict, modules: dict, name: str, f, file: str
+                 ) -> tuple[str, str | int | None]:
+    """Loads the checkpoint tensor `name` into its parameter; returns (parameter, part)."""
+    param_name, shard = _packed_name(model, name)
+    if param_name not in params:
+        raise ValueError(f"unexpected weight {name!r} in {file}")
+    owner = modules[param_name.rpartition(".")[0]]
+    load = getattr(owner, "weight_loader", None)
+    try:
+        if load is None:
+            params[param_name].data.copy_(f.get_tensor(name))
+        else:
+            load(params[param_name], f.get_tensor(name), shard)
+    except RuntimeError as error:  # a shape that does not fit the config
+        raise ValueError(f"weight {name!r} in {file} does not fit the model: {error}") from None
+    return param_name, shard
 
 
 def _packed_name(model: nn.Module, name: str) -> tuple[str, str | int | None]:
@@ -77,15 +80,3 @@ def _packed_name(model: nn.Module, name: str) -> tuple[str, str | int | None]:
         if f".{fragment}." in name:
             return name.replace(fragment, packed), shard_id
     return name, None
-
-
-def _incomplete_packs(params: dict[str, nn.Parameter]) -> set[str]:
-    """Packed parameters some of whose parts (say v_proj) the checkpoint lacked."""
-    incomplete = set()
-    for name, param in params.items():
-        if hasattr(param, "loaded_shards"):
-            expected = {"q", "k", "v"} if "qkv_proj" in name else {0, 1}
-            if param.loaded_shards != expected:
-                incomplete.add(f"{name} (parts {sorted(map(str, expected - param.loaded_shards))})")
-            del param.loaded_shards
-    return incomplete

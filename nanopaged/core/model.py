@@ -1,9 +1,6 @@
-"""One decoder for Qwen3, Qwen2 and Llama checkpoints; they differ only in two details.
-
-Qwen3 normalises q and k per head (RMSNorm) before the rotary embedding; Qwen2 has biases on
-the q/k/v projections; Llama has neither (unless its config asks for biases). Other model
-families stand above the core (`nanopaged/models/`) and enter `ARCHITECTURES` themselves.
-"""
+"""One decoder for Qwen3, Qwen2 and Llama checkpoints: Qwen3 normalises q and k per head
+before the rotary embedding, Qwen2 has biases on the q/k/v projections. Other model families
+stand above the core (`nanopaged/models/`) and enter `ARCHITECTURES` themselves."""
 import torch
 from torch import nn
 from transformers import PretrainedConfig
@@ -26,26 +23,26 @@ def check_supported(config: PretrainedConfig) -> None:
     """Raises ValueError naming an architecture, or a config field, that asks for something the
     model does not do, rather than run a silently different model."""
     architectures = getattr(config, "architectures", None) or []
-    supported = [a for a in architectures if a in ARCHITECTURES]
-    if not supported:
+    model = next((ARCHITECTURES[a] for a in architectures if a in ARCHITECTURES), None)
+    if model is None:
         raise ValueError(f"unsupported architecture {architectures}; nanopaged supports "
                          f"{', '.join(ARCHITECTURES)}")
-    for name, value in ARCHITECTURES[supported[0]].unsupported(config).items():
+    for name, value in model.unsupported(config).items():
         shown = f"{name}={value!r}" if value not in (None, True) else name
         raise ValueError(f"the checkpoint's config has {shown}, which nanopaged does not "
                          f"implement")
 
 
-def unsupported_fields(config: PretrainedConfig, activation: str = "silu") -> dict:
+def unsupported_fields(config: PretrainedConfig) -> dict:
     """The fields of a Qwen- or Llama-like config that ask for what this decoder does not do,
     with their values."""
     rope = rope_parameters(config)
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     partial = rope.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
-    layer_types = getattr(config, "layer_types", None)
-    sliding = (any(t != "full_attention" for t in layer_types) if layer_types
-               else getattr(config, "use_sliding_window", False))
-    found = {"hidden_act": config.hidden_act if config.hidden_act != activation else None,
+    layer_types = getattr(config, "layer_types", None) or []
+    sliding = getattr(config, "use_sliding_window", False) or any(
+        t != "full_attention" for t in layer_types)
+    found = {"hidden_act": config.hidden_act if config.hidden_act != "silu" else None,
              "rope_type": rope_type if rope_type not in ("default", "llama3") else None,
              "partial_rotary_factor": partial if partial != 1.0 else None,
              "use_sliding_window / layer_types (sliding-window attention)": sliding or None,
@@ -169,9 +166,8 @@ class CausalLM(nn.Module):
 
     def kv_bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
         attn = self.model.layers[0].self_attn
-        dtype_size = torch.empty(0, dtype=dtype).element_size()
         return 2 * len(self.model.layers) * block_size * attn.num_kv_heads * attn.head_dim \
-            * dtype_size
+            * dtype.itemsize
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int, dtype: torch.dtype,
                           device: torch.device) -> torch.Tensor:

@@ -1,7 +1,6 @@
 """Runs the model: owns the weights, the KV cache, the decode graphs, and the sampler."""
 import itertools
 import os
-from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -10,63 +9,27 @@ import torch.distributed as dist
 from nanopaged.core.attention import AttentionMetadata
 from nanopaged.core.config import Config
 from nanopaged.core.cuda_graphs import DecodeGraphs
+from nanopaged.core.layers import to_device
 from nanopaged.core.loader import load_model
 from nanopaged.core.sampler import Sampler
 from nanopaged.core.sampling_params import SamplingParams
-from nanopaged.core.scheduler import ScheduledStep
 from nanopaged.core.sequence import Sequence
+from nanopaged.core.step import SamplerOutput, ScheduledStep, StepInputs
 
 # On CPU the KV cache takes at most this share of the RAM available at start-up.
 CPU_KV_CACHE_FRACTION = 0.25
-
-
-@dataclass
-class StepInputs:
-    """One step's model inputs as host arrays (what tensor parallelism sends to the other
-    ranks). Ragged steps (prompt chunks) fill the `cu_seqlens`. `logits_indices` picks the rows
-    whose logits are computed: the sampling rows, then the rows of the prompt tokens whose
-    logits a sequence asks for; `prompt_rows` lists (index of the sequence in the step, number
-    of rows) for the latter."""
-    ragged: bool
-    input_ids: np.ndarray
-    positions: np.ndarray
-    slot_mapping: np.ndarray
-    context_lens: np.ndarray
-    block_tables: np.ndarray
-    logits_indices: np.ndarray
-    cu_seqlens_q: np.ndarray | None = None
-    cu_seqlens_k: np.ndarray | None = None
-    max_seqlen_q: int = 1
-    prompt_rows: list[tuple[int, int]] = field(default_factory=list)
-
-
-@dataclass
-class SamplerOutput:
-    """What a step sampled, one entry per sampling row (the step's `samplers`, in order): its
-    new tokens (one; with speculative decoding, the accepted proposals and one more). `logits`
-    holds the model's logits (before any processor or temperature) that the tokens came from:
-    row `first_rows[i] + j` for token j of sampling row i. `prompt_logits` maps a sequence that
-    asks for them (by index in the step) to the logits of the prompt tokens it ran, row j
-    predicting the token after position `step.starts[i] + j`."""
-    token_ids: list[list[int]]
-    logits: torch.Tensor | None = None
-    first_rows: list[int] | range = ()
-    prompt_logits: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 class ModelRunner:
     """Turns a scheduled step into model inputs, runs the model, and samples.
 
     Prefill steps run eagerly over a ragged batch; decode steps replay a CUDA graph captured for
-    the next larger batch size, when graphs are on. Two seams: a `proposer` (speculative
-    decoding) is asked, each step, for tokens to run after the sequences' own, and the runner
-    keeps those the model samples itself; a subclass may run `execute` on several processes
-    (tensor parallelism, see `parallel.py`).
-
-    A proposer has `num_speculative_tokens`, `disable_by_batch_size`, `kv_bytes_per_block()`
-    and `allocate_kv_cache(num_blocks)` (a draft model's cache, in the same blocks), and
-    `propose(step, inputs, runner)`, which returns, by index into the step's sequences, the
-    tokens to try in their lookahead slots.
+    the next larger batch size, when graphs are on. Seams: a subclass may run `execute` on
+    several processes (tensor parallelism); a `proposer` (speculative decoding) has
+    `num_speculative_tokens`, `disable_by_batch_size`, `kv_bytes_per_block()` and
+    `allocate_kv_cache(num_blocks)` (a draft's cache, in the same blocks), and
+    `propose(step, inputs, runner)`: by index into the step's sequences, tokens to run in their
+    lookahead slots, of which the runner keeps those the model samples itself.
     """
 
     def __init__(self, config: Config, proposer=None):
@@ -203,14 +166,6 @@ class ModelRunner:
             itertools.chain.from_iterable(seq.block_table for seq in seqs), np.int32, lengths.sum())
         return table
 
-    def to_device(self, values: np.ndarray | None, dtype: torch.dtype) -> torch.Tensor | None:
-        if values is None:
-            return None
-        tensor = torch.as_tensor(values, dtype=dtype)
-        if self.device.type == "cuda":
-            return tensor.pin_memory().to(self.device, non_blocking=True)
-        return tensor
-
     # ---- running ----
 
     @torch.inference_mode()
@@ -256,7 +211,7 @@ class ModelRunner:
         if len(inputs.logits_indices) == 0:
             return None
         if inputs.ragged:  # a decode step samples every row, once
-            hidden = hidden[self.to_device(inputs.logits_indices, torch.int64)]
+            hidden = hidden[to_device(self.device, inputs.logits_indices, torch.int64)]
         return self.model.compute_logits(hidden)
 
     def device_inputs(self, inputs: StepInputs
@@ -264,15 +219,15 @@ class ModelRunner:
         """The model's arguments for a step's inputs: token ids, positions, attention metadata."""
         meta = AttentionMetadata(
             ragged=inputs.ragged,
-            slot_mapping=self.to_device(inputs.slot_mapping, torch.int64),
-            context_lens=self.to_device(inputs.context_lens, torch.int32),
-            block_tables=self.to_device(inputs.block_tables, torch.int32),
+            slot_mapping=to_device(self.device, inputs.slot_mapping, torch.int64),
+            context_lens=to_device(self.device, inputs.context_lens, torch.int32),
+            block_tables=to_device(self.device, inputs.block_tables, torch.int32),
             max_seqlen_k=int(inputs.context_lens.max()),
-            cu_seqlens_q=self.to_device(inputs.cu_seqlens_q, torch.int32),
-            cu_seqlens_k=self.to_device(inputs.cu_seqlens_k, torch.int32),
+            cu_seqlens_q=to_device(self.device, inputs.cu_seqlens_q, torch.int32),
+            cu_seqlens_k=to_device(self.device, inputs.cu_seqlens_k, torch.int32),
             max_seqlen_q=inputs.max_seqlen_q)
-        return (self.to_device(inputs.input_ids, torch.int64),
-                self.to_device(inputs.positions, torch.int64), meta)
+        return (to_device(self.device, inputs.input_ids, torch.int64),
+                to_device(self.device, inputs.positions, torch.int64), meta)
 
     def _run_model(self, input_ids: torch.Tensor, positions: torch.Tensor,
                    meta: AttentionMetadata) -> torch.Tensor:
@@ -294,9 +249,6 @@ def _profiling_step(num_seqs: int, length: int, block_size: int) -> ScheduledSte
 def _mem_available_bytes() -> int:
     try:
         with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
+            return next(int(line.split()[1]) * 1024 for line in f if "MemAvailable" in line)
     except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2  # not Linux: a guess
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2  # not Linux: a guess

@@ -3,7 +3,7 @@ from the top-k, top-p and min-p tokens."""
 import torch
 import xxhash
 
-from nanopaged.core.layers import cuda_compiled
+from nanopaged.core.layers import cuda_compiled, to_device
 from nanopaged.core.sequence import Sequence
 
 
@@ -30,19 +30,14 @@ def seeded_uniform(seed: int, position: int) -> float:
 class Sampler:
     """Samples one token per row of logits, each row with its own sequence's settings.
 
-    First each kind of logits processor (see `Sequence.logits_processors`; a seam for the
-    layers above: penalties, biases, grammar masks) changes the rows of the sequences that
-    carry one: the sampler calls `kind.apply(logits, processors, seqs)` once a step, with the
-    float32 logits (R, V) of those rows, their processors and sequences, in row order, and
-    takes the logits it returns. The kinds nanopaged has commute (each masks tokens or shifts
-    logits), so their order does not matter.
-
-    Then sampling inverts the cumulative distribution at one uniform number per row (a
-    vocabulary's worth of random noise per row would cost more than the rest of a CPU step). A
-    seeded sequence's number for the token at position p depends on its seed and p alone, so
-    its samples do not depend on what shares its batch, nor on how many tokens a step gives it;
-    the other rows draw from the engine's generator, seeded once (`seed`), so that a run
-    repeats.
+    Seam: each kind (class) of logits processor a row's sequence carries is called once a step,
+    `kind.apply(logits, processors, seqs)`, with the float32 logits (R, V) of the rows that
+    carry one, their processors and sequences, and returns their new logits (penalties, biases,
+    grammar masks: kinds that commute). Sampling then inverts the cumulative distribution at
+    one uniform number per row (cheaper than a vocabulary of noise). A seeded sequence's number
+    for position p depends on its seed and p alone, so its samples do not depend on what shares
+    its batch nor on how many tokens a step gives it; the other rows draw from the engine's
+    generator, seeded once (`seed`), so that a run repeats.
     """
 
     def __init__(self, device: torch.device, seed: int = 0):
@@ -58,7 +53,7 @@ class Sampler:
         params = [seq.sampling_params for seq in seqs]
         if all(p.temperature == 0 for p in params):
             return logits.argmax(dim=-1)
-        temperatures = self._to_device([float(p.temperature) for p in params])
+        temperatures = to_device(self.device, [float(p.temperature) for p in params])
         if any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0 for p in params):
             shifted = logits.float() - logits.float().amax(dim=-1, keepdim=True)
             logits = self._filter(shifted / torch.where(temperatures > 0, temperatures, 1.0)
@@ -68,7 +63,7 @@ class Sampler:
         for r, seq in enumerate(seqs):
             if seq.seed is not None:
                 uniform[r] = seeded_uniform(seq.seed, len(seq) + (offsets[r] if offsets else 0))
-        return sample(logits, temperatures, self._to_device(uniform))
+        return sample(logits, temperatures, to_device(self.device, uniform))
 
     def apply_processors(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         kinds: dict[type, tuple[list[int], list]] = {}
@@ -81,17 +76,17 @@ class Sampler:
             return logits
         logits = logits.float().clone()
         for kind, (rows, processors) in kinds.items():
-            index = self._to_device(rows)
+            index = to_device(self.device, rows)
             logits[index] = kind.apply(logits[index], processors, [seqs[r] for r in rows])
         return logits
 
     def _filter(self, logits: torch.Tensor, params: list) -> torch.Tensor:
         """Top-k, top-p and min-p over each row's tempered logits (B, V)."""
         vocab_size = logits.shape[-1]
-        top_k = self._to_device([min(p.top_k, vocab_size) if p.top_k > 0 else vocab_size
+        top_k = to_device(self.device, [min(p.top_k, vocab_size) if p.top_k > 0 else vocab_size
                                  for p in params])
-        top_p = self._to_device([float(p.top_p) for p in params])
-        min_p = self._to_device([float(p.min_p) for p in params])
+        top_p = to_device(self.device, [float(p.top_p) for p in params])
+        min_p = to_device(self.device, [float(p.min_p) for p in params])
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         drop = torch.arange(vocab_size, device=self.device).unsqueeze(0) >= top_k.unsqueeze(1)
         sorted_probs = sorted_logits.softmax(dim=-1)
@@ -100,10 +95,3 @@ class Sampler:
         drop |= sorted_probs < min_p.unsqueeze(1) * sorted_probs[:, :1]
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         return torch.empty_like(logits).scatter_(1, order, sorted_logits)
-
-    def _to_device(self, values: list | torch.Tensor) -> torch.Tensor:
-        # from pinned memory: a copy from pageable memory would first wait for the GPU to finish
-        # the model's forward, and only then could the sampler's kernels be queued
-        if self.device.type != "cuda":
-            return torch.as_tensor(values)
-        return torch.as_tensor(values).pin_memory().to(self.device, non_blocking=True)

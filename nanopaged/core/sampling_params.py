@@ -1,9 +1,5 @@
-"""How one sequence is sampled and how long it may grow: the core's sampling settings.
-
-vLLM's `SamplingParams` (`nanopaged/sampling_params.py`) extends these with its own fields (n,
-stop strings, penalties, logprobs, ...) and checks every field before a request reaches the
-core; the core reads only these.
-"""
+"""How one sequence is sampled and how long it may grow. vLLM's `SamplingParams`
+(`nanopaged/sampling_params.py`) extends these with its own fields and checks them all."""
 from dataclasses import dataclass
 
 

@@ -1,54 +1,10 @@
 """Decides what the next step runs: which sequences, how many tokens each, which rows sample."""
 from collections import deque
-from dataclasses import dataclass, field
 
 from nanopaged.core.block_manager import BlockManager
 from nanopaged.core.config import Config
 from nanopaged.core.sequence import Sequence
-
-
-@dataclass
-class ScheduledStep:
-    """One step as the scheduler decided it: the record the runner and the engine work from.
-
-    The model runs `num_tokens[i]` tokens of `seqs[i]` from position `starts[i]`. A sequence
-    whose tokens reach its last token samples the next one: it is one of `samplers`, whose rows
-    in the step are `sample_rows`. A step is a plain decode step when every sequence runs just
-    its last token; any other step (prompt chunks) is `ragged`. With speculative decoding,
-    `lookahead_slots` maps a sequence (by index) to the cache slots reserved past its last token
-    for proposals to verify.
-    """
-    seqs: list[Sequence] = field(default_factory=list)
-    starts: list[int] = field(default_factory=list)
-    num_tokens: list[int] = field(default_factory=list)
-    samplers: list[Sequence] = field(default_factory=list)
-    sample_rows: list[int] = field(default_factory=list)
-    ragged: bool = False
-    lookahead_slots: dict[int, int] = field(default_factory=dict)
-
-    def add(self, seq: Sequence, num_tokens: int) -> None:
-        """Runs `num_tokens` more tokens of `seq`; it samples if they reach its last token."""
-        start = seq.num_computed_tokens
-        self.seqs.append(seq)
-        self.starts.append(start)
-        self.num_tokens.append(num_tokens)
-        self.ragged = self.ragged or num_tokens != 1 or start + 1 != len(seq)
-        if start + num_tokens == len(seq):
-            self.samplers.append(seq)
-            self.sample_rows.append(len(self.seqs) - 1)
-
-    def add_decodes(self, seqs: list[Sequence]) -> None:
-        """Runs the last token of each of `seqs` (the token its K/V does not hold yet)."""
-        first = len(self.seqs)
-        self.seqs += seqs
-        self.starts += [len(seq) - 1 for seq in seqs]
-        self.num_tokens += [1] * len(seqs)
-        self.samplers += seqs
-        self.sample_rows += range(first, first + len(seqs))
-
-    @property
-    def num_scheduled_tokens(self) -> int:
-        return sum(self.num_tokens) + sum(self.lookahead_slots.values())
+from nanopaged.core.step import ScheduledStep
 
 
 class Scheduler:

@@ -9,14 +9,10 @@ class Sequence:
 
     `block_table[i]` is the KV-cache block holding tokens `[i*block_size, (i+1)*block_size)`.
     `num_computed_tokens` counts the leading tokens whose K/V the scheduled steps have computed
-    (or are computing); the model still has to run over the rest. `num_cached_tokens` is how
-    many prompt tokens the prefix cache served at admission.
-
-    What the layers above may set, all off by default (seams of the core): `stop_token_ids`,
-    the tokens that end the completion (EOS); `logits_processors`, which change the logits of
-    its row before sampling (see `Sampler`); `seed`, which makes its samples independent of
-    whatever shares its batch; `prompt_logits`, which asks for the logits of every prompt token
-    it runs (its prompt is then never served from the prefix cache).
+    (or are computing). `num_cached_tokens` is how many prompt tokens the prefix cache served.
+    Seams, all off by default: `stop_token_ids` end the completion (EOS); `logits_processors`
+    change its row's logits (see `Sampler`); `seed` makes its samples independent of its batch;
+    `prompt_logits` asks for the logits of the prompt tokens it runs (for their logprobs).
     """
     _ids = count()
 

@@ -2,6 +2,8 @@
 
 Each kernel finds a token's K/V through the block table, so any block size works, and each is
 checked against the plain-PyTorch functions of `attention.py` (under TRITON_INTERPRET=1 on CPU).
+`prefill` and `decode` are the backend as `attention.py` calls it (with a step's metadata); the
+kernels themselves take plain tensors.
 """
 import torch
 import triton
@@ -235,3 +237,15 @@ def prefill_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                           BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=block_m,
                           PRECISION=_precision(q), num_warps=4, num_stages=2)
     return out
+
+
+def prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta,
+            scale: float) -> torch.Tensor:
+    return prefill_paged(q, k_cache, v_cache, meta.cu_seqlens_q, meta.context_lens,
+                         meta.block_tables, meta.max_seqlen_q, scale)
+
+
+def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta,
+           scale: float) -> torch.Tensor:
+    return decode_paged(q, k_cache, v_cache, meta.block_tables, meta.context_lens,
+                        meta.max_seqlen_k, scale)

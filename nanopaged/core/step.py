@@ -1,0 +1,81 @@
+"""A step as a value that flows one way: the scheduler decides a `ScheduledStep`, the model
+runner turns it into `StepInputs` and runs them, and the engine applies their `SamplerOutput`."""
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from nanopaged.core.sequence import Sequence
+
+
+@dataclass
+class ScheduledStep:
+    """One step as the scheduler decided it. The model runs `num_tokens[i]` tokens of `seqs[i]`
+    from position `starts[i]`; a sequence whose tokens reach its last token samples the next:
+    it is one of `samplers`, at rows `sample_rows`. A step where every sequence runs just its
+    last token is a plain decode step, any other `ragged`. `lookahead_slots` maps a sequence (by
+    index) to the slots reserved past its last token for proposals to verify."""
+    seqs: list[Sequence] = field(default_factory=list)
+    starts: list[int] = field(default_factory=list)
+    num_tokens: list[int] = field(default_factory=list)
+    samplers: list[Sequence] = field(default_factory=list)
+    sample_rows: list[int] = field(default_factory=list)
+    ragged: bool = False
+    lookahead_slots: dict[int, int] = field(default_factory=dict)
+
+    def add(self, seq: Sequence, num_tokens: int) -> None:
+        """Runs `num_tokens` more tokens of `seq`; it samples if they reach its last token."""
+        start = seq.num_computed_tokens
+        self.seqs.append(seq)
+        self.starts.append(start)
+        self.num_tokens.append(num_tokens)
+        self.ragged = self.ragged or num_tokens != 1 or start + 1 != len(seq)
+        if start + num_tokens == len(seq):
+            self.samplers.append(seq)
+            self.sample_rows.append(len(self.seqs) - 1)
+
+    def add_decodes(self, seqs: list[Sequence]) -> None:
+        """Runs the last token of each of `seqs` (the token its K/V does not hold yet)."""
+        first = len(self.seqs)
+        self.seqs += seqs
+        self.starts += [len(seq.token_ids) - 1 for seq in seqs]
+        self.num_tokens += [1] * len(seqs)
+        self.samplers += seqs
+        self.sample_rows += range(first, first + len(seqs))
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return sum(self.num_tokens) + sum(self.lookahead_slots.values())
+
+
+@dataclass
+class StepInputs:
+    """One step's model inputs as host arrays (what tensor parallelism sends to other ranks).
+    `logits_indices` picks the rows whose logits are computed: the sampling rows, then the rows
+    of prompt tokens whose logits a sequence asks for, (its index in the step, number of rows)
+    in `prompt_rows`. Ragged steps (prompt chunks) fill the `cu_seqlens`."""
+    ragged: bool
+    input_ids: np.ndarray
+    positions: np.ndarray
+    slot_mapping: np.ndarray
+    context_lens: np.ndarray
+    block_tables: np.ndarray
+    logits_indices: np.ndarray
+    cu_seqlens_q: np.ndarray | None = None
+    cu_seqlens_k: np.ndarray | None = None
+    max_seqlen_q: int = 1
+    prompt_rows: list[tuple[int, int]] = field(default_factory=list)
+
+
+@dataclass
+class SamplerOutput:
+    """What a step sampled, one entry per sampling row (the step's `samplers`, in order): its
+    new tokens (one; with speculative decoding, the accepted proposals and one more). `logits`
+    holds the model's logits (before any processor or temperature) that the tokens came from:
+    row `first_rows[i] + j` for token j of sampling row i. `prompt_logits` maps a sequence that
+    asks for them (by index in the step) to the logits of the prompt tokens it ran, row j
+    predicting the token after position `step.starts[i] + j`."""
+    token_ids: list[list[int]]
+    logits: torch.Tensor | None = None
+    first_rows: list[int] | range = ()
+    prompt_logits: dict[int, torch.Tensor] = field(default_factory=dict)

@@ -1,0 +1,147 @@
+"""The shape of the package: a core of at most 1,500 lines that imports no feature, every module
+importing only modules below it (no circles), and an engine that `del` frees at once."""
+import ast
+import gc
+import os
+import weakref
+
+import psutil
+import pytest
+
+from nanopaged import LLM, SamplingParams
+from nanopaged.sampling_params import StructuredOutputsParams
+from conftest import random_prompts
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PACKAGE = os.path.join(ROOT, "nanopaged")
+# Every module, lowest layer first: a module may import only modules before it. The core, in
+# the order its files build on each other; then the features, each above what it uses.
+LAYERS = [
+    "core.sampling_params", "core.sequence", "core.block_manager", "core.triton_attention",
+    "core.attention", "core.layers", "core.model", "core.config", "core.loader", "core.step",
+    "core.scheduler", "core.cuda_graphs", "core.sampler", "core.model_runner",
+    "core.llm_engine", "core",
+    "chat", "checkpoint", "random_checkpoint", "sampling_params", "logits_processors",
+    "outputs", "structured_outputs", "tool_calls", "parallel", "engine_args", "utils", "inputs",
+    "compat", "speculative", "data_parallel", "llm", "", "openai_api", "openai_responses",
+    "server",
+]
+CORE_BUDGET = 1500  # non-blank lines of the core, its Triton kernels apart
+CORE_FILE_LIMIT = 250
+
+
+def modules() -> dict[str, str]:
+    """Module name (relative to nanopaged, "" for the package itself) -> its file."""
+    found = {}
+    for directory, _, files in os.walk(PACKAGE):
+        for name in files:
+            if name.endswith(".py"):
+                path = os.path.join(directory, name)
+                module = os.path.relpath(path, PACKAGE)[:-3].replace(os.sep, ".")
+                found[module.removesuffix("__init__").rstrip(".")] = path
+    return found
+
+
+def imports(path: str, known: dict[str, str]) -> set[str]:
+    """The package's modules a file imports, anywhere in it (inside functions too)."""
+    found = set()
+    for node in ast.walk(ast.parse(open(path).read())):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names = [f"{node.module}.{alias.name}" for alias in node.names] + [node.module]
+        else:
+            continue
+        for name in names:
+            if name == "nanopaged" or name.startswith("nanopaged."):
+                module = name.removeprefix("nanopaged").lstrip(".")
+                if module in known:  # `from package import module` names the module itself
+                    found.add(module)
+                    break
+    return found
+
+
+def core_files() -> dict[str, str]:
+    return {m: p for m, p in modules().items() if m == "core" or m.startswith("core.")}
+
+
+def test_the_core_is_at_most_1500_lines_and_no_file_over_250():
+    sizes = {m: sum(1 for line in open(p) if line.strip()) for m, p in core_files().items()}
+    kernels = sizes.pop("core.triton_attention")  # a backend, counted apart
+    assert sum(sizes.values()) <= CORE_BUDGET, sizes
+    assert max(sizes.values()) <= CORE_FILE_LIMIT and kernels <= CORE_FILE_LIMIT, sizes
+
+
+def test_no_core_module_imports_a_feature():
+    known = modules()
+    for module, path in core_files().items():
+        outside = {m for m in imports(path, known) if m != "core" and not m.startswith("core.")}
+        assert not outside, (module, outside)
+
+
+def test_every_module_imports_only_modules_below_it():
+    known = modules()
+    assert sorted(LAYERS) == sorted(known), "place each module in LAYERS"
+    for module, path in known.items():
+        above = [m for m in imports(path, known) if LAYERS.index(m) >= LAYERS.index(module)]
+        assert not above, f"{module} imports {above}, which are not below it"
+
+
+def test_a_layer_that_imports_upwards_is_caught(tmp_path):
+    """The check itself: an import of a higher module fails it."""
+    known = modules()
+    upwards = tmp_path / "block_manager.py"
+    upwards.write_text("def f():\n    from nanopaged.llm import LLM\n")
+    assert imports(str(upwards), known) == {"llm"}
+
+
+def nanopaged_objects() -> set[int]:
+    """The ids of the live objects of nanopaged's classes (the engine, its modules and layers,
+    its sequences...), unreachable ones in a reference cycle included: with the cyclic
+    collector off, those stay listed."""
+    return {id(o) for o in gc.get_objects()
+            if str(getattr(type(o), "__module__", "")).startswith("nanopaged")}
+
+
+@pytest.fixture
+def gc_off():
+    gc.collect()
+    gc.disable()
+    yield
+    gc.enable()
+
+
+def test_del_frees_the_engine_at_once(qwen3_path, gc_off):
+    """No reference cycle keeps an engine alive: its model and KV cache go with the last name,
+    also after requests with logprobs, stop strings, penalties and a grammar, and with a draft
+    model proposing."""
+    grammar = StructuredOutputsParams(regex="[ab]{3,6}")
+    before = nanopaged_objects()
+    llm = LLM(qwen3_path, max_model_len=256, num_kvcache_blocks=32,
+              speculative_config={"model": qwen3_path, "num_speculative_tokens": 2})
+    llm.generate(random_prompts([5, 9], seed=3), [
+        SamplingParams(max_tokens=8, logprobs=2, stop=["x"], presence_penalty=0.5, n=2),
+        SamplingParams(max_tokens=8, structured_outputs=grammar)], use_tqdm=False)
+    kv_cache = weakref.ref(llm.engine.runner.kv_cache)
+    del llm
+    assert kv_cache() is None and nanopaged_objects() <= before
+
+
+def worker_processes() -> list[psutil.Process]:
+    return [p for p in psutil.Process().children(recursive=True)
+            if "resource_tracker" not in " ".join(p.cmdline())]
+
+
+def test_two_tensor_parallel_engines_one_after_the_other(qwen3_path, gc_off, hf_greedy):
+    """`del llm` stops the workers and leaves the process group at once: the next engine of the
+    same script can start its own."""
+    prompt = [5, 6, 7]
+    want = hf_greedy(qwen3_path, [prompt], 8)[0]
+    for _ in range(2):
+        before = nanopaged_objects()
+        llm = LLM(qwen3_path, max_model_len=256, tensor_parallel_size=2)
+        [output] = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8,
+                                                         ignore_eos=True), use_tqdm=False)
+        assert output.outputs[0].token_ids == want
+        del llm, output
+        assert nanopaged_objects() <= before and not worker_processes()
