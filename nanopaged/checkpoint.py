@@ -16,9 +16,12 @@ GENERATION_SETTINGS = {"temperature": "temperature", "top_p": "top_p", "top_k": 
 
 def resolve_model(model: str) -> str:
     """The local directory of `model`: the directory itself, or a Hugging Face id found in the
-    local cache or else downloaded (only the files the engine reads)."""
-    if os.path.isdir(model):
-        return model
+    local cache or else downloaded (only the files the engine reads). A path (absolute, or
+    starting with . or ~) that is not a directory is a ValueError saying so."""
+    if os.path.isdir(os.path.expanduser(model)):
+        return os.path.expanduser(model)
+    if os.path.isabs(model) or model.startswith((".", "~")):
+        raise ValueError(f"model {model!r}: no such directory")
     from huggingface_hub import snapshot_download
     try:
         return snapshot_download(model, local_files_only=True)

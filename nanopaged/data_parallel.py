@@ -22,7 +22,7 @@ from nanopaged.core.block_manager import hash_block
 from nanopaged.core.config import Config
 from nanopaged.engine_args import split_options
 from nanopaged.inputs import InputProcessor, as_batch
-from nanopaged.outputs import EngineStats
+from nanopaged.outputs import EngineStats, RequestMetrics, RequestOutput
 from nanopaged.parallel import ParallelConfig, start_method
 from nanopaged.sampling_params import SamplingParams
 
@@ -45,7 +45,7 @@ class Replica:
         method = "spawn" if gpus else start_method()
         context = mp.get_context(method)
         self.connection, child = context.Pipe()
-        self.index, self.lock = index, threading.Lock()
+        self.index, self.lock, self.dead = index, threading.Lock(), False
         self.owed = 1  # answers not yet read: the first says the engine is built
         # not a daemon: a tensor-parallel replica starts worker processes of its own
         self.process = context.Process(target=_serve, name=f"nanopaged-dp{index}", args=(
@@ -61,19 +61,32 @@ class Replica:
                 raise
             except Exception:
                 pass
-        self.connection.send((name, args, kwargs))
+        try:
+            self.connection.send((name, args, kwargs))
+        except OSError:
+            raise self.died() from None
         self.owed += 1
 
     def receive(self):
         try:
             ok, value = self.connection.recv()
         except (EOFError, OSError):
-            raise ReplicaDied(f"data-parallel replica {self.index} died (exit code "
-                              f"{self.process.exitcode}); its traceback is printed above") from None
+            raise self.died() from None
         self.owed -= 1
         if not ok:
             raise value
         return value
+
+    @property
+    def alive(self) -> bool:
+        return not self.dead and self.process.exitcode is None
+
+    def died(self) -> ReplicaDied:
+        """The error that says this replica's process died (now known to be dead)."""
+        self.process.join(1)
+        self.dead = True
+        return ReplicaDied(f"data-parallel replica {self.index} died (exit code "
+                           f"{self.process.exitcode}); its traceback is printed above")
 
     def call(self, name: str, *args, **kwargs):
         with self.lock:  # a server's engine loop and its /metrics may both call
@@ -150,12 +163,12 @@ class DataParallelLLM(VLLMEngineAPI):
         except BaseException:
             self.close()
             raise
-        self.inputs.num_blocks = min(stats.num_blocks for stats in self.replica_stats())
+        self.inputs.num_blocks = min(s.num_blocks for s in self.replica_stats().values())
         self.requests: dict[str, Replica] = {}  # unfinished ones added one at a time: where
 
     def reset_prefix_cache(self) -> bool:
         """Forgets every replica's cached prefixes; False where requests run."""
-        return all([replica.call("reset_prefix_cache") for replica in self.replicas])
+        return all([replica.call("reset_prefix_cache") for replica in self.live()])
 
     def _gpus(self, index: int) -> list[str] | None:
         """Replica `index`'s share of the visible GPUs: `tensor_parallel_size` of them."""
@@ -166,22 +179,30 @@ class DataParallelLLM(VLLMEngineAPI):
         size = self.parallel.tensor_parallel_size
         return gpus[index * size:(index + 1) * size]
 
+    def live(self) -> list[Replica]:
+        """The replicas whose process has not died; a ReplicaDied when none is left."""
+        live = [replica for replica in self.replicas if replica.alive]
+        if not live:
+            raise ReplicaDied("every data-parallel replica died; create a new engine")
+        return live
+
     def generate(self, prompts, sampling_params=None, use_tqdm: bool = True) -> list:
-        """Every request checked here first; replica r runs prompts r, r + N, r + 2N, ...;
-        the outputs come back in the prompts' order."""
+        """Every request checked here first; the i-th live replica runs prompts i, i + N,
+        i + 2N, ...; the outputs come back in the prompts' order."""
         self._check_idle("generate")
         prompts, sampling_params = as_batch(prompts, sampling_params)
         for prompt, params in zip(prompts, sampling_params):
             self.inputs.make_request(prompt, params, None, ())
-        count = len(self.replicas)
-        busy = [r for r in self.replicas if prompts[r.index::count]]
-        for replica in busy:
-            replica.send("generate", prompts[replica.index::count],
-                         sampling_params[replica.index::count], use_tqdm and replica.index == 0)
+        live = self.live()
+        count = len(live)
+        busy = [(i, replica) for i, replica in enumerate(live) if prompts[i::count]]
+        for i, replica in busy:
+            replica.send("generate", prompts[i::count], sampling_params[i::count],
+                         use_tqdm and i == 0)
         shares, error = {}, None
-        for replica in busy:  # every answer is read, so that the pipes stay in step
+        for i, replica in busy:  # every answer is read, so that the pipes stay in step
             try:
-                shares[replica.index] = replica.receive()
+                shares[i] = replica.receive()
             except BaseException as failure:
                 error = error or failure
         if error is not None:
@@ -189,29 +210,47 @@ class DataParallelLLM(VLLMEngineAPI):
         return [shares[i % count][i // count] for i in range(len(prompts))]
 
     def add_request(self, prompt, sampling_params=None, request_id: str | None = None) -> str:
+        """Queues a request on the least busy live replica. It is known here before the
+        replica has it, so that an interrupt or a failure in between can withdraw it."""
         self._check_open()
         if not isinstance(sampling_params, (SamplingParams, type(None))):  # vLLM's order
             request_id, prompt, sampling_params = prompt, sampling_params, request_id
-        replica = min(self.replicas, key=lambda r: (self.load(r), r.index))
+        replica = min(self.live(), key=lambda r: (self.load(r), r.index))
         if request_id is None:
             request_id = next(str(i) for i in range(len(self.requests) + 1)
                               if str(i) not in self.requests)
         elif request_id in self.requests:
             raise ValueError(f"request_id must be a string not in use, got {request_id!r}")
-        request_id = replica.call("add_request", prompt, sampling_params, request_id=request_id)
         self.requests[request_id] = replica
+        try:
+            replica.call("add_request", prompt, sampling_params, request_id=request_id)
+        except BaseException:
+            self.requests.pop(request_id)
+            if replica.alive:  # it may have taken the request before the interrupt
+                replica.call("abort", request_id)
+            raise
         return request_id
 
     def load(self, replica: Replica) -> int:
         return sum(owner is replica for owner in self.requests.values())
 
     def step(self) -> list:
-        """One step of every replica that has unfinished requests, run at once."""
-        busy = [r for r in self.replicas if self.load(r)]
+        """One step of every live replica that has unfinished requests, run at once. The
+        requests of a replica that died end, each with an output whose `error` says so; the
+        others go on."""
+        outputs = []
+        for replica in self.replicas:  # one that died while idle
+            if not replica.alive and self.load(replica):
+                outputs += self._fail_requests_of(replica, replica.died())
+        busy = [r for r in self.live() if self.load(r)]
         try:
             for replica in busy:
                 replica.send("step")
-            outputs = [output for replica in busy for output in replica.receive()]
+            for replica in busy:
+                try:
+                    outputs += replica.receive()
+                except ReplicaDied as died:
+                    outputs += self._fail_requests_of(replica, died)
         except BaseException:  # outputs may be lost: no request may wait for them forever
             self._abort_all()
             raise
@@ -220,9 +259,14 @@ class DataParallelLLM(VLLMEngineAPI):
                 self.requests.pop(output.request_id, None)
         return outputs
 
+    def _fail_requests_of(self, replica: Replica, died: ReplicaDied) -> list[RequestOutput]:
+        failed = [request_id for request_id, owner in self.requests.items() if owner is replica]
+        return [RequestOutput(request_id, None, [], [], True, 0, RequestMetrics(0.0),
+                              error=f"{type(died).__name__}: {died}") for request_id in failed]
+
     def abort(self, request_id: str) -> None:
         replica = self.requests.pop(request_id, None)
-        if replica is not None:
+        if replica is not None and replica.alive:
             replica.call("abort", request_id)
 
     def _abort_all(self) -> None:
@@ -235,11 +279,12 @@ class DataParallelLLM(VLLMEngineAPI):
     def is_finished(self) -> bool:
         return not self.requests
 
-    def replica_stats(self) -> list[EngineStats]:
-        return [replica.call("stats") for replica in self.replicas]
+    def replica_stats(self) -> dict[int, EngineStats]:
+        """The stats of each live replica, by its index."""
+        return {r.index: r.call("stats") for r in self.replicas if r.alive}
 
     def stats(self) -> EngineStats:
-        return sum_stats(self.replica_stats())
+        return sum_stats(list(self.replica_stats().values()))
 
 def sum_stats(every: list[EngineStats]) -> EngineStats:
     """The replicas' stats added up."""

@@ -22,13 +22,15 @@ HINTS = {"trust_remote_code": (bool, False, "accepted: nanopaged runs no code fr
                                          "never swapped")}
 ALIASES = {"block_size": "kvcache_block_size"}
 # The vLLM surface's own options: name -> (type, default)
-SURFACE = {"tokenizer": (str | None, None), "generation_config": (str, "auto"),
+SURFACE = {"tokenizer": (str | None, None), "tokenizer_mode": (str, "auto"),
+           "generation_config": (str, "auto"),
            "structured_outputs_config": (dict | None, None),
            "speculative_config": (dict | None, None)}
 # What each option does, for --help (the README's options table says the same)
 HELP = {
     "model": "a checkpoint directory or a Hugging Face id",
     "tokenizer": "take the tokenizer from this directory or id instead",
+    "tokenizer_mode": "auto: the fast tokenizer (tokenizer.json), the only one nanopaged loads",
     "device": "cuda or cpu (default: cuda if available)",
     "dtype": "auto (the checkpoint's on GPU, float32 on CPU), float32/float, float16/half, "
              "bfloat16",
@@ -145,6 +147,7 @@ EngineArgs = dataclasses.make_dataclass(
                           "command-line flags. `LLM(**dataclasses.asdict(args))` takes them.",
                "add_cli_args": staticmethod(_add_cli_args),
                "from_cli_args": classmethod(_from_cli_args)})
+EngineArgs.__module__ = __name__
 
 
 class FlexibleArgumentParser(argparse.ArgumentParser):

@@ -49,6 +49,10 @@ class InputProcessor:
     def for_checkpoint(cls, config: Config, surface: dict) -> "InputProcessor":
         """The processor of the checkpoint `config.model` with the surface's options: its
         tokenizer (or `tokenizer`'s), EOS ids and default sampling settings (checked now)."""
+        if surface["tokenizer_mode"] != "auto":
+            raise ValueError(f"tokenizer_mode={surface['tokenizer_mode']!r} is not supported: "
+                             f"nanopaged loads the fast tokenizer (tokenizer.json), as vLLM's "
+                             f"'auto' does")
         tokenizer = load_tokenizer(resolve_model(surface["tokenizer"] or config.model))
         defaults = generation_defaults(config.model, surface["generation_config"])
         SamplingParams(**defaults)

@@ -107,8 +107,8 @@ def _response_format(response_format) -> StructuredOutputsParams | None:
         return None
     if kind == "json_object":
         return StructuredOutputsParams(json_object=True)
-    schema = (response_format.get("json_schema") or {}).get("schema") if kind == "json_schema" \
-        else None
+    json_schema = response_format.get("json_schema") if kind == "json_schema" else None
+    schema = json_schema.get("schema") if isinstance(json_schema, dict) else None
     if not isinstance(schema, dict):
         raise ValueError(f"response_format must be {{'type': 'text'}}, {{'type': "
                          f"'json_object'}} or {{'type': 'json_schema', 'json_schema': "

@@ -123,7 +123,8 @@ class Response:
         return {"index": index, "text": text, "finish_reason": self._finish(completion),
                 "stop_reason": completion.stop_reason,
                 "logprobs": None if logprobs is None else completion_logprobs(
-                    logprobs, token_ids, self.parsed.params.logprobs, 0, self.decode)}
+                    logprobs, token_ids, self.parsed.params.logprobs, 0, self.decode),
+                "prompt_logprobs": prompt_logprobs(output.prompt_logprobs)}
 
     def _chat_choice(self, index: int, completion: CompletionOutput) -> dict:
         content, calls = tool_calls.parse(completion.text, *self.parsed.tool_choice)
@@ -182,7 +183,9 @@ class Response:
             completion.logprobs[tokens:], completion.token_ids[tokens:],
             self.parsed.params.logprobs, chars, self.decode)
         return {"index": index, "text": echo + completion.text[chars:], "logprobs": logprobs,
-                "finish_reason": self._finish(completion)}
+                "finish_reason": self._finish(completion),
+                **({"prompt_logprobs": prompt_logprobs(output.prompt_logprobs)} if tokens == 0
+                   else {})}
 
     def _chat_chunks(self, index: int, completion: CompletionOutput, tokens: int,
                      stream: tool_calls.ToolCallStream) -> list[dict]:
@@ -217,6 +220,16 @@ def completion_logprobs(entries: list[dict[int, Logprob] | None], token_ids: lis
         text_offset += len(text or "")
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
             "text_offset": offsets}
+
+
+def prompt_logprobs(entries: list[dict[int, Logprob] | None] | None) -> list | None:
+    """vLLM's `prompt_logprobs`: per prompt token (None for the first), the logprob, rank and
+    text of the token and of the most likely ones, by token id."""
+    if entries is None:
+        return None
+    return [entry and {str(t): {"logprob": max(lp.logprob, LOGPROB_FLOOR), "rank": lp.rank,
+                                "decoded_token": lp.decoded_token} for t, lp in entry.items()}
+            for entry in entries]
 
 
 def chat_logprobs(completion: CompletionOutput, start: int, top: int) -> dict:

@@ -112,6 +112,9 @@ class SamplingParams(core.SamplingParams):
                                  f"{getattr(self, name)!r}")
         if self.structured_outputs and self.guided_decoding:
             raise ValueError("give structured_outputs or guided_decoding, not both")
+        if (self.structured_outputs or self.guided_decoding) and self.min_tokens:
+            raise ValueError("min_tokens does not go with structured outputs: the constraint "
+                             "alone decides where the text may end")
 
     def _check_token_ids(self) -> None:
         for name in ("stop_token_ids", "allowed_token_ids"):

@@ -173,11 +173,11 @@ def create_app(llm: LLM, model_name: str, max_waiting: int, router: str = "prefi
     async def metrics():
         """The engine's counters; with replicas, their sums, then each replica's (labelled), and
         how many requests the router sent each, by reason."""
-        every = await asyncio.to_thread(llm.replica_stats) if replicas else [llm.stats()]
-        lines = metric_lines(sum_stats(every), "")
+        every = await asyncio.to_thread(llm.replica_stats) if replicas else {0: llm.stats()}
+        lines = metric_lines(sum_stats(list(every.values())), "")
         lines.append(f"nanopaged_requests_waiting {engine.num_waiting}\n")
         if replicas is not None:
-            for i, stats in enumerate(every):
+            for i, stats in every.items():
                 lines += metric_lines(stats, f'{{replica="{i}"}}')
                 lines += [f'nanopaged_router_requests_total{{replica="{i}",reason="{reason}"}} '
                           f'{count}\n' for reason, count in engine.routed[i].items()]

@@ -33,6 +33,8 @@ from nanopaged.sampling_params import StructuredOutputsParams
 BACKENDS = (None, "auto", "guidance", "llguidance", "xgrammar", "outlines",
             "lm-format-enforcer")
 CACHE_SIZE = 256  # grammars kept, by their text
+MAX_SCHEMA_DEPTH = 100  # a JSON schema nesting deeper is refused (llguidance recurses over it)
+SIMULATED_TOKENS = 3  # tokens a grammar is walked at intake, to refuse one no text can follow
 
 
 def constraint(spec: StructuredOutputsParams, defaults: dict) -> tuple[str, str]:
@@ -52,11 +54,15 @@ def constraint(spec: StructuredOutputsParams, defaults: dict) -> tuple[str, str]
         if isinstance(schema, str):
             try:
                 schema = json.loads(schema)
-            except json.JSONDecodeError as error:
-                raise ValueError(f"structured outputs: the JSON schema is not JSON: {error}")
+            except (json.JSONDecodeError, RecursionError) as error:
+                raise ValueError(f"structured outputs: the JSON schema is not JSON (or nests "
+                                 f"too deep): {error}") from None
         if not isinstance(schema, dict):
             raise ValueError(f"structured outputs: a JSON schema must be an object, got "
                              f"{schema!r}")
+        if _depth(schema) > MAX_SCHEMA_DEPTH:
+            raise ValueError(f"structured outputs: the JSON schema nests more than "
+                             f"{MAX_SCHEMA_DEPTH} levels deep")
         schema = _closed(schema)
         if spec.whitespace_pattern is not None:
             whitespace = {"whitespace_pattern": spec.whitespace_pattern}
@@ -74,6 +80,19 @@ def constraint(spec: StructuredOutputsParams, defaults: dict) -> tuple[str, str]
     if not isinstance(text, str):
         raise ValueError(f"structured outputs: {kind} must be a string, got {text!r}")
     return kind, text
+
+
+def _depth(value) -> int:
+    """How deep a JSON value nests, found without recursion (a deep one would exhaust the stack),
+    and not beyond MAX_SCHEMA_DEPTH + 1."""
+    deepest, stack = 0, [(value, 1)]
+    while stack and deepest <= MAX_SCHEMA_DEPTH:
+        value, depth = stack.pop()
+        deepest = max(deepest, depth)
+        children = value.values() if isinstance(value, dict) else value \
+            if isinstance(value, list) else ()
+        stack.extend((child, depth + 1) for child in children)
+    return deepest
 
 
 def _closed(schema):
@@ -107,8 +126,14 @@ class Grammars:
         key = constraint(spec, self.defaults)
         with self.lock:
             if self.tokenizer is None:
-                self.tokenizer = llguidance.hf.from_tokenizer(
-                    self.hf_tokenizer, n_vocab=self.vocab_size, eos_token=self.eos_token_ids)
+                try:
+                    self.tokenizer = llguidance.hf.from_tokenizer(
+                        self.hf_tokenizer, n_vocab=self.vocab_size, eos_token=self.eos_token_ids)
+                except Exception as error:
+                    raise ValueError(f"structured outputs need a tokenizer that llguidance can "
+                                     f"read, a fast tokenizer whose tokenizer.json has a "
+                                     f"byte-level or SentencePiece decoder; this one is not "
+                                     f"({type(error).__name__}: {error})") from None
             if key in self.cache:
                 self.cache.move_to_end(key)
                 return self.cache[key]
@@ -120,11 +145,38 @@ class Grammars:
                                                                              self.tokenizer)
         if failed:
             raise ValueError(f"structured outputs: invalid {key[0]}: {'; '.join(messages)}")
+        self._check_followable(key[0], grammar)
         with self.lock:
             self.cache[key] = grammar
             if len(self.cache) > CACHE_SIZE:
                 self.cache.popitem(last=False)
         return grammar
+
+    def _check_followable(self, kind: str, grammar: str) -> None:
+        """Walks the grammar a few tokens (the lowest one allowed at each) and refuses it, a
+        ValueError, when no text can follow it at all (a schema that only refers to itself, an
+        empty character class, a rule `x: x`) or llguidance cannot build its lexer (a regex of
+        a million states): such a request would end at once with empty text, or fail midway."""
+        matcher = llguidance.LLMatcher(self.tokenizer, grammar)
+        for _ in range(SIMULATED_TOKENS):
+            bitmask = llguidance.torch.allocate_token_bitmask(1, self.vocab_size)
+            llguidance.torch.fill_next_token_bitmask(matcher, bitmask)
+            if matcher.is_error():
+                break
+            allowed = _allowed(bitmask[0], self.vocab_size)
+            token = next((t for t in allowed if t not in self.eos_token_ids), None)
+            if token is None:
+                return  # the text may end here
+            matcher.consume_token(token)
+            if matcher.is_error():
+                break
+        else:
+            return
+        reason = matcher.get_error().split("\n")[0]
+        if reason == "NoExtensionBias":
+            raise ValueError(f"structured outputs: no text can follow this {kind}: nothing "
+                             f"satisfies it")
+        raise ValueError(f"structured outputs: llguidance cannot follow this {kind}: {reason}")
 
     def matchers(self, spec: StructuredOutputsParams, count: int) -> list["Matcher"]:
         """A matcher for each of the `count` samples of a request."""
@@ -155,6 +207,12 @@ class Matcher:
             _executor(), [(m.matcher, r) for r, m in enumerate(matchers)], bitmask)
         llguidance.torch.apply_token_bitmask_inplace(logits, bitmask.to(logits.device))
         return logits
+
+
+def _allowed(bitmask: torch.Tensor, vocab_size: int) -> list[int]:
+    """The token ids a packed bitmask (int32 words, bit i of word w: token 32w + i) allows."""
+    bits = (bitmask.view(-1, 1) >> torch.arange(32, dtype=torch.int32)) & 1
+    return torch.nonzero(bits.flatten()[:vocab_size]).flatten().tolist()
 
 
 @functools.cache

@@ -28,8 +28,8 @@ def choice(body: dict) -> tuple[str, str | None]:
         if tool_choice != "none" and not tools:
             raise ValueError(f"tool_choice {tool_choice!r} needs tools")
         return tool_choice, None
-    name = (tool_choice.get("function") or {}).get("name") if isinstance(tool_choice, dict) \
-        else None
+    function = tool_choice.get("function") if isinstance(tool_choice, dict) else None
+    name = function.get("name") if isinstance(function, dict) else None
     if not isinstance(name, str):
         raise ValueError(
             f"tool_choice must be 'none', 'auto', 'required' or "
@@ -67,11 +67,16 @@ def call(name: str, arguments: str) -> dict:
 
 
 def parse(text: str, kind: str, name: str | None) -> tuple[str | None, list[dict]]:
-    """A whole completion's content (None when it only calls tools) and its tool calls."""
+    """A whole completion's content (None when it only calls tools) and its tool calls. The
+    calls "required" asks for that max_tokens or a stop string cut short are no JSON: the text
+    is then content, beside the completion's finish_reason ("length" or "stop")."""
     if kind == "named":
         return None, [call(name, text)]
     if kind == "required":
-        return None, [call(c["name"], json.dumps(c["parameters"])) for c in json.loads(text)]
+        try:
+            return None, [call(c["name"], json.dumps(c["parameters"])) for c in json.loads(text)]
+        except (json.JSONDecodeError, KeyError, TypeError):
+            return text, []
     if kind == "auto":
         calls = [_hermes_call(block) for block in HERMES.findall(text)]
         calls = [c for c in calls if c is not None]
@@ -104,7 +109,8 @@ class ToolCallStream:
         if self.kind == "required":
             if not finished:
                 return []  # the array's calls are known once it is whole
-            return self._calls(parse(text, "required", None)[1])
+            content, calls = parse(text, "required", None)
+            return self._content(text, len(text)) if content is not None else self._calls(calls)
         if self.kind != "auto":
             return self._content(text, len(text))
         return self._auto(text, finished)

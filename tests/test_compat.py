@@ -271,3 +271,36 @@ def test_a_conversation_that_cannot_be_rendered_is_a_value_error(qwen3_path, mes
     with pytest.raises(ValueError, match=message):
         llm.chat(messages, SamplingParams(max_tokens=2), use_tqdm=False, **options)
     assert llm.is_finished() and not llm.requests
+
+
+def test_vllms_module_paths(qwen3_path):
+    """The paths vLLM's scripts import from, beyond `vllm`: the same names and meanings, or an
+    ImportError that says what to use instead."""
+    import nanopaged.envs as envs
+    from nanopaged.distributed import cleanup_dist_env_and_memory
+    from nanopaged.engine.arg_utils import EngineArgs as EngineArgsThere
+    from nanopaged.engine.llm_engine import LLMEngine as LLMEngineThere
+    from nanopaged.entrypoints.llm import LLM as LLMThere
+    assert (EngineArgsThere, LLMEngineThere, LLMThere) == (EngineArgs, LLMEngine, LLM)
+    assert callable(cleanup_dist_env_and_memory) and envs.VLLM_USE_V1 is True
+    with pytest.raises(ImportError, match="start_profile"):
+        from nanopaged.profiler import layerwise_profile  # noqa: F401
+    with pytest.raises(ImportError, match="cannot import 'LoRA.*nanopaged.engine"):
+        from nanopaged.engine.arg_utils import LoRAConfig  # noqa: F401
+    with pytest.raises(AttributeError, match="nanopaged.envs has no 'VLLM_NO_SUCH'"):
+        envs.VLLM_NO_SUCH
+    with pytest.raises(ValueError, match="tokenizer_mode='slow' is not supported"):
+        LLM(qwen3_path, tokenizer_mode="slow")
+
+
+def test_cleanup_between_two_tensor_parallel_engines(qwen3_path, hf_greedy):
+    """As vLLM's tests do: an engine, `del`, cleanup_dist_env_and_memory(), another engine."""
+    from nanopaged.distributed import cleanup_dist_env_and_memory
+    want = hf_greedy(qwen3_path, [[5, 6, 7]], 6)
+    for _ in range(2):
+        llm = LLM(qwen3_path, max_model_len=256, tensor_parallel_size=2)
+        outputs = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=6,
+                                                           ignore_eos=True), use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outputs] == want
+        del llm
+        cleanup_dist_env_and_memory()

@@ -173,3 +173,61 @@ def test_spawned_replicas_and_their_share_of_the_gpus(qwen3_path, single, monkey
     on_gpus = types.SimpleNamespace(config=types.SimpleNamespace(device="cuda"),
                                     parallel=types.SimpleNamespace(tensor_parallel_size=2))
     assert [DataParallelLLM._gpus(on_gpus, i) for i in range(2)] == [["4", "5"], ["6", "7"]]
+
+
+def test_the_same_api_as_one_engine(qwen3_path, single):
+    """stream, has_unfinished_requests, abort_request, get_default_sampling_params and
+    reset_prefix_cache, as on a single engine."""
+    prompt = random_prompts([9], seed=76)[0]
+    with LLM(qwen3_path, max_model_len=256, data_parallel_size=2) as llm:
+        streamed = "".join(llm.stream(prompt, GREEDY))
+        [whole] = llm.generate([prompt], GREEDY, use_tqdm=False)
+        assert streamed == whole.outputs[0].text
+        assert whole.outputs[0].token_ids == single([prompt])[0]
+        first = llm.add_request(prompt, GREEDY)
+        llm.add_request(prompt, GREEDY, request_id="x")
+        assert llm.has_unfinished_requests()
+        llm.abort_request([first, "x"])
+        assert not llm.has_unfinished_requests()
+        assert llm.get_default_sampling_params() == SamplingParams()
+        assert llm.reset_prefix_cache() is True
+        assert llm.stats().num_free_blocks == llm.stats().num_blocks
+
+
+def test_a_replica_that_dies_fails_its_requests_and_the_others_go_on(qwen3_path, single):
+    prompts = random_prompts([6, 13, 8, 10], seed=77)
+    with LLM(qwen3_path, max_model_len=256, data_parallel_size=2) as llm:
+        ids = [llm.add_request(p, GREEDY) for p in prompts]
+        owners = {request_id: llm.requests[request_id].index for request_id in ids}
+        llm.step()
+        llm.replicas[1].process.kill()
+        llm.replicas[1].process.join()
+        finished = {}
+        while not llm.is_finished():
+            finished.update({o.request_id: o for o in llm.step() if o.finished})
+        assert sorted(finished) == sorted(ids)
+        for request_id, want in zip(ids, single(prompts)):
+            output = finished[request_id]
+            if owners[request_id] == 1:
+                assert "data-parallel replica 1 died" in output.error
+            else:
+                assert output.error is None and output.outputs[0].token_ids == want
+        # the engine goes on with the live replica
+        outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outputs] == single(prompts)
+        assert llm.add_request(prompts[0], GREEDY) and llm.requests  # on replica 0
+        assert all(owner.index == 0 for owner in llm.requests.values())
+
+
+def test_ctrl_c_while_a_replica_takes_a_request_withdraws_it(qwen3_path, single, monkeypatch):
+    prompt = random_prompts([7], seed=78)[0]
+    with LLM(qwen3_path, max_model_len=256, data_parallel_size=2) as llm:
+        interrupt_first_receive(monkeypatch)
+        with pytest.raises(KeyboardInterrupt):
+            llm.add_request(prompt, GREEDY, request_id="r")
+        monkeypatch.undo()
+        assert llm.is_finished() and not llm.requests
+        assert llm.stats().num_unfinished_requests == 0  # nor is it queued in the replica
+        [output] = llm.generate([prompt], GREEDY, use_tqdm=False)
+        assert output.outputs[0].token_ids == single([prompt])[0]
+        assert llm.add_request(prompt, GREEDY, request_id="r") == "r"  # the id is free again

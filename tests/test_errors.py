@@ -1,6 +1,7 @@
 """Bad input is a ValueError naming the problem, and the engine still works afterwards."""
 import json
 import math
+import re
 import shutil
 
 import numpy as np
@@ -251,6 +252,12 @@ def broken_copy(path, tmp_path, config_changes: dict | None = None, **edit) -> s
         target = broken / name.replace("__", ".")
         target.unlink() if text is None else target.write_text(text)
     return str(broken)
+
+
+@pytest.mark.parametrize("path", ["/nonexistent", "./not/here", "~/nowhere-at-all"])
+def test_a_path_that_is_no_directory_is_said_so_not_looked_up_on_the_hub(path):
+    with pytest.raises(ValueError, match=f"model '{re.escape(path)}': no such directory$"):
+        LLM(path)
 
 
 def test_missing_model_names_it_and_says_how_to_get_it(offline_hub):

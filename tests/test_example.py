@@ -30,6 +30,12 @@ def test_a_model_that_cannot_be_loaded_is_an_error_not_random_text(tmp_path):
     assert "random-weight" not in result.stdout
 
 
+def test_a_path_that_does_not_exist_says_so(tmp_path):
+    result = run_example(tmp_path, "--model", "/nonexistent")
+    assert result.returncode != 0 and "Traceback" not in result.stderr
+    assert result.stderr.strip() == "error: model '/nonexistent': no such directory"
+
+
 def test_stream_prints_the_answer_that_generate_gives(tmp_path, qwen3_path):
     result = run_example(tmp_path, "--model", qwen3_path, "--stream", "--max-tokens", "16")
     assert result.returncode == 0, result.stderr[-2000:]

@@ -70,6 +70,50 @@ def test_vllm_sampling_fields_are_honoured(server, llm):
     assert body["usage"]["completion_tokens"] == len(offline.outputs[0].token_ids)
 
 
+def test_completions_return_the_prompt_logprobs_asked_for(server, llm):
+    """vLLM's `prompt_logprobs` field: each choice (and the first chunk of a streamed one) has,
+    per prompt token (None for the first), the logprob, rank and text of it and the top k."""
+    ids = llm.tokenizer.encode(PROMPT)
+    [offline] = llm.generate([ids], SamplingParams(temperature=0, max_tokens=2,
+                                                   prompt_logprobs=2), use_tqdm=False)
+    body = dict(model="tiny", prompt=PROMPT, temperature=0, max_tokens=2, prompt_logprobs=2)
+    whole = httpx.post(server.url + "/v1/completions", json=body).json()["choices"][0]
+    with httpx.stream("POST", server.url + "/v1/completions", json=dict(body, stream=True)) as r:
+        first = json.loads(next(line for line in r.iter_lines() if line)[6:])["choices"][0]
+    for got in (whole["prompt_logprobs"], first["prompt_logprobs"]):
+        assert got[0] is None and len(got) == len(ids)
+        for entry, expected in zip(got[1:], offline.prompt_logprobs[1:]):
+            assert set(entry) == {str(t) for t in expected}
+            for token, logprob in expected.items():
+                assert entry[str(token)]["logprob"] == pytest.approx(logprob.logprob, abs=1e-5)
+                assert (entry[str(token)]["rank"], entry[str(token)]["decoded_token"]) == (
+                    logprob.rank, logprob.decoded_token)
+    plain = post(server, "/v1/completions", prompt=PROMPT, max_tokens=1).json()["choices"][0]
+    assert plain["prompt_logprobs"] is None
+
+
+BAD_VALUES = ["x", -1, 1.5, [], [1, "a"], {"a": {}}, True]
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_no_value_of_any_field_is_a_500(server, path):
+    """Every field the server takes, given values of the wrong type or range: a 400 that names
+    a field (or a 200 where the value is fine), never a 500, and the server serves on."""
+    from nanopaged.openai_api import CHAT_FIELDS, COMPLETION_FIELDS
+    chat = path.endswith("chat/completions")
+    base = {"messages": [{"role": "user", "content": "hi"}]} if chat else {"prompt": "hi"}
+    statuses = set()
+    for field in sorted(CHAT_FIELDS if chat else COMPLETION_FIELDS):
+        for value in BAD_VALUES:
+            body = {"model": "tiny", **base, "max_tokens": 2, field: value}
+            response = httpx.post(server.url + path, json=body, timeout=60)
+            statuses.add(response.status_code)
+            assert response.status_code in (200, 400, 404), (field, value, response.text)
+            if response.status_code == 400:
+                assert response.json()["error"]["message"], (field, value)
+    assert 400 in statuses and server.healthy()
+
+
 def test_openai_penalties_and_logit_bias_through_the_client(server, llm):
     [offline] = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=16,
                                                       frequency_penalty=1.0, presence_penalty=0.5,
@@ -174,7 +218,8 @@ def test_the_command_line_as_a_newcomer_meets_it(qwen3_path, tmp_path):
     assert "--max-model-len" in help_text and "longest prompt + completion" in help_text
     assert "(default: 512)" in help_text  # max_num_seqs
     for args, message in [((qwen3_path, "--max-num-seqs", "0"), "max_num_seqs must be >= 1"),
-                          ((str(tmp_path / "none"),), "is not a local directory")]:
+                          ((str(tmp_path / "none"),), f"'{tmp_path / 'none'}': no such "
+                                                      f"directory")]:
         result = run_cli(*args)
         assert result.returncode != 0 and "Traceback" not in result.stderr
         assert len(result.stderr.strip().splitlines()) == 1 and message in result.stderr

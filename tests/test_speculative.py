@@ -66,10 +66,37 @@ def test_ngram_proposes_what_followed_the_latest_occurrence_of_the_longest_suffi
     ({"num_speculative_tokens": 2, "lookahead": 3}, "got lookahead"),
     ({"num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2},
      "prompt_lookup_min <= prompt_lookup_max"),
+    ({"num_speculative_tokens": "4"}, "num_speculative_tokens must be int, got '4'"),
+    ({"num_speculative_tokens": 2.0}, "num_speculative_tokens must be int, got 2.0"),
+    ({"num_speculative_tokens": 2, "prompt_lookup_max": 3.5}, "prompt_lookup_max must be int"),
+    ({"num_speculative_tokens": 2, "prompt_lookup_min": 0}, "prompt_lookup_min must be >= 1"),
+    ({"num_speculative_tokens": 2, "disable_by_batch_size": "8"}, "disable_by_batch_size must"),
+    ({"num_speculative_tokens": 2, "model": 5}, "model must be str or None"),
+    ([3], "speculative_config must be"),
 ])
 def test_bad_speculative_config_is_a_value_error_naming_it(qwen3_path, options, message):
     with pytest.raises(ValueError, match=message):
         LLM(qwen3_path, speculative_config=options)
+
+
+def test_prompt_lookup_bounds_are_honoured_as_written(qwen3_path):
+    llm = LLM(qwen3_path, speculative_config={"num_speculative_tokens": 2,
+                                              "prompt_lookup_min": 2})
+    assert (llm.proposer.shortest, llm.proposer.longest) == (2, 2)  # vLLM: max = min
+    llm = LLM(qwen3_path, speculative_config={"num_speculative_tokens": 2,
+                                              "prompt_lookup_max": 3})
+    assert (llm.proposer.shortest, llm.proposer.longest) == (3, 3)
+
+
+def test_a_bad_speculative_config_on_the_command_line_is_one_line(qwen3_path):
+    import subprocess
+    import sys
+    result = subprocess.run([sys.executable, "-m", "nanopaged.server", qwen3_path,
+                             "--speculative-config", '{"num_speculative_tokens": "4"}'],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0 and "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines() == [
+        "nanopaged serve: error: num_speculative_tokens must be int, got '4'"]
 
 
 def test_draft_model_needs_the_models_vocabulary(qwen3_path, checkpoint_root):

@@ -124,6 +124,38 @@ def test_structured_outputs_under_preemption_and_streamed(qwen3_path):
         jsonschema.validate(json.loads(text), SCHEMA)
 
 
+def nested(depth: int) -> dict:
+    schema = {"type": "object"}
+    for _ in range(depth):
+        schema = {"type": "array", "items": schema}
+    return schema
+
+
+def test_min_tokens_does_not_go_with_a_constraint():
+    """Rather than a grammar that ends before min_tokens (every token masked, a token outside
+    the grammar sampled), the pair is refused: the constraint alone says where text ends."""
+    with pytest.raises(ValueError, match="min_tokens does not go with structured outputs"):
+        SamplingParams(min_tokens=5, structured_outputs=StructuredOutputsParams(regex="ab"))
+
+
+def test_a_tokenizer_llguidance_cannot_read_is_named_in_words(qwen3_path, checkpoint_root):
+    """A tokenizer without a decoder: llguidance says "can't determine decoder type: None"."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+    import shutil
+    path = f"{checkpoint_root}/no-decoder"
+    shutil.copytree(qwen3_path, path, dirs_exist_ok=True)
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.train_from_iterator(["paged attention blocks"] * 8, trainers.BpeTrainer(
+        vocab_size=100, special_tokens=["<eos>"], show_progress=False))
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<eos>").save_pretrained(path)
+    llm = LLM(path, max_model_len=256)
+    params = SamplingParams(structured_outputs=StructuredOutputsParams(regex="ab"))
+    with pytest.raises(ValueError, match="need a tokenizer that llguidance can read.*decoder"):
+        llm.generate(["paged"], params, use_tqdm=False)
+
+
 def test_a_grammar_that_cannot_finish_ends_by_length(llm):
     params = SamplingParams(temperature=1.0, seed=3, max_tokens=8,
                             structured_outputs=StructuredOutputsParams(regex=r"a{50}"))
@@ -141,7 +173,14 @@ def test_a_grammar_that_cannot_finish_ends_by_length(llm):
     (dict(choice=[]), r"choice must be a list of strings, got \[\]"),
     (dict(regex="a", choice=["a"]), r"exactly one of .*got \['regex', 'choice'\]"),
     (dict(regex="a", backend="magic"), "backend must be one of"),
-
+    (dict(json=nested(300)), "the JSON schema nests more than 100 levels deep"),
+    (dict(json='{"items":' * 3000 + "{}" + "}" * 3000), "not JSON .or nests too deep"),
+    # constraints nothing satisfies: a completion would end at once, empty and not matching
+    (dict(json={"$ref": "#"}), "no text can follow this json: nothing satisfies it"),
+    (dict(regex="a[^\\s\\S]b"), "no text can follow this regex"),
+    (dict(grammar="start: x\nx: x"), "no text can follow this grammar"),
+    # accepted by the parser, but its lexer cannot be built: it would fail at the first token
+    (dict(regex="a{1000000}"), "llguidance cannot follow this regex: lexer error: too many"),
 ])
 def test_a_bad_constraint_is_a_value_error(llm, constraint, message):
     params = SamplingParams(structured_outputs=StructuredOutputsParams(**constraint))

@@ -118,6 +118,29 @@ def test_streamed_tool_calls_add_up_to_the_whole_ones(server):
             [(c.function.name, c.function.arguments) for c in whole]
 
 
+@pytest.mark.parametrize("cut", [{"max_tokens": 6}, {"stop": ["name"]}])
+def test_required_calls_cut_short_end_as_their_finish_reason(server, cut):
+    """max_tokens or a stop string cuts the calls' JSON short: the text comes back as content,
+    with finish_reason "length" or "stop", whole or streamed to its [DONE]."""
+    import httpx
+    body = dict(model="tiny", messages=ASK, tools=[WEATHER, TIME], tool_choice="required",
+                temperature=0, **cut)
+    response = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60)
+    assert response.status_code == 200
+    choice = response.json()["choices"][0]
+    reason = "length" if "max_tokens" in cut else "stop"
+    assert choice["finish_reason"] == reason and not choice["message"].get("tool_calls")
+    assert choice["message"]["content"]
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json=dict(body, stream=True),
+                      timeout=60) as streamed:
+        lines = [line for line in streamed.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+    chunks = [json.loads(line[6:]) for line in lines[:-1]]
+    assert [c["choices"][0]["finish_reason"] for c in chunks][-1] == reason
+    content = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks)
+    assert content == choice["message"]["content"]
+
+
 def test_auto_tool_choice_parses_hermes_tool_calls(server):
     hermes = '<tool_call>{"name": "get_time", "arguments": {"zone": "utc"}}</tool_call>'
     body = dict(model="tiny", messages=ASK, tools=[TIME], tool_choice="auto",
@@ -150,6 +173,14 @@ def test_auto_tool_choice_parses_hermes_tool_calls(server):
      "names the function 'nope', which is not in tools"),
     ({"tool_choice": "required"}, "tool_choice 'required' needs tools"),
     ({"tools": [{"type": "function"}]}, "tools must be a list of"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": "get_weather"}},
+     "tool_choice must be"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": 7}},
+     "tool_choice must be"),
+    ({"response_format": {"type": "json_schema", "json_schema": "weather"}},
+     "response_format must be"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"$ref": "#"}}}},
+     "nothing satisfies it"),
 ])
 def test_bad_constraints_are_400s_naming_the_problem(server, fields, message):
     import httpx
