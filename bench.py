@@ -37,11 +37,12 @@ import sys
 import time
 from dataclasses import dataclass
 
-import torch
-
 from nanopaged.random_checkpoint import TINY_QWEN3
 
 CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "nanopaged")
+MEANINGFUL_FLOOR_S = 0.01
+# Seconds each engine took with the --cpu preset on a 2-core cloud CPU (model load included)
+CPU_PRESET_SECONDS = {"nanopaged": 20, "hf-static": 35, "hf": 40}
 ENGINES = ("nanopaged", "hf", "hf-static", "nano-vllm", "vllm")
 # Qwen3-0.6B's published shape, for benchmarks with random weights.
 QWEN3_0_6B = dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_size=1024,
@@ -55,15 +56,15 @@ CPU_QWEN3 = dict(TINY_QWEN3, hidden_size=256, intermediate_size=768, num_hidden_
                  max_position_embeddings=4096)
 # name: (checkpoint, its shape and dtype, default flags)
 PRESETS = {
-    "default": ("random-qwen3-0.6b", QWEN3_0_6B, torch.bfloat16, dict(
+    "default": ("random-qwen3-0.6b", QWEN3_0_6B, "bfloat16", dict(
         engines="nanopaged,nano-vllm", num_requests=256, prompt_len=[100, 1024],
         output_len=[100, 1024], max_model_len=4096, batch_sizes=[1, 64, 256], context=1000,
         prefill_seqs=16, request_rate=[8, 16, 24])),
-    "cpu": ("random-cpu-qwen3", CPU_QWEN3, torch.float32, dict(
+    "cpu": ("random-cpu-qwen3", CPU_QWEN3, "float32", dict(
         engines="nanopaged,hf-static,hf", num_requests=48, prompt_len=[64, 512],
         output_len=[32, 256], max_model_len=1024, batch_sizes=[1, 16, 48], context=512,
         prefill_seqs=4, request_rate=[1, 2, 4])),
-    "tiny": ("random-tiny-qwen3", TINY_QWEN3, torch.float32, dict(
+    "tiny": ("random-tiny-qwen3", TINY_QWEN3, "float32", dict(
         engines="nanopaged,nano-vllm", num_requests=8, prompt_len=[8, 64], output_len=[8, 32],
         max_model_len=512, batch_sizes=[1, 4], context=64, prefill_seqs=2, request_rate=[4, 16])),
 }
@@ -78,6 +79,7 @@ class Workload:
 
 def make_workload(args, vocab_size: int) -> Workload:
     """nano-vllm's benchmark: random token ids below 10,000, lengths uniform in the ranges."""
+    import torch
     g = torch.Generator().manual_seed(args.seed)
     top = min(10000, vocab_size)
     def uniform(low, high):
@@ -105,7 +107,7 @@ def run_nanopaged(model: str, work: Workload, args, backend: str = "auto") -> di
     params = [SamplingParams(temperature=work.temperature, ignore_eos=True, max_tokens=n)
               for n in work.output_lens]
     llm.generate(warmup_prompts(work), params[:4], use_tqdm=False)
-    elapsed, outputs = timed(lambda: llm.generate(work.prompts, params, use_tqdm=False))
+    elapsed, outputs = timed(lambda: llm.generate(work.prompts, params, use_tqdm=args.progress))
     llm.close()
     stats = llm.stats()
     ttft = [o.metrics.first_token_time - o.metrics.arrival_time for o in outputs]
@@ -138,7 +140,7 @@ def run_nano_vllm(model: str, work: Workload, args) -> dict:
     params = [SamplingParams(temperature=work.temperature, ignore_eos=True, max_tokens=n)
               for n in work.output_lens]
     llm.generate(warmup_prompts(work), params[:4], use_tqdm=False)
-    elapsed, outputs = timed(lambda: llm.generate(work.prompts, params, use_tqdm=False))
+    elapsed, outputs = timed(lambda: llm.generate(work.prompts, params, use_tqdm=args.progress))
     return dict(elapsed=elapsed, output_tokens=sum(len(o["token_ids"]) for o in outputs))
 
 
@@ -151,11 +153,12 @@ def run_vllm(model: str, work: Workload, args) -> dict:
     prompts = [TokensPrompt(prompt_token_ids=p) for p in work.prompts]
     llm.generate([TokensPrompt(prompt_token_ids=p) for p in warmup_prompts(work)], params[:4],
                  use_tqdm=False)
-    elapsed, outputs = timed(lambda: llm.generate(prompts, params, use_tqdm=False))
+    elapsed, outputs = timed(lambda: llm.generate(prompts, params, use_tqdm=args.progress))
     return dict(elapsed=elapsed, output_tokens=sum(len(o.outputs[0].token_ids) for o in outputs))
 
 
 def _hf_model(model: str, args):
+    import torch
     from transformers import AutoModelForCausalLM
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
@@ -172,16 +175,17 @@ def run_hf(model: str, work: Workload, args) -> dict:
                               max_new_tokens=max(work.output_lens), eos_token_id=-1)
     manager = hf.init_continuous_batching(generation_config=config)
     manager.start()
-    def generate(prompts, lens):
+    def generate(prompts, lens, progress=False):
         for i, (p, n) in enumerate(zip(prompts, lens)):
             manager.add_request(p, request_id=f"r{len(p)}-{i}-{time.time()}", max_new_tokens=n,
                                 eos_token_id=-1)
-        results = [manager.get_result(timeout=args.timeout) for _ in prompts]
+        results = [manager.get_result(timeout=args.timeout)
+                   for _ in bar(prompts, "Generating", progress)]
         if None in results:
             raise RuntimeError("transformers' continuous batching returned no result")
         return results
     generate(warmup_prompts(work), work.output_lens[:4])
-    elapsed, outputs = timed(lambda: generate(work.prompts, work.output_lens))
+    elapsed, outputs = timed(lambda: generate(work.prompts, work.output_lens, args.progress))
     manager.stop(block=True)
     return dict(elapsed=elapsed, output_tokens=sum(len(o.generated_tokens) for o in outputs),
                 attention=args.hf_attn)
@@ -189,13 +193,14 @@ def run_hf(model: str, work: Workload, args) -> dict:
 
 def run_hf_static(model: str, work: Workload, args) -> dict:
     """Plain `generate` with a static cache, batches of similar output length (no early exit)."""
+    import torch
     hf = _hf_model(model, args)
     hf.generation_config.eos_token_id = None
     order = sorted(range(len(work.prompts)), key=lambda i: work.output_lens[i])
     batches = [order[i:i + args.hf_batch_size] for i in range(0, len(order), args.hf_batch_size)]
-    def generate(batches):
+    def generate(batches, progress=False):
         tokens = 0
-        for batch in batches:
+        for batch in bar(batches, "Batches", progress):
             width = max(len(work.prompts[i]) for i in batch)
             n = max(work.output_lens[i] for i in batch)
             ids = torch.tensor(
@@ -214,8 +219,14 @@ def run_hf_static(model: str, work: Workload, args) -> dict:
             tokens += sum(work.output_lens[i] for i in batch)  # the tokens the requests asked for
         return tokens
     generate([batches[0][:2]])
-    elapsed, tokens = timed(lambda: generate(batches))
+    elapsed, tokens = timed(lambda: generate(batches, args.progress))
     return dict(elapsed=elapsed, output_tokens=tokens, batch_size=args.hf_batch_size)
+
+
+def bar(items, desc: str, shown: bool):
+    """`items`, with a progress bar on stderr when `shown`."""
+    from tqdm.auto import tqdm
+    return tqdm(items, desc=desc, disable=not shown, dynamic_ncols=True)
 
 
 RUNNERS = {"nanopaged": run_nanopaged, "hf": run_hf, "hf-static": run_hf_static,
@@ -232,6 +243,7 @@ def timed(fn):
 
 
 def sync() -> None:
+    import torch
     if torch.cuda.is_available():
         torch.cuda.synchronize()
 
@@ -281,16 +293,18 @@ def model_shape(model: str) -> dict:
                 attention_flops_per_pair=4 * c.num_hidden_layers * c.num_attention_heads * head_dim)
 
 
-def engine_dtype(model: str) -> torch.dtype:
+def engine_dtype(model: str) -> "torch.dtype":
     """The dtype nanopaged (and the transformers peers) run the model in here."""
+    import torch
     if not torch.cuda.is_available():
         return torch.float32
     from transformers import AutoConfig
     return getattr(AutoConfig.from_pretrained(model), "dtype", None) or torch.bfloat16
 
 
-def measure_device(dtype: torch.dtype) -> dict:
+def measure_device(dtype: "torch.dtype") -> dict:
     """Copy bandwidth (bytes read + written) and the matmul rate in `dtype`, measured here."""
+    import torch
     device = "cuda" if torch.cuda.is_available() else "cpu"
     n = 1 << 28 if device == "cuda" else 1 << 24
     src = torch.randn(n, device=device)
@@ -331,9 +345,12 @@ def physical_floor(shape: dict, work: Workload, device: dict, dtype_bytes: int) 
 
 def share_of_floor(floor_seconds: float, seconds: float) -> str:
     """How close a measured time is to its floor. A floor cannot be beaten: a time under it
-    means the floor's model of the work (or of the device) is wrong, and says so."""
+    means the floor's model of the work (or of the device) is wrong, and says so. A floor too
+    small to mean anything (under 10 ms, or under 1% of the time) is not shown."""
     if seconds < floor_seconds:
         return "under the floor: the floor model is wrong here"
+    if floor_seconds < MEANINGFUL_FLOOR_S or floor_seconds < seconds / 100:
+        return ""
     return f"{100 * floor_seconds / seconds:.0f}% of the floor"
 
 
@@ -342,6 +359,7 @@ def share_of_floor(floor_seconds: float, seconds: float) -> str:
 def step_times(model: str, args) -> list[dict]:
     """Decode step time at several batch sizes with `--context`-token contexts, and prefill tok/s,
     each against its floor: the bytes a decode step must move, the arithmetic of a prefill."""
+    import torch
     from nanopaged import LLM
     dtype = engine_dtype(model)
     device = measure_device(dtype)
@@ -390,6 +408,7 @@ def step_times(model: str, args) -> list[dict]:
 
 
 def _random_requests(llm, count: int, context: int, seed: int) -> list[str]:
+    import torch
     from nanopaged import SamplingParams
     g = torch.Generator().manual_seed(seed)
     params = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=64)
@@ -436,6 +455,7 @@ class HostOnlyRunner:
     steers)."""
 
     def __init__(self, runner):
+        import torch
         self.runner, self.proposer, self.steps = runner, None, 0
         vocab_size = runner.config.hf_config.vocab_size
         self.scores = torch.rand(1024, vocab_size, generator=torch.Generator().manual_seed(0))
@@ -471,6 +491,7 @@ SPEC_CONFIGS = [{"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_
 def repetitive_workload(args, vocab_size: int, num_requests: int = 8) -> Workload:
     """Prompts that quote a random text twice, greedy: proposals can hit (in the quote, and in
     the loops a random-weight model falls into)."""
+    import torch
     g = torch.Generator().manual_seed(args.seed)
     low, high = args.prompt_len
     texts = [torch.randint(0, min(10000, vocab_size), (n,), generator=g).tolist()
@@ -543,6 +564,7 @@ def host_times(model: str, args) -> list[dict]:
 
 
 def _host_step_time(model: str, args, batch: int, block_size: int, schema) -> dict:
+    import torch
     from nanopaged import LLM, SamplingParams
     max_model_len = args.context + 512
     llm = LLM(model, device="cpu", kvcache_block_size=block_size, max_model_len=max_model_len,
@@ -615,12 +637,13 @@ def serve_times(model: str, args) -> dict:
 
 
 class NanopagedServer:
-    """`python -m nanopaged.server` in a subprocess, for the length of a `with` block."""
+    """`python -m nanopaged serve` in a subprocess, for the length of a `with` block."""
 
     def __init__(self, model: str, args, flags: list[str]):
         from nanopaged.parallel import free_port
         self.port = free_port()
-        self.command = [sys.executable, "-m", "nanopaged.server", model, "--port", str(self.port),
+        self.command = [sys.executable, "-m", "nanopaged", "serve", model, "--port",
+                        str(self.port),
                         *flags, "--max-model-len", str(args.max_model_len),
                         "--max-waiting", str(args.num_requests + 1), "--log-level", "warning"]
         if args.max_num_batched_tokens:
@@ -647,6 +670,7 @@ async def send_workload(url: str, work: Workload, rate: float, args) -> dict:
     """Streams every request of the workload, started at Poisson arrival times of `rate` a
     second; with --long-prompt, one more request of that many prompt tokens arrives halfway,
     and `itl_max_ms` shows how long it stalled the others' streams."""
+    import torch
     import httpx
     limits = httpx.Limits(max_connections=None)
     async with httpx.AsyncClient(timeout=args.timeout, limits=limits) as client:
@@ -764,6 +788,8 @@ def parse_args(argv=None):
     p.add_argument("--hf-attn", default="sdpa", help="attention for the hf engine")
     p.add_argument("--hf-batch-size", type=int, default=64, help="batch of the hf-static engine")
     p.add_argument("--timeout", type=float, default=1800, help="seconds per engine")
+    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True,
+                   help="a progress bar per engine, on stderr (default: on)")
     presets = p.add_mutually_exclusive_group()
     presets.add_argument(
         "--cpu",
@@ -854,54 +880,55 @@ def main(argv=None) -> dict:
 
 
 def run_throughput(model: str, args) -> dict:
+    """Each engine in turn on the workload; a row is printed as soon as its engine finishes
+    (a run cut short still shows what it measured), and the engines that could not run are
+    listed once at the end."""
     shape = model_shape(model)
     work = make_workload(args, shape["vocab_size"])
     dtype = engine_dtype(model)
     device = measure_device(dtype)
     floor = physical_floor(shape, work, device, dtype.itemsize)
-    results = {}
-    for engine in args.engines.split(","):
-        print(f"running {engine} ...", file=sys.stderr)
-        results[engine] = run_engine(engine, model, work, args)
+    engines = args.engines.split(",")
     prompt_tokens = sum(len(p) for p in work.prompts)
-    nanopaged = [r for e, r in results.items() if e.startswith("nanopaged") and "elapsed" in r]
-    base = nanopaged[0]["elapsed"] if nanopaged else None
-    print(f"\n{len(work.prompts)} requests, {prompt_tokens} prompt + {sum(work.output_lens)} "
+    print(f"{len(work.prompts)} requests, {prompt_tokens} prompt + {sum(work.output_lens)} "
           f"output tokens on {device['device']} ({device['bandwidth'] / 1e9:,.0f} GB/s copy, "
           f"{device['flops'] / 1e12:,.2f} TFLOP/s {device['dtype']} matmul, measured)")
+    if args.preset == "cpu":
+        expected = sum(CPU_PRESET_SECONDS.get(e.partition(":")[0], 60) for e in engines)
+        print(f"expect about {expected / 60:.0f} min (seconds per engine on a 2-core CPU: "
+              f"{', '.join(f'{e} {s}' for e, s in CPU_PRESET_SECONDS.items())})")
     print(f"{'engine':18} {'time s':>8} {'out tok/s':>10} {'total tok/s':>11} "
-          f"{'vs nanopaged':>12}  floor")
-    for engine, r in results.items():
+          f"{'vs nanopaged':>12}  floor", flush=True)
+    results, base, not_run = {}, None, {}
+    for engine in engines:
+        print(f"running {engine} ...", file=sys.stderr)
+        r = results[engine] = run_engine(engine, model, work, args)
         if "elapsed" not in r:
-            print(f"{engine:18} {r.get('skipped') or r.get('error')}")
+            not_run[engine] = r.get("skipped") or r.get("error")
             continue
         r["output_tok_per_s"] = r["output_tokens"] / r["elapsed"]
         r["total_tok_per_s"] = (r["output_tokens"] + prompt_tokens) / r["elapsed"]
         r["share_of_floor"] = share_of_floor(floor["seconds"], r["elapsed"])
+        base = base or (r["elapsed"] if engine.startswith("nanopaged") else None)
         ratio = f"{base / r['elapsed']:.2f}x" if base else "-"
         print(f"{engine:18} {r['elapsed']:8.2f} {r['output_tok_per_s']:10,.0f} "
-              f"{r['total_tok_per_s']:11,.0f} {ratio:>12}  {r['share_of_floor']}")
-    for nano in nanopaged:
-        print(f"\nnanopaged ({nano['backend']}): TTFT median {nano['ttft_median']:.3f} s, "
-              f"p99 {nano['ttft_p99']:.3f} s; TPOT median {1e3 * nano['tpot_median']:.2f} ms, "
-              f"p99 {1e3 * nano['tpot_p99']:.2f} ms; prefix-cache hits "
-              f"{100 * nano['prefix_hit_rate']:.1f}%; {nano['preemptions']} preemptions; "
-              f"{nano['kv_blocks']} KV blocks")
-    print(
-        f"physical floor {floor['seconds']:.2f} s ({floor['weight_bytes'] / 1e9:,.1f} GB weights + "
-        f"{floor['kv_bytes'] / 1e9:,.1f} GB KV reads, {floor['flops'] / 1e12:,.1f} TFLOP)"
-    )
-    return dict(
-        device=device,
-        workload=dict(
-            num_requests=len(work.prompts),
-            prompt_tokens=prompt_tokens,
-            output_tokens=sum(work.output_lens),
-            prefix_len=args.prefix_len,
-        ),
-        floor=floor,
-        engines=results,
-    )
+              f"{r['total_tok_per_s']:11,.0f} {ratio:>12}  {r['share_of_floor']}", flush=True)
+    for engine, r in results.items():
+        if engine.startswith("nanopaged") and "elapsed" in r:
+            print(f"\n{engine} ({r['backend']}): TTFT median {r['ttft_median']:.3f} s, "
+                  f"p99 {r['ttft_p99']:.3f} s; TPOT median {1e3 * r['tpot_median']:.2f} ms, "
+                  f"p99 {1e3 * r['tpot_p99']:.2f} ms; prefix-cache hits "
+                  f"{100 * r['prefix_hit_rate']:.1f}%; {r['preemptions']} preemptions; "
+                  f"{r['kv_blocks']} KV blocks")
+    if floor["seconds"] >= MEANINGFUL_FLOOR_S:
+        print(f"physical floor {floor['seconds']:.2f} s ({floor['weight_bytes'] / 1e9:,.1f} GB "
+              f"weights + {floor['kv_bytes'] / 1e9:,.1f} GB KV reads, "
+              f"{floor['flops'] / 1e12:,.1f} TFLOP)")
+    for engine, why in not_run.items():
+        print(f"not run: {engine}: {why}")
+    return dict(device=device, floor=floor, engines=results, workload=dict(
+        num_requests=len(work.prompts), prompt_tokens=prompt_tokens,
+        output_tokens=sum(work.output_lens), prefix_len=args.prefix_len))
 
 
 def plot(result: dict, path: str) -> None:

@@ -13,9 +13,6 @@ import os
 import sys
 import time
 
-from nanopaged import LLM, SamplingParams
-from nanopaged.random_checkpoint import TINY_QWEN3, write_random_checkpoint
-
 DEFAULT_MODEL = "Qwen/Qwen3-0.6B"
 CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "nanopaged")
 SYSTEM = "You are a concise assistant who explains how inference engines work."
@@ -23,9 +20,11 @@ QUESTIONS = ["Introduce yourself.", "List all prime numbers within 100.",
              "Explain paged attention in two sentences.", "Write a short poem about the sea."]
 
 
-def load(model: str | None) -> LLM:
+def load(model: str | None):
     """The model asked for (an error if it cannot be loaded), else the default model, else the
     random-weight stand-in."""
+    from nanopaged import LLM
+    from nanopaged.random_checkpoint import TINY_QWEN3, write_random_checkpoint
     if model is not None:
         return LLM(model)
     try:
@@ -49,6 +48,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--stream", action="store_true", help="stream the first answer")
     args = parser.parse_args()
+    from nanopaged import SamplingParams  # after the arguments: --help answers at once
     try:
         llm = load(args.model)
     except ValueError as error:

@@ -1,13 +1,10 @@
 """Writes a random-weight checkpoint (config, safetensors, tokenizer) for offline runs and tests.
 
 No model hub is needed: the model comes from `transformers` with random weights, and the
-tokenizer is a small byte-level BPE trained here with the `tokenizers` library.
+tokenizer is a small byte-level BPE trained here with the `tokenizers` library (both imported
+when a checkpoint is written: the shapes below are for a command's arguments, read at once).
 """
 import os
-
-import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, PreTrainedTokenizerFast
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
@@ -29,8 +26,10 @@ TINY_QWEN3 = dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden
                   rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
 
 
-def build_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
+def build_tokenizer(vocab_size: int):
     """A byte-level BPE tokenizer trained on a paragraph: encodes any text, offline."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
@@ -42,10 +41,13 @@ def build_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
                                    pad_token="<|endoftext|>", chat_template=CHAT_TEMPLATE)
 
 
-def write_random_checkpoint(path: str, shape: dict, seed: int = 0,
-                            dtype: torch.dtype = torch.float32,
+def write_random_checkpoint(path: str, shape: dict, seed: int = 0, dtype="float32",
                             initializer_range: float = 0.02) -> str:
-    """Writes a checkpoint of the given config with random weights into `path`; returns it."""
+    """Writes a checkpoint of the given config with random weights, in `dtype` (a torch.dtype
+    or its name), into `path`; returns it."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+    dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     os.makedirs(path, exist_ok=True)
     tokenizer = build_tokenizer(min(shape["vocab_size"], 1000))
     config = AutoConfig.for_model(**shape, initializer_range=initializer_range,

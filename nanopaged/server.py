@@ -1,5 +1,5 @@
-"""An OpenAI-compatible HTTP server: `nanopaged serve MODEL` (or
-`python -m nanopaged.server MODEL`).
+"""An OpenAI-compatible HTTP server: `nanopaged serve MODEL` (or `python -m nanopaged serve
+MODEL`; the command line is `cli.py`).
 
 One engine loop runs in a thread of its own and is the only caller of the engine: handlers hand
 it requests and aborts through a queue, and after every step it hands each request's outputs to
@@ -27,7 +27,7 @@ from starlette.exceptions import HTTPException
 
 from nanopaged import LLM, chat, openai_api
 from nanopaged.data_parallel import ReplicaDied, Router, sum_stats
-from nanopaged.engine_args import EngineArgs, FlexibleArgumentParser
+from nanopaged.engine_args import EngineArgs
 from nanopaged.outputs import EngineStats
 from nanopaged.openai_responses import Response
 
@@ -301,31 +301,8 @@ class Server(uvicorn.Server):
         super().handle_exit(sig, frame)
 
 
-def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = FlexibleArgumentParser(prog="nanopaged serve", description=__doc__.splitlines()[0])
-    parser.add_argument("model_tag", nargs="?", metavar="MODEL",
-                        help="a checkpoint directory or a Hugging Face id (or --model)")
-    parser.add_argument("--host", default="127.0.0.1", help="(default: 127.0.0.1)")
-    parser.add_argument("--port", type=int, default=8000, help="(default: 8000)")
-    parser.add_argument("--max-waiting", type=int, default=256,
-                        help="requests that may wait for their first token; more get 503 at once "
-                             "(default: 256)")
-    parser.add_argument("--router", choices=["prefix", "least"], default="prefix",
-                        help="with --data-parallel-size: send a request to the replica that was "
-                             "sent its prompt's longest prefix, unless it is much busier than "
-                             "the least busy (prefix), or always to the least busy (least)")
-    parser.add_argument("--served-model-name", help="the model's name in the API (default: MODEL)")
-    parser.add_argument("--log-level", default="info",
-                        help="uvicorn's; warning hides each request (default: info)")
-    EngineArgs.add_cli_args(parser.add_argument_group("engine options"))
-    args = parser.parse_args(argv)
-    args.model = args.model_tag or args.model
-    return args
-
-
-def main(argv: list[str] | None = None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
-    args = parse_args(argv[1:] if argv[:1] == ["serve"] else argv)
+def serve(args: argparse.Namespace) -> None:
+    """Runs the server the command line (`cli.py`) asked for, until SIGTERM or Ctrl-C."""
     try:
         llm = LLM(**dataclasses.asdict(EngineArgs.from_cli_args(args)))
     except ValueError as error:  # a wrong option or model: one line, not a traceback
@@ -334,7 +311,3 @@ def main(argv: list[str] | None = None) -> None:
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=3)
     Server(config).run()
-
-
-if __name__ == "__main__":
-    main()

@@ -2,8 +2,8 @@
 `nanopaged.`: `nanopaged.engine.arg_utils`, `.engine.llm_engine`, `.entrypoints.llm`,
 `.distributed` (and `.distributed.parallel_state`), `.envs` and `.profiler`. Each name means
 what it means in vLLM; a name vLLM has there and nanopaged does not is an ImportError that says
-what to use instead. The modules are registered when `nanopaged` is imported; the paths that
-exist as files (`sampling_params`, `inputs`, `outputs`, `utils`) stay files."""
+what to use instead. The package's `__init__` finds these paths here on their first import;
+the paths that exist as files (`sampling_params`, `inputs`, `outputs`, `utils`) stay files."""
 import gc
 import os
 import sys
@@ -24,9 +24,11 @@ INSTEAD = {  # module path -> what a name nanopaged lacks there should be replac
                    "LLM(model, tensor_parallel_size=N)",
     "profiler": "nanopaged profiles with LLM.start_profile() / stop_profile() (torch.profiler, "
                 "as vLLM's LLM does), not with a layerwise profiler",
-    "engine": "nanopaged.engine has arg_utils (EngineArgs) and llm_engine (LLMEngine)",
+    "engine": "nanopaged.engine has arg_utils (EngineArgs) and llm_engine (LLMEngine); "
+              "nanopaged's engines are all synchronous (the server runs one in a thread)",
+    "envs": "nanopaged.envs has the variables it reads",
     "entrypoints": "nanopaged.entrypoints has llm (LLM); the server is `nanopaged serve` "
-                   "(nanopaged.server)",
+                   "(nanopaged.cli)",
 }
 
 
@@ -76,11 +78,24 @@ def _module(path: str, names: dict, doc: str) -> types.ModuleType:
         raise ImportError(f"cannot import {name!r} from nanopaged.{path}: vLLM has it there, "
                           f"nanopaged does not. {INSTEAD.get(top, '')}".rstrip())
     module.__getattr__ = missing
+    if "." not in path:
+        module.__path__ = []  # a package: its other submodules are looked for, and refused
     sys.modules[module.__name__] = module
     return module
 
 
-def register() -> None:
+def module(name: str) -> types.ModuleType:
+    """The module at vLLM's path `name` (made on the first import of any of them)."""
+    if name not in sys.modules:
+        _register()
+    if name not in sys.modules:
+        top = name.split(".")[1]
+        raise ModuleNotFoundError(f"no module named {name!r}: vLLM has it, nanopaged does not. "
+                                  f"{INSTEAD.get(top, '')}".rstrip())
+    return sys.modules[name]
+
+
+def _register() -> None:
     parallel_state = _module("distributed.parallel_state", {
         "get_world_group": WorldGroup, "destroy_model_parallel": lambda: None,
         "destroy_distributed_environment": cleanup_dist_env_and_memory},

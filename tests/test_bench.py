@@ -65,6 +65,38 @@ def test_plot_without_matplotlib_says_how_to_get_it(bench, monkeypatch, capsys):
 def test_a_time_under_the_floor_is_never_a_share_above_100_percent(bench):
     assert bench.share_of_floor(1.0, 2.0) == "50% of the floor"
     assert bench.share_of_floor(2.0, 1.0) == "under the floor: the floor model is wrong here"
+    # a floor too small to mean anything is not shown: no "0% of the floor"
+    assert bench.share_of_floor(0.001, 2.0) == bench.share_of_floor(0.5, 100.0) == ""
+
+
+def test_rows_come_as_engines_finish_and_the_missing_are_listed_last(qwen3_path):
+    """Run as a person runs it: each engine's row is printed when it is done, before the next
+    engine starts; an engine that is not installed is one line at the end; no floor of 0."""
+    import subprocess
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    result = subprocess.run(
+        [sys.executable, "bench.py", "--tiny", "--model", qwen3_path, "--no-progress",
+         "--engines", "nanopaged,vllm,hf-static"], cwd=root, capture_output=True, text=True,
+        timeout=600, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    assert result.returncode == 0, result.stderr[-2000:]
+    lines = result.stdout.splitlines()
+    rows = [line.split()[0] for line in lines
+            if len(line.split()) > 2 and line.split()[1].replace(".", "").isdigit()]
+    assert rows == ["nanopaged", "hf-static"]  # vllm has no row of its own
+    assert lines[-1] == "not run: vllm: vllm is not importable"
+    assert "0.00 s" not in result.stdout and " 0% of the floor" not in result.stdout
+
+
+def test_rows_are_printed_before_the_next_engine_runs(bench, qwen3_path, capsys, monkeypatch):
+    order = []
+    run_engine = bench.run_engine
+    def recording(engine, *args):
+        order.append(("start", engine, capsys.readouterr().out))
+        return run_engine(engine, *args)
+    monkeypatch.setattr(bench, "run_engine", recording)
+    bench.main(["--tiny", "--model", qwen3_path, "--no-progress", "--engines",
+                "nanopaged,hf-static"])
+    assert order[1][1] == "hf-static" and order[1][2].startswith("nanopaged ")
 
 
 def test_step_times(bench, qwen3_path, tmp_path):

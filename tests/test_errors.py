@@ -232,7 +232,7 @@ def test_invalid_sampling_values(kwargs, message):
         ),
         (dict(device="tpu"), r"device must be one of \(.cuda., .cpu.\), got .tpu."),
         (dict(max_num_seq=8), "unknown option 'max_num_seq'; did you mean 'max_num_seqs'"),
-        (dict(revision="main"), "unknown option 'revision'; the options are tokenizer, device, "),
+        (dict(revision="main"), "unknown option 'revision'; the options are tokenizer, tokenizer_mode, device, "),
     ],
 )
 def test_invalid_option_names_the_option(qwen3_path, kwargs, message):

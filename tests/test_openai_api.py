@@ -208,7 +208,7 @@ def test_models_version_and_not_found(server):
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "nanopaged.server", *args], cwd=ROOT,
+    return subprocess.run([sys.executable, "-m", "nanopaged", "serve", *args], cwd=ROOT,
                           capture_output=True, text=True, timeout=120,
                           env=dict(os.environ, PYTHONPATH=ROOT, HF_HUB_OFFLINE="1"))
 

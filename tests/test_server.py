@@ -29,7 +29,8 @@ class Server:
             [
                 sys.executable,
                 "-m",
-                "nanopaged.server",
+                "nanopaged",
+                "serve",
                 model,
                 "--port",
                 str(self.port),

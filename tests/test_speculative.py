@@ -91,7 +91,7 @@ def test_prompt_lookup_bounds_are_honoured_as_written(qwen3_path):
 def test_a_bad_speculative_config_on_the_command_line_is_one_line(qwen3_path):
     import subprocess
     import sys
-    result = subprocess.run([sys.executable, "-m", "nanopaged.server", qwen3_path,
+    result = subprocess.run([sys.executable, "-m", "nanopaged", "serve", qwen3_path,
                              "--speculative-config", '{"num_speculative_tokens": "4"}'],
                             capture_output=True, text=True, timeout=120)
     assert result.returncode != 0 and "Traceback" not in result.stderr

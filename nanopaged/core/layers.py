@@ -14,12 +14,17 @@ from torch import nn
 def cuda_compiled(fn):
     """`fn`, fused into few kernels by torch.compile when its first argument is on a GPU (the
     launches of a decode step's tiny kernels are most of a small batch's time); on CPU as
-    written, where compiling costs more than it saves."""
-    compiled = torch.compile(fn, dynamic=True)
+    written, where compiling costs more than it saves. Compiled on first use: importing
+    torch.compile's machinery alone takes a second."""
+    compiled = []
 
     @functools.wraps(fn)
     def dispatch(x: torch.Tensor, *args):
-        return compiled(x, *args) if x.is_cuda else fn(x, *args)
+        if not x.is_cuda:
+            return fn(x, *args)
+        if not compiled:
+            compiled.append(torch.compile(fn, dynamic=True))
+        return compiled[0](x, *args)
     return dispatch
 
 
