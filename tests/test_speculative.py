@@ -334,6 +334,23 @@ def test_top_k_1_sampling_with_speculation_is_greedy(qwen3_path, hf_greedy):
     assert llm.stats().num_accepted_tokens == llm.stats().num_proposed_tokens > 0
 
 
+def test_a_seeded_request_is_the_same_alone_and_in_a_batch_that_leaves_it_fewer_slots(
+        qwen3_path):
+    """Alone, the seeded request gets 4 lookahead slots a step; beside six others in a budget of
+    8 tokens, one at most: how many tokens a step verifies does not change its tokens."""
+    params = SamplingParams(temperature=0.3, max_tokens=30, seed=11, ignore_eos=True)
+    others = random_prompts([6, 7, 8, 9, 10, 11], seed=5)
+    spec = dict(NGRAM, num_speculative_tokens=4)
+    alone = LLM(qwen3_path, num_kvcache_blocks=64, max_num_batched_tokens=64,
+                speculative_config=spec)
+    shared = LLM(qwen3_path, num_kvcache_blocks=64, max_num_batched_tokens=8,
+                 speculative_config=spec)
+    [want] = completions(alone, prompts()[4:], params)
+    got = completions(shared, others + prompts()[4:], [GREEDY] * 6 + [params])
+    assert got[6] == want
+    assert alone.stats().num_accepted_tokens > 5  # proposals were verified, and kept
+
+
 def test_sampled_speculation_is_reproducible_and_ignores_the_batch(qwen3_path):
     llm = LLM(qwen3_path, num_kvcache_blocks=64, speculative_config=draft_config(qwen3_path))
     params = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=30, seed=7, ignore_eos=True)
