@@ -282,12 +282,14 @@ def model_shape(model: str) -> dict:
     from transformers import AutoConfig
     c = AutoConfig.from_pretrained(model)
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    per_layer = (
-        c.hidden_size * (c.num_attention_heads + 2 * c.num_key_value_heads) * head_dim
-        + c.num_attention_heads * head_dim * c.hidden_size
-        + 3 * c.hidden_size * c.intermediate_size
-    )
-    return dict(params=c.num_hidden_layers * per_layer + c.vocab_size * c.hidden_size,
+    attention = (c.hidden_size * (c.num_attention_heads + 2 * c.num_key_value_heads) * head_dim
+                 + c.num_attention_heads * head_dim * c.hidden_size)
+    # a token of a mixture of experts runs (and a step reads) its top_k experts at least (the
+    # floor counts every layer sparse)
+    active = getattr(c, "num_experts_per_tok", None) or 1
+    mlp = 3 * c.hidden_size * (getattr(c, "moe_intermediate_size", None) or c.intermediate_size)
+    embedding = c.vocab_size * c.hidden_size
+    return dict(active_params=c.num_hidden_layers * (attention + active * mlp) + embedding,
                 vocab_size=c.vocab_size,
                 kv_elements_per_token=2 * c.num_hidden_layers * c.num_key_value_heads * head_dim,
                 attention_flops_per_pair=4 * c.num_hidden_layers * c.num_attention_heads * head_dim)
@@ -332,13 +334,13 @@ def physical_floor(shape: dict, work: Workload, device: dict, dtype_bytes: int) 
     """The least time any engine needs: every decode step reads the weights once (all requests
     decode together, so there are max(output_len) steps), and each generated token reads the
     K/V of its whole context once; or the arithmetic, at the measured matmul rate."""
-    weight_bytes = shape["params"] * dtype_bytes * max(work.output_lens)
+    weight_bytes = shape["active_params"] * dtype_bytes * max(work.output_lens)
     context_pairs = sum(
         len(p) * n + n * (n - 1) // 2 for p, n in zip(work.prompts, work.output_lens)
     )
     kv_bytes = context_pairs * shape["kv_elements_per_token"] * dtype_bytes
     tokens = sum(len(p) for p in work.prompts) + sum(work.output_lens)
-    flops = 2 * shape["params"] * tokens + shape["attention_flops_per_pair"] * context_pairs
+    flops = 2 * shape["active_params"] * tokens + shape["attention_flops_per_pair"] * context_pairs
     seconds = max((weight_bytes + kv_bytes) / device["bandwidth"], flops / device["flops"])
     return dict(weight_bytes=weight_bytes, kv_bytes=kv_bytes, flops=flops, seconds=seconds)
 
@@ -389,13 +391,13 @@ def step_times(model: str, args) -> list[dict]:
         for batch in args.batch_sizes:
             seconds, step = _decode_step_time(llm, batch, args.context)
             moved = (
-                shape["params"] + batch * args.context * shape["kv_elements_per_token"]
+                shape["active_params"] + batch * args.context * shape["kv_elements_per_token"]
             ) * dtype_bytes
             rows.append(dict(backend=backend, kind=f"decode b={batch}", ms=seconds * 1e3,
                              floor_ms=moved / device["bandwidth"] * 1e3, tokens=len(step.seqs)))
         seconds, tokens = _prefill_step_time(llm, args.prefill_seqs, args.context)
         flops = (
-            2 * shape["params"] * tokens
+            2 * shape["active_params"] * tokens
             + shape["attention_flops_per_pair"] * args.prefill_seqs * args.context**2 // 2
         )
         rows.append(dict(backend=backend, kind=f"prefill {tokens} tok", ms=seconds * 1e3,

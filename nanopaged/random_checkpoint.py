@@ -24,6 +24,26 @@ TINY_QWEN3 = dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden
                   num_key_value_heads=2, head_dim=16, vocab_size=512,
                   max_position_embeddings=2048, rms_norm_eps=1e-6, tie_word_embeddings=True,
                   rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+_DECODER = {k: v for k, v in TINY_QWEN3.items() if k not in ("architectures", "model_type")}
+# Tiny models of each family, by name: the same width, to try each one offline in seconds.
+SHAPES = {
+    "qwen3": TINY_QWEN3,
+    "qwen3-moe": dict(_DECODER, architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe",
+                      num_hidden_layers=3, moe_intermediate_size=32, num_experts=8,
+                      num_experts_per_tok=2, norm_topk_prob=False, mlp_only_layers=[1]),
+    "mixtral": dict(_DECODER, architectures=["MixtralForCausalLM"], model_type="mixtral",
+                    intermediate_size=32, num_local_experts=4, num_experts_per_tok=2,
+                    tie_word_embeddings=False),
+    "mistral": dict(_DECODER, architectures=["MistralForCausalLM"], model_type="mistral",
+                    sliding_window=24, tie_word_embeddings=False),
+    "gemma3": dict(_DECODER, architectures=["Gemma3ForCausalLM"], model_type="gemma3_text",
+                   num_hidden_layers=3, sliding_window=24, query_pre_attn_scalar=24,
+                   layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+                   hidden_activation="gelu_pytorch_tanh", rope_parameters={
+                       "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                       "full_attention": {"rope_type": "linear", "factor": 2.0,
+                                          "rope_theta": 100000.0}}),
+}
 
 
 def build_tokenizer(vocab_size: int):
@@ -63,15 +83,19 @@ def write_random_checkpoint(path: str, shape: dict, seed: int = 0, dtype="float3
 
 
 def main(argv: list[str] | None = None) -> None:
-    """`python -m nanopaged.random_checkpoint DIR`: a tiny Qwen3-shaped checkpoint in DIR."""
+    """`python -m nanopaged.random_checkpoint DIR`: a tiny Qwen3-shaped checkpoint (or another
+    family's, `--shape`) in DIR."""
     import argparse
     parser = argparse.ArgumentParser(description=main.__doc__)
     parser.add_argument("directory")
+    parser.add_argument("--shape", choices=SHAPES, default="qwen3")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    path = write_random_checkpoint(args.directory, TINY_QWEN3, seed=args.seed)
-    print(f"wrote a random-weight Qwen3-shaped checkpoint (2 layers, width 64, vocabulary 512; "
-          f"it prints gibberish by design) to {path}\n"
+    shape = SHAPES[args.shape]
+    path = write_random_checkpoint(args.directory, shape, seed=args.seed)
+    print(f"wrote a random-weight {shape['architectures'][0]} checkpoint "
+          f"({shape['num_hidden_layers']} layers, width 64, vocabulary 512; it prints gibberish "
+          f"by design) to {path}\n"
           f"try: python example.py --model {path}\n"
           f"     nanopaged serve {path}")
 

@@ -18,6 +18,7 @@ The draft model keeps its own KV cache in the same blocks as the model's, at the
 it runs every token the model runs (prompt chunks included), so that wherever the model's
 cache holds a token, prefix hits included, the draft's holds it too.
 """
+import math
 from dataclasses import dataclass, fields
 
 import numpy as np
@@ -27,8 +28,9 @@ from nanopaged.checkpoint import resolve_model
 from nanopaged.core.attention import AttentionMetadata
 from nanopaged.core.config import Config, check_fields, read_checkpoint_config
 from nanopaged.core.loader import load_model
+from nanopaged.core.model import sliding_window
 from nanopaged.core.model_runner import ModelRunner
-from nanopaged.core.step import ScheduledStep, StepInputs
+from nanopaged.core.step import SamplerOutput, ScheduledStep, StepInputs
 
 DEFAULT_NGRAM = 5  # vLLM's prompt_lookup_min and _max when neither is given
 
@@ -142,6 +144,26 @@ class NgramProposer:
     def allocate_kv_cache(self, num_blocks: int) -> None:
         pass
 
+    def verify(self, logits: torch.Tensor, step: ScheduledStep, inputs: StepInputs,
+               proposals: dict[int, list[int]], runner: ModelRunner) -> SamplerOutput:
+        """Samples each sampling row at its last token and after each of its proposals; a
+        sequence keeps its proposals while the model samples them (which leaves each token's
+        distribution the model's), and the token after them."""
+        drafts = [proposals.get(i, []) for i in step.sample_rows]
+        rows = [seq for seq, tokens in zip(step.samplers, drafts) for _ in range(len(tokens) + 1)]
+        offsets = [j for tokens in drafts for j in range(len(tokens) + 1)]
+        sampled = runner.sampler(logits[:len(rows)], rows, offsets).tolist()
+        token_ids, first_rows, row = [], [], 0
+        for tokens in drafts:
+            accepted = 0
+            while accepted < len(tokens) and sampled[row + accepted] == tokens[accepted]:
+                accepted += 1
+            token_ids.append(sampled[row:row + accepted + 1])
+            first_rows.append(row)
+            row += len(tokens) + 1
+        return SamplerOutput(token_ids, logits[:len(rows)], first_rows,
+                             runner.prompt_logits(logits, len(rows), inputs))
+
     def propose(self, step: ScheduledStep, inputs: StepInputs, runner: ModelRunner
                 ) -> dict[int, list[int]]:
         """Per sequence of the step (by index) with lookahead slots, its proposals."""
@@ -159,12 +181,17 @@ class DraftProposer(NgramProposer):
     def __init__(self, spec: SpeculativeConfig, config: Config):
         super().__init__(spec)
         self.config, self.device = config, torch.device(config.device)
-        self.model = load_model(spec.model, read_checkpoint_config(spec.model), config.dtype,
-                                self.device, config.attention_backend)
+        draft_config = read_checkpoint_config(spec.model)
+        if _reach(draft_config) > _reach(config.hf_config):
+            raise ValueError(f"the draft model {spec.model!r} attends further back than the "
+                             f"model's sliding window of {_reach(config.hf_config)} tokens, "
+                             f"whose older blocks are given back")
+        self.model = load_model(spec.model, draft_config, config.dtype, self.device,
+                                config.attention_backend)
         self.block_size = config.kvcache_block_size
 
     def kv_bytes_per_block(self) -> int:
-        return self.model.kv_bytes_per_block(self.block_size, self.config.dtype)
+        return math.prod(self.model.kv_cache_shape(1, self.block_size)) * self.config.dtype.itemsize
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         self.kv_cache = None  # free the old one first
@@ -209,6 +236,12 @@ class DraftProposer(NgramProposer):
 
     def _tensor(self, values: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
         return torch.as_tensor(values, dtype=dtype, device=self.device)
+
+
+def _reach(hf_config) -> float:
+    """How far back the model's layers attend (inf: some layer, all the way)."""
+    return max(sliding_window(hf_config, i) or math.inf
+               for i in range(hf_config.num_hidden_layers))
 
 
 def make_proposer(spec: SpeculativeConfig, config: Config) -> NgramProposer:

@@ -14,7 +14,7 @@ if (
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
-from nanopaged.random_checkpoint import CORPUS, TINY_QWEN3, write_random_checkpoint
+from nanopaged.random_checkpoint import CORPUS, SHAPES, TINY_QWEN3, write_random_checkpoint
 from nanopaged.core.step import SamplerOutput
 
 TINY = {
@@ -26,7 +26,17 @@ TINY = {
                                    "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                    "original_max_position_embeddings": 64}),
 }
-ARCHITECTURES = list(TINY)
+ARCHITECTURES = list(TINY)  # the core's
+# the families of nanopaged/models/: mixtures of experts, sliding windows
+FAMILIES = {
+    "qwen3-moe": SHAPES["qwen3-moe"],
+    "mixtral": SHAPES["mixtral"],
+    "mistral": SHAPES["mistral"],
+    "qwen2-sliding": dict(TINY["qwen2"], use_sliding_window=True, sliding_window=24,
+                          max_window_layers=1),  # layer 0 attends fully, layer 1 slides
+    "gemma3": SHAPES["gemma3"],
+}
+TINY.update(FAMILIES)
 
 
 @functools.cache

@@ -44,6 +44,22 @@ def test_throughput_with_peers(bench, qwen3_path, tmp_path):
     assert (tmp_path / "bench.png").stat().st_size > 0
 
 
+def test_a_mixture_of_experts_runs_with_its_own_floor(bench, model_path):
+    """`--model` a Qwen3-MoE checkpoint: nanopaged and transformers run it; the floor counts
+    the weights a token runs (its top_k experts), not all of them."""
+    path = model_path("qwen3-moe")
+    result = bench.main(["--tiny", "--model", path, "--no-progress", "--num-requests", "4",
+                         "--engines", "nanopaged,hf-static"])
+    for engine in ("nanopaged", "hf-static"):
+        assert result["engines"][engine]["output_tokens"] == result["workload"]["output_tokens"]
+    c = json.load(open(f"{path}/config.json"))
+    attention = c["hidden_size"] * (2 * c["num_attention_heads"] + 2 * c["num_key_value_heads"]) \
+        * c["head_dim"]
+    two_experts = 2 * 3 * c["hidden_size"] * c["moe_intermediate_size"]  # of 8
+    assert bench.model_shape(path)["active_params"] == \
+        c["num_hidden_layers"] * (attention + two_experts) + c["vocab_size"] * c["hidden_size"]
+
+
 def test_a_preset_sets_defaults_and_flags_win(bench):
     args = bench.parse_args(["--tiny", "--num-requests", "3", "--prompt-len", "5", "6"])
     assert (args.num_requests, args.prompt_len, args.output_len) == (3, [5, 6], [8, 32])

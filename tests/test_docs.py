@@ -17,7 +17,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def readme_options() -> dict[str, str]:
     """The README's option table: name -> its stated default."""
     with open(os.path.join(ROOT, "README.md")) as f:
-        rows = re.findall(r"^\| `(\w+)` \| ([^|]*) \|", f.read(), re.MULTILINE)
+        table = f.read().split("| option | default | meaning |\n")[1].split("\n\n")[0]
+        rows = re.findall(r"^\| `(\w+)` \| ([^|]*) \|", table, re.MULTILINE)
     return {name: default.strip() for name, default in rows}
 
 

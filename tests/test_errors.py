@@ -232,7 +232,8 @@ def test_invalid_sampling_values(kwargs, message):
         ),
         (dict(device="tpu"), r"device must be one of \(.cuda., .cpu.\), got .tpu."),
         (dict(max_num_seq=8), "unknown option 'max_num_seq'; did you mean 'max_num_seqs'"),
-        (dict(revision="main"), "unknown option 'revision'; the options are tokenizer, tokenizer_mode, device, "),
+        (dict(revision="main"),
+         "unknown option 'revision'; the options are tokenizer, tokenizer_mode, device, "),
     ],
 )
 def test_invalid_option_names_the_option(qwen3_path, kwargs, message):
@@ -275,8 +276,7 @@ def test_missing_model_names_it_and_says_how_to_get_it(offline_hub):
     ({"hidden_act": "gelu"}, {}, "hidden_act='gelu', which nanopaged does not implement"),
     ({"rope_parameters": {"rope_type": "yarn", "factor": 2.0, "rope_theta": 10000.0,
                           "original_max_position_embeddings": 1024}}, {}, "rope_type='yarn'"),
-    ({"use_sliding_window": True, "sliding_window": 64,
-      "layer_types": ["full_attention", "sliding_attention"]}, {}, "sliding-window"),
+    ({"layer_types": ["full_attention", "chunked_attention"]}, {}, "layer_types={'chunked_"),
     ({"quantization_config": {"quant_method": "awq"}}, {}, "quantization_config"),
     (None, dict(tokenizer__json=None), "cannot load the tokenizer .* none of tokenizer.json"),
 ])

@@ -20,7 +20,7 @@ LAYERS = [
     "core.sampling_params", "core.sequence", "core.block_manager", "core.triton_attention",
     "core.attention", "core.layers", "core.model", "core.config", "core.loader", "core.step",
     "core.scheduler", "core.cuda_graphs", "core.sampler", "core.model_runner",
-    "core.llm_engine", "core",
+    "core.llm_engine", "core", "models.moe_triton", "models.moe", "models.gemma3", "models",
     "chat", "checkpoint", "random_checkpoint", "sampling_params", "logits_processors",
     "outputs", "structured_outputs", "tool_calls", "parallel", "engine_args", "utils", "inputs",
     "compat", "speculative", "data_parallel", "llm", "vllm_paths", "", "openai_api",

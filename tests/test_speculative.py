@@ -8,7 +8,6 @@ import torch
 
 from nanopaged import LLM, SamplingParams
 from nanopaged.core.block_manager import BlockManager
-from nanopaged.core.model_runner import ModelRunner
 from nanopaged.core.sequence import Sequence
 from nanopaged.speculative import ngram_proposals
 from conftest import ScriptedRunner, random_prompts
@@ -395,16 +394,16 @@ def test_lookahead_reserves_blocks_and_trim_gives_back_the_rejected_ones():
 
 def test_a_failed_speculative_step_leaves_the_engine_correct(qwen3_path, hf_greedy, monkeypatch):
     llm = LLM(qwen3_path, num_kvcache_blocks=64, speculative_config=draft_config(qwen3_path))
-    calls, sample = [], ModelRunner.sample
+    calls, verify = [], type(llm.proposer).verify
 
-    def failing(self, logits, step, inputs, proposals):
-        calls.append(bool(proposals))
-        if sum(calls) == 3:  # the third step that verifies proposals
+    def failing(self, *args):
+        calls.append(True)
+        if len(calls) == 3:  # the third step that verifies proposals
             raise RuntimeError("injected")
-        return sample(self, logits, step, inputs, proposals)
-    monkeypatch.setattr(ModelRunner, "sample", failing)
+        return verify(self, *args)
+    monkeypatch.setattr(type(llm.proposer), "verify", failing)
     with pytest.raises(RuntimeError, match="injected"):
         llm.generate(as_inputs(prompts()), GREEDY, use_tqdm=False)
     assert_pool_whole(llm)
-    monkeypatch.setattr(ModelRunner, "sample", sample)
+    monkeypatch.setattr(type(llm.proposer), "verify", verify)
     assert completions(llm, prompts(), GREEDY) == hf_greedy(qwen3_path, prompts(), 40)

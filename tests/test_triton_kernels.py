@@ -107,3 +107,60 @@ def test_store_kvcache_matches_reference_and_skips_padding():
     store_kvcache_torch(k, v, expected_k, expected_v, slots)
     triton_attention.store_kvcache(k, v, k_cache, v_cache, slots)
     assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
+
+
+@pytest.mark.parametrize("window", [1, 5, 64, 100])
+def test_sliding_window_decode_and_prefill_match_the_reference(window):
+    """Keys older than the window are masked, and the blocks wholly before it never read: here
+    they are -1 in the block table, as the block manager leaves them."""
+    context_lens = [1, 17, 300, 129]
+    k_cache, v_cache, tables = paged_cache(16, context_lens, 2, seed=window)
+    for i, n in enumerate(context_lens):  # given back: wholly before every query's window
+        tables[i, :max(0, (n - 40 - window) // 16)] = -1
+    q = torch.randn(len(context_lens), 4, HEAD_DIM, device=DEVICE)
+    meta = metadata(context_lens, tables)
+    for split_tokens in (64, 512):
+        out = triton_attention.decode_paged(q, k_cache, v_cache, tables, meta.context_lens,
+                                            meta.max_seqlen_k, 0.25, split_tokens, window)
+        assert relative_error(out, decode_torch(q, k_cache, v_cache, meta, 0.25, window)) < 1e-5
+    q_lens = [1, 7, 40, 33]
+    cu = torch.tensor([0] + q_lens).cumsum(0).to(torch.int32)
+    q = torch.randn(sum(q_lens), 4, HEAD_DIM, device=DEVICE)
+    meta = metadata(context_lens, tables, cu_seqlens_q=cu.to(DEVICE), max_seqlen_q=max(q_lens))
+    out = triton_attention.prefill_paged(q, k_cache, v_cache, meta.cu_seqlens_q,
+                                         meta.context_lens, tables, max(q_lens), 0.25, window)
+    assert relative_error(out, prefill_torch(q, k_cache, v_cache, meta, 0.25, window)) < 1e-5
+    full = prefill_torch(q, k_cache, v_cache, meta, 0.25)
+    assert relative_error(out, full) > 1e-3  # the window did change something
+
+
+@pytest.mark.parametrize("num_tokens, num_experts, top_k", [(1, 8, 2), (7, 6, 4), (300, 8, 2)])
+def test_fused_experts_match_the_plain_pytorch_experts(num_tokens, num_experts, top_k):
+    """Few tokens (16-row tiles, most experts idle) and many (64-row tiles); expert 0 is never
+    chosen, so its tiles must not exist."""
+    from nanopaged.models.moe import experts_torch, route
+    from nanopaged.models.moe_triton import fused_experts
+    g = torch.Generator().manual_seed(num_tokens)
+    hidden, intermediate = 64, 48  # not multiples of the kernels' tiles
+    x = torch.randn(num_tokens, hidden, generator=g).to(DEVICE)
+    gate_up = (torch.randn(num_experts, 2 * intermediate, hidden, generator=g) / 8).to(DEVICE)
+    down = (torch.randn(num_experts, hidden, intermediate, generator=g) / 8).to(DEVICE)
+    router_logits = torch.randn(num_tokens, num_experts, generator=g).to(DEVICE)
+    router_logits[:, 0] = -1e9
+    weights, ids = route(router_logits, top_k, renormalize=num_experts == 6)
+    assert not (ids == 0).any()
+    expected = experts_torch(x, gate_up, down, weights, ids)
+    assert relative_error(fused_experts(x, gate_up, down, weights, ids), expected) < 1e-5
+
+
+def test_align_by_expert_gives_each_tile_one_expert_and_each_pair_one_row():
+    from nanopaged.models.moe_triton import align_by_expert
+    ids = torch.tensor([[3, 1], [1, 0], [3, 1], [1, 2]], device=DEVICE)  # expert 1: 4 pairs
+    sorted_ids, tile_experts, rows_in_use = align_by_expert(ids, num_experts=5, block_m=2)
+    pairs = ids.flatten()
+    real = sorted_ids < pairs.numel()
+    assert sorted(sorted_ids[real].tolist()) == list(range(8))
+    assert rows_in_use.item() == 10  # 1 + 4 + 1 + 2 pairs, each expert padded to 2 rows
+    for row in range(rows_in_use.item()):
+        if real[row]:
+            assert pairs[sorted_ids[row]] == tile_experts[row // 2]

@@ -3,9 +3,9 @@
 The KV cache of one layer is two tensors of shape (num_blocks, block_size, num_kv_heads,
 head_dim). Token `p` of a sequence lives in block `block_table[p // block_size]` at offset
 `p % block_size`; its flat *slot* is `block * block_size + offset`. Three backends compute the
-same function: plain PyTorch (the CPU path and the reference), Triton, and flash-attn. Shape
-letters: T tokens of the step, B sequences, L context length, nh query heads, nkv key/value
-heads, hs head size.
+same function: plain PyTorch (the CPU path and the reference), Triton, and flash-attn; with a
+`window`, a query sees the last `window` positions only. Shapes: T tokens of the step, B
+sequences, L context length, nh query heads, nkv key/value heads, hs head size.
 """
 from dataclasses import dataclass
 
@@ -40,8 +40,7 @@ def store_kvcache_torch(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
 
 
 def _gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
-    """The cache rows of each sequence's blocks, whole blocks at a time (padding reads block
-    0): (B, nb) block ids -> (B, nkv, nb * bs, hs)."""
+    """(B, nb) block ids -> (B, nkv, nb * bs, hs), their cache rows (block -1 reads block 0)."""
     num_seqs, num_blocks = block_tables.shape
     # index_select is faster here than cache[...]
     rows = cache.index_select(0, block_tables.flatten().clamp(min=0).long())
@@ -56,7 +55,8 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
 
 
 def prefill_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                  meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                  meta: AttentionMetadata, scale: float, window: int | None = None
+                  ) -> torch.Tensor:
     """Causal attention of each sequence's new queries over its whole cached context."""
     out = torch.empty_like(q)
     bounds, block_size = meta.cu_seqlens_q.tolist(), k_cache.shape[1]
@@ -65,33 +65,40 @@ def prefill_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         blocks = meta.block_tables[i:i + 1, :-(-context_len // block_size)]
         k, v = _gather_blocks(k_cache, blocks), _gather_blocks(v_cache, blocks)
         q_pos = torch.arange(context_len - (end - start), context_len, device=q.device)
-        mask = torch.arange(k.shape[2], device=q.device)[None, :] <= q_pos[:, None]  # (Q, L)
+        key_pos = torch.arange(k.shape[2], device=q.device)[None, :]
+        mask = (key_pos <= q_pos[:, None]) & (key_pos > q_pos[:, None] - (window or k.shape[2]))
         queries = q[start:end].transpose(0, 1)[None]  # (1, nh, Q, hs)
         out[start:end] = _attend(queries, k, v, mask, scale)[0].transpose(0, 1)
     return out
 
 
 def decode_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                 meta: AttentionMetadata, scale: float, window: int | None = None
+                 ) -> torch.Tensor:
     """One query per sequence over its cached context, the batch padded to the longest."""
     k, v = _gather_blocks(k_cache, meta.block_tables), _gather_blocks(v_cache, meta.block_tables)
-    mask = torch.arange(k.shape[2], device=q.device)[None, :] < meta.context_lens[:, None]  # (B, L)
+    key_pos, lens = torch.arange(k.shape[2], device=q.device)[None, :], meta.context_lens[:, None]
+    mask = (key_pos < lens) & (key_pos >= lens - (window or k.shape[2]))  # (B, L)
     return _attend(q.unsqueeze(2), k, v, mask[:, None, None, :], scale).squeeze(2)
 
 
-def prefill_flash(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+def prefill_flash(q, k_cache, v_cache, meta: AttentionMetadata, scale: float,
+                  window: int | None = None) -> torch.Tensor:
     from flash_attn import flash_attn_varlen_func
     return flash_attn_varlen_func(q, k_cache, v_cache, cu_seqlens_q=meta.cu_seqlens_q,
                                   cu_seqlens_k=meta.cu_seqlens_k, max_seqlen_q=meta.max_seqlen_q,
                                   max_seqlen_k=meta.max_seqlen_k, softmax_scale=scale,
-                                  causal=True, block_table=meta.block_tables)
+                                  causal=True, block_table=meta.block_tables,
+                                  window_size=((window or 0) - 1, 0))  # -1: no window
 
 
-def decode_flash(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+def decode_flash(q, k_cache, v_cache, meta: AttentionMetadata, scale: float,
+                 window: int | None = None) -> torch.Tensor:
     from flash_attn import flash_attn_with_kvcache
     return flash_attn_with_kvcache(q.unsqueeze(1), k_cache, v_cache,
                                    cache_seqlens=meta.context_lens, block_table=meta.block_tables,
-                                   softmax_scale=scale, causal=True).squeeze(1)
+                                   softmax_scale=scale, causal=True,
+                                   window_size=((window or 0) - 1, 0)).squeeze(1)
 
 
 def get_backend(name: str):
@@ -105,12 +112,13 @@ def get_backend(name: str):
 
 
 class Attention(nn.Module):
-    """Multi-head attention over the paged KV cache of one layer: `k_cache` and `v_cache` are
-    views into the engine's single KV tensor, set by `allocate_kv_cache`."""
+    """Multi-head attention over one layer's paged KV cache (`k_cache`, `v_cache`: views into
+    the engine's KV tensor, set by `allocate_kv_cache`), scaled by head_dim ** -0.5 by default."""
 
-    def __init__(self, head_dim: int, backend: str):
+    def __init__(self, head_dim: int, backend: str, scale: float | None = None,
+                 sliding_window: int | None = None):
         super().__init__()
-        self.scale = head_dim ** -0.5
+        self.scale, self.window = scale or head_dim ** -0.5, sliding_window
         self.store_kvcache, self.prefill, self.decode = get_backend(backend)
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
@@ -120,4 +128,4 @@ class Attention(nn.Module):
         # q: (T, nh, hs), k/v: (T, nkv, hs)
         self.store_kvcache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
         attend = self.prefill if meta.ragged else self.decode
-        return attend(q, self.k_cache, self.v_cache, meta, self.scale)
+        return attend(q, self.k_cache, self.v_cache, meta, self.scale, self.window)

@@ -34,16 +34,19 @@ class BlockManager:
 
     Free blocks wait in `free_block_ids`, least recently freed first: that order is the eviction
     policy. A freed block keeps its hash, so a later request with the same prefix can take it
-    back, until it is handed out again. Only full blocks are shared, and a full block is never
-    written again. A block's hash is entered when the step that fills it is scheduled, so that
-    later sequences of the same step can share it (the n samples of a prompt), but *committed*
-    only once that step has run: after a failed step, `rollback` forgets the hashes it entered.
-    Without `enable_prefix_caching`, or for a sequence that asks for its prompt's logits,
-    nothing is looked up.
+    back until it is handed out again. Only full blocks are shared; a full block is never
+    written again. A block's hash is entered when the step that fills it is scheduled (later
+    sequences of the step may share it: the n samples of a prompt) and *committed* once the
+    step has run: after a failed step, `rollback` forgets it. Nothing is looked up without
+    `enable_prefix_caching`, nor for a sequence that asks for its prompt's logits. With a
+    `sliding_window` on every layer, a decoding sequence gives back each block wholly before the
+    window (its entry becomes -1) but the one before its last, whose hash the next full block
+    chains to: it holds at most window / block_size + 1 blocks.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
-        self.block_size = block_size
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 sliding_window: int | None = None):
+        self.block_size, self.sliding_window = block_size, sliding_window
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.hash_to_block: dict[int, int] = {}
@@ -62,8 +65,8 @@ class BlockManager:
         return -(-num_tokens // self.block_size)
 
     def _cached_prefix(self, seq: Sequence) -> list[int]:
-        """Block ids that already hold the leading full blocks of `seq`: only blocks before the
-        one holding its last token, which the model must run to give the next token's logits."""
+        """Block ids that already hold the leading full blocks of `seq`, but the block of its
+        last token, which the model must run for the next token's logits."""
         hits, parent = [], None
         if not self.enable_prefix_caching or seq.prompt_logits:
             return hits
@@ -78,8 +81,7 @@ class BlockManager:
 
     def allocate(self, seq: Sequence) -> bool:
         """Gives `seq` blocks for all its tokens, reusing cached prefix blocks; returns False,
-        changing nothing, when the pool cannot hold them. A cached block counts against the free
-        blocks only when nobody uses it (it is then one of them)."""
+        changing nothing, when the pool cannot hold them."""
         assert not seq.block_table
         hits = self._cached_prefix(seq)
         hits_in_use = sum(1 for b in hits if self.blocks[b].ref_count > 0)
@@ -102,7 +104,9 @@ class BlockManager:
         """Releases the blocks of `seq`. Its tail blocks are freed first, so they are evicted
         before the shared head of the prefix."""
         while seq.block_table:
-            self._release(seq.block_table.pop())
+            block_id = seq.block_table.pop()
+            if block_id >= 0:  # not given back already (sliding window)
+                self._release(block_id)
         seq.num_computed_tokens = 0
 
     def can_append(self, seq: Sequence) -> bool:
@@ -118,6 +122,12 @@ class BlockManager:
             seq.block_table.append(self._take_free_block())
         if num_tokens % self.block_size == 0:
             self._cache_block(seq, num_tokens // self.block_size - 1)
+        if self.sliding_window:  # the blocks wholly before the window of the token run now
+            i = min((num_tokens - self.sliding_window) // self.block_size,
+                    len(seq.block_table) - 2) - 1
+            while i >= 0 and seq.block_table[i] >= 0:
+                self._release(seq.block_table[i])
+                seq.block_table[i], i = -1, i - 1
 
     def reserve(self, seq: Sequence, num_slots: int) -> int:
         """After `may_append`: makes room for up to `num_slots` proposals past the last token of
@@ -129,19 +139,16 @@ class BlockManager:
         return min(num_slots, in_last_block + max(0, new_blocks) * self.block_size)
 
     def trim(self, seq: Sequence) -> None:
-        """After a step that verified proposals of `seq`, with the accepted ones and one token
-        more appended: the K/V of every token but the last is in the cache. Enters the blocks
-        the accepted proposals filled in the prefix cache, and gives back the blocks reserved
-        past the sequence's end."""
+        """After a step that verified proposals of `seq` (the accepted ones and one token more
+        appended): caches the blocks they filled, gives back those reserved past its end."""
         self.cache_full_blocks(seq, len(seq) - 1 - seq.num_computed_tokens)
         seq.num_computed_tokens = len(seq) - 1
         while len(seq.block_table) > self.blocks_for(len(seq)):
             self._release(seq.block_table.pop())
 
     def cache_full_blocks(self, seq: Sequence, num_tokens: int) -> None:
-        """Enters in the prefix cache the blocks that the next `num_tokens` tokens of `seq` fill,
-        when the step is scheduled: it writes their K/V in every layer before any attention
-        reads it, so a sequence scheduled later in the same step may share them."""
+        """Enters the blocks the next `num_tokens` tokens of `seq` fill in the prefix cache: the
+        step writes their K/V before any attention reads it, so a later sequence may share them."""
         first = seq.num_computed_tokens // self.block_size
         last = (seq.num_computed_tokens + num_tokens) // self.block_size
         for i in range(first, last):

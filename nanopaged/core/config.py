@@ -43,13 +43,12 @@ def check_fields(options, choices: dict[str, tuple] = {}, positive: tuple[str, .
 
 @dataclass
 class Config:
-    """What the core engine needs to know: the checkpoint directory `model`, and its options.
-    `None` means "choose for me": `device` cuda when available, `dtype` the checkpoint's on GPU
-    and float32 on CPU, `max_model_len` the model's, `kvcache_block_size` 256 with flash-attn and
-    16 otherwise; `attention_backend` "auto" picks flash-attn, then Triton (CUDA only), then
-    plain PyTorch. `num_kvcache_blocks` forces the pool's size. `scheduling` is "prefill-first"
-    or "mixed" (see `Scheduler`). `seed` seeds the samples of sequences with no seed of their
-    own."""
+    """The checkpoint directory `model` and the core's options. `None` means "choose for me":
+    `device` cuda when available, `dtype` the checkpoint's on GPU and float32 on CPU,
+    `max_model_len` the model's, `kvcache_block_size` 256 with flash-attn and 16 otherwise;
+    `attention_backend` "auto" picks flash-attn, then Triton (CUDA only), then plain PyTorch.
+    `num_kvcache_blocks` forces the pool's size; `scheduling`: see `Scheduler`; `seed` seeds
+    the samples of sequences with no seed of their own."""
     model: str
     device: str | None = None
     dtype: str | torch.dtype | None = None

@@ -8,9 +8,8 @@ from nanopaged.core.config import Config
 
 class DecodeGraphs:
     """One graph of the model's decode forward per batch size (1, 2, 4, 8, then steps of 16),
-    captured largest first into one memory pool. A batch replays the graph of the next larger
-    size: the graphs read static buffers, where the padding rows get slot -1 (no cache write)
-    and context length 0. The block-table buffer covers `max_model_len`."""
+    captured largest first into one memory pool. A batch replays the next larger size's graph,
+    over static buffers where padding rows get slot -1 (no cache write) and no context."""
 
     def __init__(self, model: nn.Module, config: Config, max_blocks_per_seq: int):
         max_batch = min(config.max_num_seqs, 512)

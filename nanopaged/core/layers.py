@@ -1,9 +1,9 @@
-"""The building blocks of the decoder, each sharded over tensor-parallel ranks when there are
-several: a column-parallel linear splits its output features, a row-parallel one its input
-features (then all-reduces its output). Its `weight_loader(param, tensor, shard_id)` copies
-this rank's slice of a checkpoint tensor into a parameter."""
+"""The decoder's building blocks, sharded over tensor-parallel ranks: a column-parallel linear
+splits its output features, a row-parallel one its input features (then all-reduces its output).
+Its `weight_loader(param, tensor, shard_id)` copies this rank's slice of a checkpoint tensor."""
 import functools
 import math
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -12,10 +12,9 @@ from torch import nn
 
 
 def cuda_compiled(fn):
-    """`fn`, fused into few kernels by torch.compile when its first argument is on a GPU (the
-    launches of a decode step's tiny kernels are most of a small batch's time); on CPU as
-    written, where compiling costs more than it saves. Compiled on first use: importing
-    torch.compile's machinery alone takes a second."""
+    """`fn`, fused by torch.compile (on first use: importing it takes a second) when its first
+    argument is on a GPU, where tiny kernels' launches are most of a small decode step's time;
+    on CPU as written, where compiling costs more than it saves."""
     compiled = []
 
     @functools.wraps(fn)
@@ -43,7 +42,7 @@ def tp_rank_and_size() -> tuple[int, int]:
     return 0, 1
 
 
-def _shard(loaded: torch.Tensor, dim: int, rank: int, size: int) -> torch.Tensor:
+def tp_shard(loaded: torch.Tensor, dim: int, rank: int, size: int) -> torch.Tensor:
     shard_size = loaded.shape[dim] // size
     return loaded.narrow(dim, rank * shard_size, shard_size)
 
@@ -67,7 +66,7 @@ class ColumnParallelLinear(LinearBase):
         super().__init__(in_features, out_features // tp_size, bias)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
-        param.data.copy_(_shard(loaded, 0, self.tp_rank, self.tp_size))
+        param.data.copy_(tp_shard(loaded, 0, self.tp_rank, self.tp_size))
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -80,7 +79,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int) -> None:
         offset = sum(self.output_sizes[:shard_id]) // self.tp_size
         size = self.output_sizes[shard_id] // self.tp_size
-        param.data.narrow(0, offset, size).copy_(_shard(loaded, 0, self.tp_rank, self.tp_size))
+        param.data.narrow(0, offset, size).copy_(tp_shard(loaded, 0, self.tp_rank, self.tp_size))
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -88,9 +87,7 @@ class QKVParallelLinear(ColumnParallelLinear):
 
     def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int,
                  bias: bool = False):
-        self.head_dim = head_dim
-        self.num_heads = num_heads
-        self.num_kv_heads = num_kv_heads
+        self.head_dim, self.num_heads, self.num_kv_heads = head_dim, num_heads, num_kv_heads
         super().__init__(hidden_size, (num_heads + 2 * num_kv_heads) * head_dim, bias)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str) -> None:
@@ -98,7 +95,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         kv_size = self.num_kv_heads * self.head_dim // self.tp_size
         offset, size = {"q": (0, q_size), "k": (q_size, kv_size),
                         "v": (q_size + kv_size, kv_size)}[shard_id]
-        param.data.narrow(0, offset, size).copy_(_shard(loaded, 0, self.tp_rank, self.tp_size))
+        param.data.narrow(0, offset, size).copy_(tp_shard(loaded, 0, self.tp_rank, self.tp_size))
 
 
 class RowParallelLinear(LinearBase):
@@ -112,7 +109,7 @@ class RowParallelLinear(LinearBase):
         if param.dim() == 1:  # the bias is added once, on rank 0 only
             param.data.copy_(loaded if self.tp_rank == 0 else torch.zeros_like(loaded))
         else:
-            param.data.copy_(_shard(loaded, 1, self.tp_rank, self.tp_size))
+            param.data.copy_(tp_shard(loaded, 1, self.tp_rank, self.tp_size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x, self.weight, self.bias)
@@ -132,8 +129,7 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = nn.Parameter(torch.empty(self.vocab_per_rank, hidden_size),
                                    requires_grad=False)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
-        param.data.copy_(_shard(loaded, 0, self.tp_rank, self.tp_size))
+    weight_loader = ColumnParallelLinear.weight_loader
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
@@ -193,29 +189,38 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+# (head_dim, max_position, parameters, device) -> cos and sin of every position, side by side
+_ROPE_TABLES: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+
 class RotaryEmbedding(nn.Module):
-    """Rotary position embedding in the rotate-half layout of Qwen and Llama checkpoints."""
+    """Rotary position embedding in the rotate-half layout of Qwen and Llama checkpoints. The
+    layers with the same parameters share one table (a long context's is hundreds of MB)."""
 
     def __init__(self, head_dim: int, max_position: int, rope_parameters: dict):
         super().__init__()
-        inv_freq = 1.0 / (rope_parameters["rope_theta"]
-                          ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
-        if rope_parameters.get("rope_type") == "llama3":  # other types: see check_supported
-            inv_freq = _llama3_inv_freq(inv_freq, rope_parameters)
-        freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
-        self.register_buffer("cos", freqs.cos(), persistent=False)  # (max_position, head_dim/2)
-        self.register_buffer("sin", freqs.sin(), persistent=False)
+        key = (head_dim, max_position, str(sorted(rope_parameters.items())),
+               str(torch.get_default_device()))
+        table = _ROPE_TABLES.get(key)
+        if table is None:
+            inv_freq = 1.0 / (rope_parameters["rope_theta"]
+                              ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+            if rope_parameters.get("rope_type") == "llama3":  # other types: see check_supported
+                inv_freq = _llama3_inv_freq(inv_freq, rope_parameters)
+            if rope_parameters.get("rope_type") == "linear":  # positions divided by the factor
+                inv_freq = inv_freq / rope_parameters["factor"]
+            freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
+            table = _ROPE_TABLES[key] = torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+        self.register_buffer("cos_sin", table, persistent=False)  # (max_position, head_dim)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        return apply_rotary(q, k, positions, self.cos, self.sin)
+        return apply_rotary(q, k, positions, self.cos_sin)
 
 
 @cuda_compiled
-def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
-                 cos_cache: torch.Tensor, sin_cache: torch.Tensor):
+def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor):
     # q: (T, nh, hs), k: (T, nkv, hs); cos, sin: (T, 1, hs/2) in the model's dtype, as transformers
-    cos = cos_cache[positions].unsqueeze(1).to(q.dtype)
-    sin = sin_cache[positions].unsqueeze(1).to(q.dtype)
+    cos, sin = cos_sin[positions].unsqueeze(1).to(q.dtype).chunk(2, dim=-1)
     return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 

@@ -19,9 +19,9 @@ class LLMEngine:
     def __init__(self, config: Config, runner: ModelRunner | None = None):
         self.config = config
         self.runner = runner or ModelRunner(config)
-        self.block_manager = BlockManager(self.runner.num_kvcache_blocks,
-                                          config.kvcache_block_size,
-                                          config.enable_prefix_caching)
+        self.block_manager = BlockManager(self.runner.num_kvcache_blocks, config.kvcache_block_size,
+                                          config.enable_prefix_caching,
+                                          self.runner.model.sliding_window)
         proposer = self.runner.proposer
         self.scheduler = Scheduler(config, self.block_manager,
                                    proposer.num_speculative_tokens if proposer else 0,
@@ -56,9 +56,8 @@ class LLMEngine:
             raise
 
     def _apply(self, step: ScheduledStep, sampled: SamplerOutput) -> None:
-        """Appends each sampling row's tokens to its sequence, deciding after each token whether
-        it stops (tokens after a stop are dropped); then gives back the lookahead slots that
-        rejected proposals held."""
+        """Appends each row's tokens to its sequence, deciding after each whether it stops (the
+        tokens after a stop are dropped); gives back the slots of rejected proposals."""
         for seq, token_ids in zip(step.samplers, sampled.token_ids):
             for token_id in token_ids:
                 seq.token_ids.append(token_id)
@@ -72,11 +71,10 @@ class LLMEngine:
                 self.block_manager.trim(step.seqs[i])
 
     def _stop_reason(self, seq: Sequence) -> str | None:
-        num_tokens = len(seq.token_ids)
         if seq.token_ids[-1] in seq.stop_token_ids:
             return "stop"
-        if (num_tokens - seq.num_prompt_tokens == seq.sampling_params.max_tokens
-                or num_tokens >= self.config.max_model_len):
+        if (seq.num_completion_tokens == seq.sampling_params.max_tokens
+                or len(seq) >= self.config.max_model_len):
             return "length"
         return None
 

@@ -30,19 +30,17 @@ def load_model(path: str, hf_config: PretrainedConfig, dtype: torch.dtype, devic
 
 
 def load_weights(model: nn.Module, path: str) -> None:
-    """Copies every tensor of the checkpoint at `path` into `model`, through the
-    `weight_loader` of the parameter's module, if it has one. `model.packed_modules` maps a
-    checkpoint name fragment to the packed parameter and the part it fills (q/k/v, gate/up). A
-    tensor with no parameter, or a parameter (or part) no tensor filled, is a ValueError."""
+    """Copies every tensor of the checkpoint at `path` into the parameter (and part: q/k/v,
+    gate/up, an expert's) `model.checkpoint_param` names, through its module's `weight_loader`
+    if it has one. A tensor with no parameter, or a part no tensor filled, is a ValueError."""
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not files:
         raise ValueError(f"no *.safetensors files in {path!r}")
     params = dict(model.named_parameters(remove_duplicate=False))
     modules = dict(model.named_modules())
     tied = getattr(model, "tie_word_embeddings", False)
-    unfilled = {(name, shard) for name in params if not (tied and name == "lm_head.weight")
-                for shard in [s for p, s in model.packed_modules.values() if f".{p}." in name]
-                or [None]}
+    unfilled = {(name, part) for name in params if not (tied and name == "lm_head.weight")
+                for part in model.param_parts(name)}
     for file in files:
         try:
             with safe_open(file, "pt", "cpu") as f:
@@ -60,7 +58,7 @@ def load_weights(model: nn.Module, path: str) -> None:
 def _load_tensor(model: nn.Module, params: dict, modules: dict, name: str, f, file: str
                  ) -> tuple[str, str | int | None]:
     """Loads the checkpoint tensor `name` into its parameter; returns (parameter, part)."""
-    param_name, shard = _packed_name(model, name)
+    param_name, shard = model.checkpoint_param(name)
     if param_name not in params:
         raise ValueError(f"unexpected weight {name!r} in {file}")
     owner = modules[param_name.rpartition(".")[0]]
@@ -73,10 +71,3 @@ def _load_tensor(model: nn.Module, params: dict, modules: dict, name: str, f, fi
     except RuntimeError as error:  # a shape that does not fit the config
         raise ValueError(f"weight {name!r} in {file} does not fit the model: {error}") from None
     return param_name, shard
-
-
-def _packed_name(model: nn.Module, name: str) -> tuple[str, str | int | None]:
-    for fragment, (packed, shard_id) in model.packed_modules.items():
-        if f".{fragment}." in name:
-            return name.replace(fragment, packed), shard_id
-    return name, None

@@ -1,6 +1,6 @@
-"""One decoder for Qwen3, Qwen2 and Llama checkpoints: Qwen3 normalises q and k per head
-before the rotary embedding, Qwen2 has biases on the q/k/v projections. Other model families
-stand above the core (`nanopaged/models/`) and enter `ARCHITECTURES` themselves."""
+"""One decoder for Qwen3 (q and k normalised per head), Qwen2 (q/k/v biases) and Llama. Other
+families stand above the core (`nanopaged/models/`): a `CausalLM` subclass with its own
+`decoder_layer`, entered in `ARCHITECTURES` (and `QK_NORM` or `QKV_BIAS`) by its module."""
 import torch
 from torch import nn
 from transformers import PretrainedConfig
@@ -12,11 +12,13 @@ from nanopaged.core.layers import (MergedColumnParallelLinear, ParallelLMHead,
                                    tp_rank_and_size)
 
 
-def rope_parameters(config: PretrainedConfig) -> dict:
-    params = getattr(config, "rope_parameters", None)
-    if params:
-        return dict(params)
-    return dict(getattr(config, "rope_scaling", None) or {}, rope_theta=config.rope_theta)
+def rope_parameters(config: PretrainedConfig, index: int = 0) -> dict:
+    """Layer `index`'s RoPE parameters (transformers keys them by layer type where the types'
+    differ, as Gemma 3's)."""
+    params = getattr(config, "rope_parameters", None) or dict(
+        getattr(config, "rope_scaling", None) or {}, rope_theta=config.rope_theta)
+    types = getattr(config, "layer_types", None)
+    return dict(params.get(types[index], params) if types else params)
 
 
 def check_supported(config: PretrainedConfig) -> None:
@@ -33,25 +35,38 @@ def check_supported(config: PretrainedConfig) -> None:
                          f"implement")
 
 
+ROPE_TYPES = {"default", "llama3", "linear"}
+LAYER_TYPES = {"full_attention", "sliding_attention"}
+QK_NORM = {"Qwen3ForCausalLM"}  # architectures whose q and k are normalised per head
+QKV_BIAS = {"Qwen2ForCausalLM"}  # whose q/k/v projections have biases (and o's none)
+
+
+def sliding_window(config: PretrainedConfig, index: int) -> int | None:
+    """Layer `index`'s window: the config's `sliding_window`, on the layers its `layer_types`
+    marks sliding (on every layer without `layer_types`, as Mistral's), or None."""
+    types = getattr(config, "layer_types", None)
+    slides = types is None or types[index] == "sliding_attention"
+    return getattr(config, "sliding_window", None) if slides else None
+
+
 def unsupported_fields(config: PretrainedConfig) -> dict:
     """The fields of a Qwen- or Llama-like config that ask for what this decoder does not do,
     with their values."""
-    rope = rope_parameters(config)
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    partial = rope.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
-    layer_types = getattr(config, "layer_types", None) or []
-    sliding = getattr(config, "use_sliding_window", False) or any(
-        t != "full_attention" for t in layer_types)
-    found = {"hidden_act": config.hidden_act if config.hidden_act != "silu" else None,
-             "rope_type": rope_type if rope_type not in ("default", "llama3") else None,
-             "partial_rotary_factor": partial if partial != 1.0 else None,
-             "use_sliding_window / layer_types (sliding-window attention)": sliding or None,
+    ropes = [rope_parameters(config, i) for i in range(config.num_hidden_layers)]
+    rope_types = {rope.get("rope_type", rope.get("type", "default")) for rope in ropes}
+    partial = {r.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
+               for r in ropes} - {1.0}
+    act = getattr(config, "hidden_act", "silu")
+    found = {"hidden_act": act if act != "silu" else None,
+             "rope_type": ", ".join(sorted(rope_types - ROPE_TYPES)) or None,
+             "partial_rotary_factor": partial.pop() if partial else None,
+             "layer_types": set(getattr(config, "layer_types", None) or ()) - LAYER_TYPES or None,
              "quantization_config": getattr(config, "quantization_config", None)}
     return {name: value for name, value in found.items() if value is not None}
 
 
 class DecoderAttention(nn.Module):
-    def __init__(self, config: PretrainedConfig, backend: str):
+    def __init__(self, config: PretrainedConfig, backend: str, index: int):
         super().__init__()
         _, tp_size = tp_rank_and_size()
         arch = config.architectures[0]
@@ -59,20 +74,20 @@ class DecoderAttention(nn.Module):
                          or config.hidden_size // config.num_attention_heads)
         self.num_heads = config.num_attention_heads // tp_size
         self.num_kv_heads = config.num_key_value_heads // tp_size
-        qkv_bias = arch == "Qwen2ForCausalLM" or getattr(config, "attention_bias", False)
-        o_bias = arch != "Qwen2ForCausalLM" and getattr(config, "attention_bias", False)
+        qkv_bias = arch in QKV_BIAS or getattr(config, "attention_bias", False)
+        o_bias = arch not in QKV_BIAS and getattr(config, "attention_bias", False)
         self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim,
                                           config.num_attention_heads, config.num_key_value_heads,
                                           bias=qkv_bias)
         self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim,
                                         config.hidden_size, bias=o_bias)
-        self.qk_norm = arch == "Qwen3ForCausalLM"
+        self.qk_norm = arch in QK_NORM
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(self.head_dim, config.max_position_embeddings,
-                                          rope_parameters(config))
-        self.attn = Attention(self.head_dim, backend)
+                                          rope_parameters(config, index))
+        self.attn = Attention(self.head_dim, backend, sliding_window=sliding_window(config, index))
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -101,12 +116,18 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: PretrainedConfig, backend: str):
+    attention = DecoderAttention
+
+    def __init__(self, config: PretrainedConfig, backend: str, index: int):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = DecoderAttention(config, backend)
+        self.self_attn = self.attention(config, backend, index)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.mlp = self.make_mlp(config, backend, index)
+
+    def make_mlp(self, config: PretrainedConfig, backend: str, index: int) -> nn.Module:
+        """The layer's feed-forward block: a model family may make another (experts, say)."""
+        return MLP(config)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
@@ -122,11 +143,11 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, config: PretrainedConfig, backend: str):
+    def __init__(self, config: PretrainedConfig, backend: str, layer: type = DecoderLayer):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, backend)
-                                    for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(layer(config, backend, i)
+                                    for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -138,10 +159,11 @@ class DecoderModel(nn.Module):
 
 
 class CausalLM(nn.Module):
-    """The decoder plus the LM head; `forward` returns hidden states, `compute_logits` the
-    logits of the rows that sample. `unsupported(config)` names what a checkpoint's config asks
-    for that the model does not do; the loader fills the parameters through `packed_modules`."""
+    """The decoder and the LM head. `unsupported(config)` names what a config asks for that the
+    model does not do; `checkpoint_param` and `param_parts` guide the loader; `sliding_window`
+    is the window when every layer slides (the block manager gives back blocks before it)."""
     unsupported = staticmethod(unsupported_fields)
+    decoder_layer = DecoderLayer
 
     # checkpoint name fragment -> (packed parameter fragment, shard id)
     packed_modules = {
@@ -151,7 +173,9 @@ class CausalLM(nn.Module):
 
     def __init__(self, config: PretrainedConfig, backend: str):
         super().__init__()
-        self.model = DecoderModel(config, backend)
+        self.model = DecoderModel(config, backend, self.decoder_layer)
+        windows = {sliding_window(config, i) for i in range(config.num_hidden_layers)}
+        self.sliding_window = windows.pop() if len(windows) == 1 else None
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         self.tie_word_embeddings = getattr(config, "tie_word_embeddings", False)
         if self.tie_word_embeddings:
@@ -161,24 +185,32 @@ class CausalLM(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         return self.model(input_ids, positions, meta)
 
+    def checkpoint_param(self, name: str) -> tuple[str, str | int | None]:
+        """The parameter the checkpoint tensor `name` fills, and the part (None: all of it)."""
+        for fragment, (packed, part) in self.packed_modules.items():
+            if f".{fragment}." in name:
+                return name.replace(fragment, packed), part
+        return name, None
+
+    def param_parts(self, name: str) -> list:
+        """The parts of the parameter `name` that checkpoint tensors fill."""
+        return [p for packed, p in self.packed_modules.values() if f".{packed}." in name] or [None]
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
 
-    def kv_bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        """(2, num_layers, num_blocks, block_size, nkv, hs): every layer's K and V cache."""
         attn = self.model.layers[0].self_attn
-        return 2 * len(self.model.layers) * block_size * attn.num_kv_heads * attn.head_dim \
-            * dtype.itemsize
+        return 2, len(self.model.layers), num_blocks, block_size, attn.num_kv_heads, attn.head_dim
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int, dtype: torch.dtype,
                           device: torch.device) -> torch.Tensor:
-        """One zeroed tensor (2, num_layers, num_blocks, block_size, nkv, hs) holding every
-        layer's K and V cache; each layer's attention gets its views."""
-        attn, layers = self.model.layers[0].self_attn, self.model.layers
-        kv_cache = torch.zeros(2, len(layers), num_blocks, block_size, attn.num_kv_heads,
-                               attn.head_dim, dtype=dtype, device=device)
-        for i, layer in enumerate(layers):
-            layer.self_attn.attn.k_cache = kv_cache[0, i]
-            layer.self_attn.attn.v_cache = kv_cache[1, i]
+        """One zeroed tensor of `kv_cache_shape`; each layer's attention gets its views."""
+        shape = self.kv_cache_shape(num_blocks, block_size)
+        kv_cache = torch.zeros(shape, dtype=dtype, device=device)
+        for i, layer in enumerate(self.model.layers):
+            layer.self_attn.attn.k_cache, layer.self_attn.attn.v_cache = kv_cache[:, i]
         return kv_cache
 
 

@@ -1,5 +1,6 @@
 """Runs the model: owns the weights, the KV cache, the decode graphs, and the sampler."""
 import itertools
+import math
 import os
 
 import numpy as np
@@ -21,16 +22,14 @@ CPU_KV_CACHE_FRACTION = 0.25
 
 
 class ModelRunner:
-    """Turns a scheduled step into model inputs, runs the model, and samples.
-
-    Prefill steps run eagerly over a ragged batch; decode steps replay a CUDA graph captured for
-    the next larger batch size, when graphs are on. Seams: a subclass may run `execute` on
-    several processes (tensor parallelism); a `proposer` (speculative decoding) has
-    `num_speculative_tokens`, `disable_by_batch_size`, `kv_bytes_per_block()` and
-    `allocate_kv_cache(num_blocks)` (a draft's cache, in the same blocks), and
-    `propose(step, inputs, runner)`: by index into the step's sequences, tokens to run in their
-    lookahead slots, of which the runner keeps those the model samples itself.
-    """
+    """Turns a scheduled step into model inputs, runs the model, and samples. Prefill steps run
+    eagerly over a ragged batch; decode steps replay a CUDA graph captured for the next larger batch
+    size, when graphs are on. Seams: a subclass may run `execute` on several processes (tensor
+    parallelism); a `proposer` (speculative decoding) has `num_speculative_tokens`,
+    `disable_by_batch_size`, `kv_bytes_per_block()` and `allocate_kv_cache(num_blocks)` (a draft's
+    cache, in the same blocks), `propose(step, inputs, runner)`: by index into the step's sequences,
+    tokens to run in their lookahead slots, and `verify(logits, step, inputs, proposals, runner)`:
+    the step's output."""
 
     def __init__(self, config: Config, proposer=None):
         self.config, self.proposer = config, proposer
@@ -42,10 +41,9 @@ class ModelRunner:
         self.max_blocks_per_seq = -(-config.max_model_len // self.block_size)
         self.graphs: DecodeGraphs | None = None
         self.num_kvcache_blocks = self._allocate_kv_cache()
-        if self.device.type == "cuda":
-            self._compile_sampler()
-            if not config.enforce_eager and config.attention_backend != "torch":
-                self.graphs = DecodeGraphs(self.model, config, self.max_blocks_per_seq)
+        if self.device.type == "cuda" and not config.enforce_eager \
+                and config.attention_backend != "torch":
+            self.graphs = DecodeGraphs(self.model, config, self.max_blocks_per_seq)
 
     def close(self) -> None:
         """Releases what the runner started (a subclass's processes)."""
@@ -54,12 +52,11 @@ class ModelRunner:
 
     def _kv_bytes_per_block(self) -> int:
         """Bytes of one block in every layer, a draft model's included."""
-        own = self.model.kv_bytes_per_block(self.block_size, self.config.dtype)
+        own = math.prod(self.model.kv_cache_shape(1, self.block_size)) * self.config.dtype.itemsize
         return own + (self.proposer.kv_bytes_per_block() if self.proposer else 0)
 
     def _allocate_kv_cache(self) -> int:
-        """Sizes the pool (unless `num_kvcache_blocks` forces it), allocates one tensor
-        (2, num_layers, num_blocks, block_size, nkv, hs) and hands each layer its views."""
+        """Sizes the pool (unless `num_kvcache_blocks` forces it) and allocates it."""
         num_blocks = self.config.num_kvcache_blocks
         if num_blocks is None:
             budget = self._kv_budget_cuda() if self.device.type == "cuda" else self._kv_budget_cpu()
@@ -96,19 +93,14 @@ class ModelRunner:
         seq_len = min(config.max_num_batched_tokens, config.max_model_len)
         num_seqs = max(1, min(config.max_num_batched_tokens // seq_len, config.max_num_seqs))
         self.execute(self.prepare_inputs(_profiling_step(num_seqs, seq_len, self.block_size)))
-        self._compile_sampler(config.max_num_seqs)
+        seq = Sequence([0], SamplingParams(temperature=1.0, top_p=0.9))
+        for size in (1, config.max_num_seqs):  # torch.compile specialises on batches of one
+            logits = torch.randn(size, config.hf_config.vocab_size, device=self.device)
+            self.sampler(logits, [seq] * size)
         torch.cuda.synchronize()
         free, total = torch.cuda.mem_get_info()
         peak, current = torch.cuda.max_memory_allocated(), torch.cuda.memory_allocated()
         return int(total * config.gpu_memory_utilization - (total - free) - (peak - current))
-
-    def _compile_sampler(self, batch_size: int = 2) -> None:
-        """Samples batches of one and of `batch_size` rows: torch.compile specialises on batches
-        of one, so both kinds compile now, not mid-run."""
-        seq = Sequence([0], SamplingParams(temperature=1.0, top_p=0.9))
-        for size in (1, batch_size):
-            logits = torch.randn(size, self.config.hf_config.vocab_size, device=self.device)
-            self.sampler(logits, [seq] * size)
 
     # ---- inputs ----
 
@@ -170,38 +162,30 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, step: ScheduledStep) -> SamplerOutput:
-        """One step: runs the model over the step's tokens (and a proposer's), and samples
-        every row of `step.samplers`."""
+        """One step: runs the model over the step's tokens and samples every row of
+        `step.samplers`; with a proposer, over its proposals too, which it verifies."""
         inputs = self.prepare_inputs(step)
         proposals = self.proposer.propose(step, inputs, self) if self.proposer else {}
-        if proposals:
-            inputs = self.prepare_inputs(step, proposals)
-        return self.sample(self.execute(inputs), step, inputs, proposals)
+        if not proposals:
+            return self.sample(self.execute(inputs), step, inputs)
+        inputs = self.prepare_inputs(step, proposals)
+        return self.proposer.verify(self.execute(inputs), step, inputs, proposals, self)
 
-    def sample(self, logits: torch.Tensor | None, step: ScheduledStep, inputs: StepInputs,
-               proposals: dict[int, list[int]]) -> SamplerOutput:
-        """Samples every row; a sequence keeps its proposals while the model samples them
-        (which leaves each token's distribution the model's), and the token after them."""
-        drafts = [proposals.get(i, []) for i in step.sample_rows] if proposals else None
-        rows = step.samplers if not drafts else [
-            seq for seq, tokens in zip(step.samplers, drafts) for _ in range(len(tokens) + 1)]
-        offsets = drafts and [j for tokens in drafts for j in range(len(tokens) + 1)]
-        sampled = self.sampler(logits[:len(rows)], rows, offsets) if rows else None
-        prompt_logits, first = {}, len(rows)
+    def sample(self, logits: torch.Tensor | None, step: ScheduledStep, inputs: StepInputs
+               ) -> SamplerOutput:
+        rows = step.samplers
+        sampled = self.sampler(logits[:len(rows)], rows).view(-1, 1).tolist() if rows else []
+        return SamplerOutput(sampled, logits, range(len(rows)),
+                             self.prompt_logits(logits, len(rows), inputs))
+
+    @staticmethod
+    def prompt_logits(logits: torch.Tensor | None, first: int, inputs: StepInputs
+                      ) -> dict[int, torch.Tensor]:
+        """The rows of `logits` from `first` on, by the sequences that asked for them."""
+        found = {}
         for i, count in inputs.prompt_rows:
-            prompt_logits[i], first = logits[first:first + count], first + count
-        if not drafts:
-            token_ids = [] if sampled is None else sampled.view(-1, 1).tolist()
-            return SamplerOutput(token_ids, logits, range(len(rows)), prompt_logits)
-        sampled, token_ids, first_rows, row = sampled.tolist(), [], [], 0
-        for tokens in drafts:
-            accepted = 0
-            while accepted < len(tokens) and sampled[row + accepted] == tokens[accepted]:
-                accepted += 1
-            token_ids.append(sampled[row:row + accepted + 1])
-            first_rows.append(row)
-            row += len(tokens) + 1
-        return SamplerOutput(token_ids, logits[:len(rows)], first_rows, prompt_logits)
+            found[i], first = logits[first:first + count], first + count
+        return found
 
     @torch.inference_mode()
     def execute(self, inputs: StepInputs) -> torch.Tensor | None:

@@ -28,17 +28,15 @@ def seeded_uniform(seed: int, position: int) -> float:
 
 
 class Sampler:
-    """Samples one token per row of logits, each row with its own sequence's settings.
-
-    Seam: each kind (class) of logits processor a row's sequence carries is called once a step,
-    `kind.apply(logits, processors, seqs)`, with the float32 logits (R, V) of the rows that
-    carry one, their processors and sequences, and returns their new logits (penalties, biases,
-    grammar masks: kinds that commute). Sampling then inverts the cumulative distribution at
-    one uniform number per row (cheaper than a vocabulary of noise). A seeded sequence's number
-    for position p depends on its seed and p alone, so its samples do not depend on what shares
-    its batch nor on how many tokens a step gives it; the other rows draw from the engine's
-    generator, seeded once (`seed`), so that a run repeats.
-    """
+    """Samples one token per row of logits, each row with its own sequence's settings. Seam: each
+    kind (class) of logits processor a row's sequence carries is called once a step,
+    `kind.apply(logits, processors, seqs)`, with the float32 logits (R, V) of the rows that carry
+    one, their processors and sequences, and returns their new logits (penalties, biases, grammar
+    masks: kinds that commute). Sampling then inverts the cumulative distribution at one uniform
+    number per row (cheaper than a vocabulary of noise). A seeded sequence's number for position p
+    depends on its seed and p alone, so its samples do not depend on what shares its batch nor on
+    how many tokens a step gives it; the other rows draw from the engine's generator, seeded once
+    (`seed`), so that a run repeats."""
 
     def __init__(self, device: torch.device, seed: int = 0):
         self.device = device
@@ -83,10 +81,9 @@ class Sampler:
     def _filter(self, logits: torch.Tensor, params: list) -> torch.Tensor:
         """Top-k, top-p and min-p over each row's tempered logits (B, V)."""
         vocab_size = logits.shape[-1]
-        top_k = to_device(self.device, [min(p.top_k, vocab_size) if p.top_k > 0 else vocab_size
-                                 for p in params])
-        top_p = to_device(self.device, [float(p.top_p) for p in params])
-        min_p = to_device(self.device, [float(p.min_p) for p in params])
+        top_k, top_p, min_p = to_device(self.device, [
+            [min(p.top_k, vocab_size) if p.top_k > 0 else vocab_size for p in params],
+            [float(p.top_p) for p in params], [float(p.min_p) for p in params]])
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         drop = torch.arange(vocab_size, device=self.device).unsqueeze(0) >= top_k.unsqueeze(1)
         sorted_probs = sorted_logits.softmax(dim=-1)

@@ -11,35 +11,30 @@ class Scheduler:
     """Two queues: `waiting` (not yet prefilled, or preempted) and `running` (decoding).
 
     Prefill admits waiting sequences in order while the token budget
-    (`max_num_batched_tokens`), `max_num_seqs` and free blocks allow; only the last prompt of a
-    step can overflow the budget, and is then prefilled in chunks over several steps (without
-    `enable_chunked_prefill`, it waits for a step with room for all of it instead). Decode gives
-    each running sequence one token, oldest first, up to the token budget; when the pool has no
-    block for one, the newest running sequence is preempted: its blocks are freed and it goes
-    back to the front of `waiting` (behind a prompt being prefilled in chunks), to be recomputed
-    later (its prefix blocks often still sit in the cache).
+    (`max_num_batched_tokens`), `max_num_seqs` and free blocks allow; only a step's last prompt
+    can overflow the budget, and is then prefilled in chunks over several steps (without
+    `enable_chunked_prefill`, it waits for a step with room for all of it). Decode gives each
+    running sequence one token, oldest first, up to the budget; when the pool has no block for
+    one, the newest running sequence is preempted: its blocks are freed, to be recomputed later
+    (its prefix often still cached), and it goes back to the front of `waiting` (behind a
+    prompt being prefilled in chunks).
 
-    The `prefill-first` policy runs a prefill step whenever a prompt can be admitted, else a
-    decode step; but between two chunks of one prompt the running sequences decode, so that a
-    long prompt stalls them for at most one step of `max_num_batched_tokens` tokens at a time.
-    The `mixed` policy (as vLLM V1 and Sarathi-Serve) decodes every running sequence in each
-    step and spends the rest of the budget on prefill chunks. A scheduled step is booked at
-    once: each sequence's `num_computed_tokens` counts the tokens the step computes.
+    `prefill-first` runs a prefill step whenever a prompt can be admitted, else a decode step,
+    but decodes between two chunks of a prompt: a long prompt stalls the running sequences for
+    one step of `max_num_batched_tokens` tokens at a time. `mixed` (as vLLM V1, Sarathi-Serve)
+    decodes every running sequence in each step and spends the rest of the budget on prefill
+    chunks. A step is booked at once: `num_computed_tokens` counts the tokens it computes.
 
     Seam for speculative decoding: with `lookahead` > 0, once every decoding sequence has its
-    token, each (oldest first) gets lookahead slots for up to `lookahead` proposals: as many as
-    its max_tokens and max_model_len leave room for, the token budget allows and free blocks
-    hold (a proposal never preempts); none when it has logits processors (they may depend on
-    each token it gets), nor when a step decodes more than `lookahead_max_batch` sequences.
+    token, each (oldest first) gets slots for up to `lookahead` proposals, as many as its
+    max_tokens and max_model_len leave room for, the budget allows and free blocks hold (a
+    proposal never preempts); none with logits processors (they may depend on each token), nor
+    when a step decodes more than `lookahead_max_batch` sequences.
     """
 
     def __init__(self, config: Config, block_manager: BlockManager, lookahead: int = 0,
                  lookahead_max_batch: int | None = None):
-        self.max_num_seqs = config.max_num_seqs
-        self.max_num_batched_tokens = config.max_num_batched_tokens
-        self.max_model_len = config.max_model_len
-        self.mixed = config.scheduling == "mixed"
-        self.chunked_prefill = config.enable_chunked_prefill
+        self.config, self.max_num_batched_tokens = config, config.max_num_batched_tokens
         self.lookahead, self.lookahead_max_batch = lookahead, lookahead_max_batch
         self.block_manager = block_manager
         self.waiting: deque[Sequence] = deque()
@@ -56,7 +51,7 @@ class Scheduler:
     def schedule(self) -> ScheduledStep:
         """The next step (with no sequences when there is nothing to run), booked."""
         step = ScheduledStep()
-        if self.mixed:
+        if self.config.scheduling == "mixed":
             self._schedule_decode(step)
             self._schedule_prefill(step, self.max_num_batched_tokens - step.num_scheduled_tokens)
             return step
@@ -73,10 +68,11 @@ class Scheduler:
     def _schedule_prefill(self, step: ScheduledStep, budget: int) -> None:
         while self.waiting and budget > 0:
             seq = self.waiting[0]
-            if not self.chunked_prefill and len(seq) - seq.num_computed_tokens > budget:
+            chunked = self.config.enable_chunked_prefill
+            if not chunked and len(seq) - seq.num_computed_tokens > budget:
                 break  # it waits for a step with room for all of it
             # a partly prefilled sequence keeps its blocks
-            if not seq.block_table and (len(self.running) >= self.max_num_seqs
+            if not seq.block_table and (len(self.running) >= self.config.max_num_seqs
                                         or not self.block_manager.allocate(seq)):
                 break
             num_tokens = min(len(seq) - seq.num_computed_tokens, budget)
@@ -109,7 +105,7 @@ class Scheduler:
             seq = step.seqs[i]
             if seq.logits_processors:
                 continue
-            room = self.max_model_len - len(seq)
+            room = self.config.max_model_len - len(seq)
             if seq.sampling_params.max_tokens is not None:
                 room = min(room, seq.sampling_params.max_tokens - seq.num_completion_tokens)
             k = min(self.lookahead, room - 1, budget)

@@ -63,9 +63,9 @@ def _attend_tile(q, k, v, mask, m, l, acc, scale, PRECISION: tl.constexpr):
     return m_new, l, acc
 
 
-@triton.jit(do_not_specialize=["block_table_stride", "num_splits"])
+@triton.jit(do_not_specialize=["block_table_stride", "num_splits", "window"])
 def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
-                   out_ptr, partial_ptr, lse_ptr, scale, q_stride, block_table_stride,
+                   out_ptr, partial_ptr, lse_ptr, scale, q_stride, block_table_stride, window,
                    NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
                    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
                    num_splits, SPLIT_LEN: tl.constexpr, DIRECT: tl.constexpr,
@@ -73,12 +73,14 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_le
     """One program: one sequence, one KV head with all the query heads that share it (read
     once for the whole group), and the SPLIT_LEN-token slice `split` of the context. With
     several splits (not DIRECT) it writes a partial result and its log-sum-exp for the reduce
-    kernel.
+    kernel. With a sliding `window` (0: none), the keys before it are neither read nor attended,
+    and the splits wholly before it do nothing.
     Softmax runs in base 2 (exp2 is cheaper): the scores are scaled by log2(e) = 1.4427."""
     seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     context_len = tl.load(context_lens_ptr + seq)
+    first = tl.where(window > 0, tl.maximum(context_len - window, 0), 0)
     start = split * SPLIT_LEN
-    if start < context_len or DIRECT:
+    if (start < context_len and start + SPLIT_LEN > first) or DIRECT:
         end = tl.minimum(start + SPLIT_LEN, context_len)
         group = tl.arange(0, GROUP_PAD)
         dims = tl.arange(0, HEAD_DIM)
@@ -90,7 +92,7 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_le
         l = tl.zeros((GROUP_PAD,), tl.float32)
         acc = tl.zeros((GROUP_PAD, HEAD_DIM), tl.float32)
         block_table_ptr = block_tables_ptr + seq * block_table_stride
-        for tile in range(start, end, BLOCK_N):
+        for tile in range(tl.maximum(start, first), end, BLOCK_N):
             pos = tile + tl.arange(0, BLOCK_N)
             valid = pos < end
             k, v = _kv_tiles(k_cache_ptr, v_cache_ptr, block_table_ptr, pos, valid, kv_head,
@@ -108,20 +110,22 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_le
             tl.store(lse_ptr + row, m + tl.log2(l), mask=group < GROUP)
 
 
-@triton.jit(do_not_specialize=["num_splits"])
-def _decode_reduce_kernel(partial_ptr, lse_ptr, out_ptr, context_lens_ptr, num_splits,
+@triton.jit(do_not_specialize=["num_splits", "window"])
+def _decode_reduce_kernel(partial_ptr, lse_ptr, out_ptr, context_lens_ptr, num_splits, window,
                           NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, SPLIT_LEN: tl.constexpr):
     """Combines the splits of one (sequence, head) row, each weighted by its softmax mass.
 
     The splits that hold keys are folded in order, one at a time, so the result does not depend
     on how many empty splits the grid had: eager and CUDA-graph decode agree bit for bit."""
     row = tl.program_id(0)
-    num_active = tl.cdiv(tl.load(context_lens_ptr + row // NUM_HEADS), SPLIT_LEN)
+    context_len = tl.load(context_lens_ptr + row // NUM_HEADS)
+    num_active = tl.cdiv(context_len, SPLIT_LEN)
+    first = tl.where(window > 0, tl.maximum(context_len - window, 0) // SPLIT_LEN, 0)
     dims = tl.arange(0, HEAD_DIM)
     m = tl.full((1,), float("-inf"), tl.float32)
     l = tl.zeros((1,), tl.float32)
     acc = tl.zeros((HEAD_DIM,), tl.float32)
-    for split in range(0, num_active):
+    for split in range(first, num_active):
         lse = tl.load(lse_ptr + row * num_splits + split + tl.zeros((1,), tl.int32))
         partial = tl.load(partial_ptr + (row * num_splits + split) * HEAD_DIM + dims)
         m_new = tl.maximum(m, lse)
@@ -154,9 +158,10 @@ def split_len(batch_size: int, num_kv_heads: int, device: torch.device) -> int:
 
 def decode_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  block_tables: torch.Tensor, context_lens: torch.Tensor, max_seqlen_k: int,
-                 scale: float, split_tokens: int | None = None) -> torch.Tensor:
-    """q: (B, nh, hs), one query per sequence, over its cached context (split-K decoding).
-    The arguments are those of `attention.AttentionMetadata`."""
+                 scale: float, split_tokens: int | None = None, window: int = 0
+                 ) -> torch.Tensor:
+    """q: (B, nh, hs), one query per sequence, over its cached context (split-K decoding), or
+    over its last `window` tokens. The arguments are those of `attention.AttentionMetadata`."""
     batch_size, num_heads, head_dim = q.shape
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     group = num_heads // num_kv_heads
@@ -171,25 +176,26 @@ def decode_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         lse = torch.empty(batch_size, num_heads, num_splits, dtype=torch.float32, device=q.device)
     _decode_kernel[(batch_size, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, out, partial, lse, scale,
-        q.stride(0), block_tables.stride(0), NUM_KV_HEADS=num_kv_heads, GROUP=group,
+        q.stride(0), block_tables.stride(0), window, NUM_KV_HEADS=num_kv_heads, GROUP=group,
         GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, BLOCK_N=64, num_splits=num_splits, SPLIT_LEN=split_tokens,
         DIRECT=num_splits == 1, PRECISION=_precision(q), num_warps=4, num_stages=2)
     if num_splits > 1:
         _decode_reduce_kernel[(batch_size * num_heads,)](
-            partial, lse, out, context_lens, num_splits, NUM_HEADS=num_heads,
+            partial, lse, out, context_lens, num_splits, window, NUM_HEADS=num_heads,
             HEAD_DIM=head_dim, SPLIT_LEN=split_tokens)
     return out
 
 
-@triton.jit(do_not_specialize=["block_table_stride"])
+@triton.jit(do_not_specialize=["block_table_stride", "window"])
 def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, cu_seqlens_q_ptr, context_lens_ptr,
-                    block_tables_ptr, scale, q_stride, block_table_stride,
+                    block_tables_ptr, scale, q_stride, block_table_stride, window,
                     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     PRECISION: tl.constexpr):
     """One program: BLOCK_M queries of one sequence and one head, attending causally over the
-    sequence's cached prefix and its new tokens, all read through the block table."""
+    sequence's cached prefix and its new tokens (or their last `window`, when not 0), all read
+    through the block table."""
     tile_m, seq, head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     q_start = tl.load(cu_seqlens_q_ptr + seq)
     q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
@@ -208,12 +214,14 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, cu_seqlens_q_ptr, 
         acc = tl.zeros((BLOCK_M, HEAD_DIM), tl.float32)
         block_table_ptr = block_tables_ptr + seq * block_table_stride
         end = tl.minimum(context_len, prefix_len + (tile_m + 1) * BLOCK_M)  # causal horizon
-        for tile in range(0, end, BLOCK_N):
+        first = tl.where(window > 0, tl.maximum(prefix_len + tile_m * BLOCK_M - window + 1, 0), 0)
+        for tile in range(first, end, BLOCK_N):
             pos = tile + tl.arange(0, BLOCK_N)
             valid = pos < end
             k, v = _kv_tiles(k_cache_ptr, v_cache_ptr, block_table_ptr, pos, valid, kv_head,
                              NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE)
-            causal = valid[None, :] & (pos[None, :] <= q_pos[:, None])
+            causal = valid[None, :] & (pos[None, :] <= q_pos[:, None]) & (
+                (pos[None, :] > q_pos[:, None] - window) | (window <= 0))
             m, l, acc = _attend_tile(q, k, v, causal, m, l, acc, scale, PRECISION)
         out = acc / l[:, None]
         tl.store(out_ptr + q_offsets, out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
@@ -221,9 +229,10 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, cu_seqlens_q_ptr, 
 
 def prefill_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor,
-                  block_tables: torch.Tensor, max_seqlen_q: int, scale: float) -> torch.Tensor:
+                  block_tables: torch.Tensor, max_seqlen_q: int, scale: float,
+                  window: int = 0) -> torch.Tensor:
     """q: (T, nh, hs), the ragged new queries of each sequence; the arguments are those of
-    `attention.AttentionMetadata`."""
+    `attention.AttentionMetadata`, and a sliding `window` (0: none)."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     num_seqs = context_lens.shape[0]
@@ -232,7 +241,7 @@ def prefill_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     block_m = 64 if q.is_cuda else 16
     grid = (triton.cdiv(max_seqlen_q, block_m), num_seqs, num_heads)
     _prefill_kernel[grid](q, k_cache, v_cache, out, cu_seqlens_q, context_lens,
-                          block_tables, scale, q.stride(0), block_tables.stride(0),
+                          block_tables, scale, q.stride(0), block_tables.stride(0), window,
                           NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
                           BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=block_m,
                           PRECISION=_precision(q), num_warps=4, num_stages=2)
@@ -240,12 +249,12 @@ def prefill_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 
 
 def prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta,
-            scale: float) -> torch.Tensor:
+            scale: float, window: int | None) -> torch.Tensor:
     return prefill_paged(q, k_cache, v_cache, meta.cu_seqlens_q, meta.context_lens,
-                         meta.block_tables, meta.max_seqlen_q, scale)
+                         meta.block_tables, meta.max_seqlen_q, scale, window or 0)
 
 
 def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta,
-           scale: float) -> torch.Tensor:
+           scale: float, window: int | None) -> torch.Tensor:
     return decode_paged(q, k_cache, v_cache, meta.block_tables, meta.context_lens,
-                        meta.max_seqlen_k, scale)
+                        meta.max_seqlen_k, scale, window=window or 0)

@@ -1,0 +1,7 @@
+"""Model families beyond the core's Qwen3, Qwen2 and Llama. Importing this package enters them
+in `core.model.ARCHITECTURES`: Mistral (the core's decoder, its `sliding_window` on every
+layer), Qwen3-MoE and Mixtral (`moe.py`), Gemma 3 text (`gemma3.py`)."""
+from nanopaged.core.model import ARCHITECTURES, CausalLM
+from nanopaged.models import gemma3, moe  # noqa: F401 (they register themselves)
+
+ARCHITECTURES["MistralForCausalLM"] = CausalLM

@@ -1,0 +1,104 @@
+"""Gemma 3 (text, `Gemma3ForCausalLM`): the core's decoder with Gemma's differences.
+
+Its layers interleave sliding-window attention (`layer_types`, `sliding_window`) with full
+attention, each kind with its own RoPE parameters (a local base; a global base, maybe with
+linear scaling): the core reads both from the config. Besides: the embedding is scaled by
+sqrt(hidden_size); every norm scales by 1 + weight, in float32; q and k are normalised per head;
+scores are scaled by query_pre_attn_scalar ** -0.5 rather than head_dim ** -0.5; each block's
+output is normalised again before it joins the residual stream, and the MLP's input too; the
+MLP's activation is GELU (tanh); the LM head is the embedding.
+"""
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PretrainedConfig
+
+from nanopaged.core.attention import AttentionMetadata
+from nanopaged.core.layers import RMSNorm, cuda_compiled
+from nanopaged.core.model import (ARCHITECTURES, MLP, CausalLM, DecoderAttention, DecoderLayer,
+                                  unsupported_fields)
+
+
+@cuda_compiled
+def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return (x32 * (1.0 + weight.float())).to(x.dtype)
+
+
+class GemmaRMSNorm(RMSNorm):
+    """The core's RMSNorm, but scaled by 1 + weight in float32 (Gemma stores the offset)."""
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is None:
+            return gemma_rms_norm(x, self.weight, self.eps)
+        x = x + residual
+        return gemma_rms_norm(x, self.weight, self.eps), x
+
+
+@cuda_compiled
+def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
+class GeluMLP(MLP):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(gelu_tanh_and_mul(self.gate_up_proj(x)))
+
+
+class Gemma3Attention(DecoderAttention):
+    def __init__(self, config: PretrainedConfig, backend: str, index: int):
+        super().__init__(config, backend, index)
+        self.qk_norm = True
+        self.q_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps)
+        self.k_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps)
+        self.attn.scale = config.query_pre_attn_scalar ** -0.5
+
+
+class Gemma3Layer(DecoderLayer):
+    attention = Gemma3Attention
+
+    def __init__(self, config: PretrainedConfig, backend: str, index: int):
+        super().__init__(config, backend, index)
+        size, eps = config.hidden_size, config.rms_norm_eps
+        self.input_layernorm = GemmaRMSNorm(size, eps)
+        self.post_attention_layernorm = GemmaRMSNorm(size, eps)
+        self.pre_feedforward_layernorm = GemmaRMSNorm(size, eps)
+        self.post_feedforward_layernorm = GemmaRMSNorm(size, eps)
+        # sqrt(hidden_size) rounded to the model's dtype, as transformers multiplies by it
+        self.embed_scale = torch.tensor(size ** 0.5).to(torch.get_default_dtype()).item()
+
+    def make_mlp(self, config: PretrainedConfig, backend: str, index: int) -> nn.Module:
+        return GeluMLP(config)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
+                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this layer's output, the residual stream before it), as the core's layer."""
+        residual = hidden * self.embed_scale if residual is None else hidden + residual
+        attended = self.self_attn(positions, self.input_layernorm(residual), meta)
+        residual = residual + self.post_attention_layernorm(attended)
+        hidden = self.mlp(self.pre_feedforward_layernorm(residual))
+        return self.post_feedforward_layernorm(hidden), residual
+
+
+def unsupported_gemma3_fields(config: PretrainedConfig) -> dict:
+    """The core's checks, and Gemma's own options that change the model."""
+    act = config.hidden_activation
+    found = {"hidden_activation": act if act != "gelu_pytorch_tanh" else None,
+             "final_logit_softcapping": config.final_logit_softcapping,
+             "attn_logit_softcapping": config.attn_logit_softcapping,
+             "use_bidirectional_attention": config.use_bidirectional_attention or None}
+    return unsupported_fields(config) | {k: v for k, v in found.items() if v is not None}
+
+
+class Gemma3ForCausalLM(CausalLM):
+    unsupported = staticmethod(unsupported_gemma3_fields)
+    decoder_layer = Gemma3Layer
+
+    def __init__(self, config: PretrainedConfig, backend: str):
+        super().__init__(config, backend)
+        self.model.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+ARCHITECTURES["Gemma3ForCausalLM"] = Gemma3ForCausalLM
