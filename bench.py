@@ -103,7 +103,8 @@ def run_nanopaged(model: str, work: Workload, args, backend: str = "auto") -> di
     from nanopaged import LLM, SamplingParams
     llm = LLM(model, max_model_len=args.max_model_len, enforce_eager=args.enforce_eager,
               attention_backend=backend, tensor_parallel_size=args.tensor_parallel_size,
-              speculative_config=args.speculative_config, max_num_seqs=args.max_num_seqs)
+              speculative_config=args.speculative_config, max_num_seqs=args.max_num_seqs,
+              trace=args.trace)
     params = [SamplingParams(temperature=work.temperature, ignore_eos=True, max_tokens=n)
               for n in work.output_lens]
     llm.generate(warmup_prompts(work), params[:4], use_tqdm=False)
@@ -569,9 +570,13 @@ def _host_step_time(model: str, args, batch: int, block_size: int, schema) -> di
     import torch
     from nanopaged import LLM, SamplingParams
     max_model_len = args.context + 512
+    from nanopaged.trace import TracedRunner
+    trace = args.trace and "{0}.b{2}.block{3}{1}".format(*os.path.splitext(args.trace), batch,
+                                                          block_size)
     llm = LLM(model, device="cpu", kvcache_block_size=block_size, max_model_len=max_model_len,
-              num_kvcache_blocks=batch * -(-max_model_len // block_size))
-    llm.engine.runner = HostOnlyRunner(llm.engine.runner)
+              num_kvcache_blocks=batch * -(-max_model_len // block_size), trace=trace)
+    runner = HostOnlyRunner(llm.engine.runner.runner if trace else llm.engine.runner)
+    llm.engine.runner = TracedRunner(runner, llm.tracer) if trace else runner
     g = torch.Generator().manual_seed(0)
     params = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=max_model_len,
                             structured_outputs=schema)
@@ -823,6 +828,8 @@ def parse_args(argv=None):
     p.add_argument("--batch-sizes", type=int, nargs="+")
     p.add_argument("--context", type=int)
     p.add_argument("--prefill-seqs", type=int)
+    p.add_argument("--trace", metavar="PATH", help="nanopaged writes a trace of every step "
+                   "here (python -m nanopaged.trace PATH makes its page)")
     p.add_argument("--out", help="write the results as JSON here")
     p.add_argument("--plot", help="write a PNG of the results here (needs matplotlib)")
     args = p.parse_args(argv)

@@ -4,9 +4,12 @@
                                         # if it cannot be had: a random-weight stand-in
     python example.py --model PATH_OR_ID
     python example.py --stream          # print one answer as it is generated
+    python example.py --trace run.jsonl # and a page (run.html) that plays the steps back
 
 The random-weight stand-in prints gibberish by design: it is there to show the engine at work
-(prefix-cache hits, preemption, throughput) on a machine with no model and no network.
+(prefix-cache hits, chunked prefill, preemption, throughput) on a machine with no model and no
+network. Its answers ignore EOS (random weights would end them at a random EOS within a few
+tokens), so that they grow and fill its small KV pool.
 """
 import argparse
 import os
@@ -20,22 +23,23 @@ QUESTIONS = ["Introduce yourself.", "List all prime numbers within 100.",
              "Explain paged attention in two sentences.", "Write a short poem about the sea."]
 
 
-def load(model: str | None):
+def load(model: str | None, trace: str | None):
     """The model asked for (an error if it cannot be loaded), else the default model, else the
-    random-weight stand-in."""
+    random-weight stand-in; and whether it is the stand-in."""
     from nanopaged import LLM
     from nanopaged.random_checkpoint import TINY_QWEN3, write_random_checkpoint
     if model is not None:
-        return LLM(model)
+        return LLM(model, trace=trace), False
     try:
-        return LLM(DEFAULT_MODEL)
+        return LLM(DEFAULT_MODEL, trace=trace), False
     except ValueError as error:
         path = os.path.join(CACHE_DIR, "random-tiny-qwen3")
         print(f"{error}\n\nSo running on a random-weight checkpoint in {path}: expect gibberish.")
         if not os.path.exists(os.path.join(path, "model.safetensors")):
             write_random_checkpoint(path, TINY_QWEN3, initializer_range=0.1)
-        # a small pool, so that preemption shows too
-        return LLM(path, num_kvcache_blocks=24, kvcache_block_size=16)
+        # a small pool and token budget, so that preemption and chunked prefill show too
+        return LLM(path, num_kvcache_blocks=24, kvcache_block_size=16,
+                   max_num_batched_tokens=64, trace=trace), True
 
 
 def main() -> None:
@@ -47,15 +51,18 @@ def main() -> None:
     )
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--stream", action="store_true", help="stream the first answer")
+    parser.add_argument("--trace", metavar="PATH", help="write a trace of every step to PATH "
+                        "(JSON lines), and the page that plays it back beside it (.html)")
     args = parser.parse_args()
     from nanopaged import SamplingParams  # after the arguments: --help answers at once
     try:
-        llm = load(args.model)
+        llm, stand_in = load(args.model, args.trace)
     except ValueError as error:
         sys.exit(f"error: {error}")
     conversations = [[{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}]
                      for q in QUESTIONS]
-    params = SamplingParams(temperature=0.6, top_p=0.95, max_tokens=args.max_tokens, seed=0)
+    params = SamplingParams(temperature=0.6, top_p=0.95, max_tokens=args.max_tokens, seed=0,
+                            ignore_eos=stand_in)
     if args.stream:
         prompt = (llm.tokenizer.apply_chat_template(conversations[0], tokenize=False,
                                                     add_generation_prompt=True)
@@ -63,7 +70,7 @@ def main() -> None:
         for delta in llm.stream(prompt, params):
             print(delta, end="", flush=True)
         print()
-        return
+        return write_trace_page(llm, args.trace)
 
     start = time.perf_counter()
     if llm.tokenizer.chat_template:
@@ -82,6 +89,15 @@ def main() -> None:
           f"({num_generated / elapsed:,.0f} tok/s); {stats.num_preemptions} preemptions; "
           f"{stats.num_blocks} KV blocks of {llm.config.kvcache_block_size} tokens "
           f"on {llm.config.device} ({llm.config.attention_backend} attention)")
+    write_trace_page(llm, args.trace)
+
+
+def write_trace_page(llm, trace: str | None) -> None:
+    if trace:
+        from nanopaged.trace import write_page
+        llm.close()  # the trace is complete
+        page = write_page(trace, os.path.splitext(trace)[0] + ".html")
+        print(f"the steps: {trace}; the page that plays them back: {page}")
 
 
 if __name__ == "__main__":

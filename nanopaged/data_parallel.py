@@ -141,10 +141,18 @@ def _serve(connection, engine_class: type, model: str, options: dict, gpus: list
     engine.close()
 
 
+def replica_trace(path: str | None, index: int) -> str | None:
+    """Where replica `index` writes its trace: run.jsonl -> run.replica0.jsonl."""
+    if path is None:
+        return None
+    stem, extension = os.path.splitext(path)
+    return f"{stem}.replica{index}{extension}"
+
+
 class DataParallelLLM(VLLMEngineAPI):
     """`LLM(model, data_parallel_size=N, **options)`: N replicas of the engine (each an
     `engine_class`); `generate`, `chat`, `stream`, the step-at-a-time calls and `stats` as a
-    single engine's."""
+    single engine's. With `trace`, each replica writes its own (`replica_trace`)."""
 
     def __init__(self, engine_class: type, model: str, **options):
         core, parallel, surface = split_options(model, options)
@@ -154,8 +162,9 @@ class DataParallelLLM(VLLMEngineAPI):
         self.inputs = InputProcessor.for_checkpoint(self.config, surface)
         count = self.parallel.data_parallel_size
         replica_options = dict(options, data_parallel_size=1, seed=self.config.seed)
-        self.replicas = [Replica(engine_class, model, replica_options, i, count, self._gpus(i))
-                         for i in range(count)]
+        self.replicas = [Replica(engine_class, model, dict(
+            replica_options, trace=replica_trace(surface["trace"], i)), i, count, self._gpus(i))
+            for i in range(count)]
         self._finalizer = weakref.finalize(self, _close_all, self.replicas)
         try:
             for replica in self.replicas:

@@ -54,6 +54,8 @@ OPTIONS = {
     "speculative_config": (dict | None, None, "speculative decoding, as JSON: {\"method\": "
                                               "\"ngram\", \"num_speculative_tokens\": 4} or "
                                               "{\"model\": DRAFT, ...}"),
+    "trace": (str | None, None, "write a trace of every step here (JSON lines); `python -m "
+                                "nanopaged.trace PATH` makes the page that plays it back"),
     # vLLM options that only tune what nanopaged does not have: checked, then ignored
     "trust_remote_code": (bool, False, "accepted: nanopaged runs no code from a checkpoint"),
     "disable_log_stats": (bool, True, "accepted: nanopaged logs no periodic stats"),
@@ -67,7 +69,7 @@ OPTIONS = {
 HINTS = ("trust_remote_code", "disable_log_stats", "swap_space")
 ALIASES = {"block_size": "kvcache_block_size"}
 SURFACE = ("tokenizer", "tokenizer_mode", "generation_config", "structured_outputs_config",
-           "speculative_config")
+           "speculative_config", "trace")
 
 
 def split_options(model: str, options: dict) -> tuple[dict, dict, dict]:

@@ -24,6 +24,7 @@ from nanopaged.outputs import EngineStats, Request, RequestOutput, token_logprob
 from nanopaged.parallel import ParallelConfig, make_runner
 from nanopaged.sampling_params import SamplingParams
 from nanopaged.speculative import SpeculativeConfig, make_proposer
+from nanopaged.trace import Tracer, TracedRunner
 
 
 class LLM(VLLMEngineAPI):
@@ -56,12 +57,17 @@ class LLM(VLLMEngineAPI):
         self.inputs = InputProcessor.for_checkpoint(config, surface)
         self.proposer = spec and make_proposer(spec, config)
         runner = make_runner(config, self.parallel, self.proposer)
+        self.requests: dict[str, Request] = {}  # the unfinished ones
+        self.owners: dict[Sequence, tuple[Request, int]] = {}  # a sequence's request, sample
+        self.tracer = surface["trace"] and Tracer(surface["trace"], self)
+        if self.tracer:
+            runner = TracedRunner(runner, self.tracer)
         # tensor-parallel workers exit when the engine is closed or garbage-collected
         self._finalizer = weakref.finalize(self, runner.close)
         self.engine = CoreEngine(config, runner)
+        if self.tracer:
+            self.tracer.attach(self.engine, config)
         self.inputs.num_blocks = self.engine.block_manager.num_blocks
-        self.requests: dict[str, Request] = {}  # the unfinished ones
-        self.owners: dict[Sequence, tuple[Request, int]] = {}  # a sequence's request, sample
         self.num_accepted_tokens = 0
 
     # ---- requests in ----
@@ -108,12 +114,19 @@ class LLM(VLLMEngineAPI):
         """`step()` without the outputs: runs a step of the core engine and takes note of what
         it sampled; returns the step and the requests that got tokens in it."""
         self._check_open()
+        if self.tracer:
+            self.tracer.begin()
         try:
             step, sampled = self.engine.step()
-        except BaseException:
+        except BaseException as error:
             self._abort_all()
+            if self.tracer:
+                self.tracer.stepped(None, None, error)
             raise
-        return step, self._take(step, sampled)
+        requests = self._take(step, sampled)
+        if self.tracer:
+            self.tracer.stepped(step, sampled)
+        return step, requests
 
     def _take(self, step: ScheduledStep, sampled: SamplerOutput) -> list[Request]:
         """Takes note of each sampling row's tokens in its request (grammar, logprobs, stop

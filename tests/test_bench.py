@@ -3,6 +3,8 @@ import importlib
 import importlib.util
 import json
 import os
+import re
+import shlex
 import sys
 
 import pytest
@@ -13,6 +15,20 @@ def bench():
     # importable by name: bench.py runs each engine in a spawned process
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     return importlib.import_module("bench")
+
+
+def test_every_command_the_readme_quotes_parses(bench):
+    """The README's `python bench.py ...` commands, inline or in its indented blocks, name
+    flags bench.py has, with values it takes."""
+    readme = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                          "README.md")
+    with open(readme) as f:
+        text = f.read().replace("\\\n", " ")
+    quoted = re.findall(r"`python bench\.py([^`]*)`", text) + \
+        re.findall(r"^ {4}python bench\.py(.*)$", text, re.M)
+    assert len(quoted) >= 10
+    for arguments in quoted:
+        bench.parse_args(shlex.split(" ".join(arguments.split("#")[0].split())))
 
 
 def test_throughput_with_peers(bench, qwen3_path, tmp_path):
