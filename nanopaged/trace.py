@@ -23,8 +23,9 @@ One JSON object a line. The first, the header: `trace` ("nanopaged"), `version` 
   a block given back, before a sliding window); `[]` when the sequence let go of its blocks.
 - `hits`: by sequence admitted in the step, the blocks the prefix cache served it.
 - `allocated`: blocks handed out from the free list (hits apart); `freed`: blocks back on it.
-- `cached`: blocks entered in the prefix cache; `evicted`: cached blocks handed out again (their
-  prefix forgotten). No block is ever copied: samples share full blocks only.
+- `cached`: blocks entered in the prefix cache; `evicted`: cached blocks whose prefix was
+  forgotten: handed out again, or by a failed step, or by `reset_prefix_cache` before the step.
+  No block is ever copied: samples share full blocks only.
 - `preempted`: sequences preempted for want of a free block (to be recomputed);
   `finished`: by sequence, "stop", "length" or "abort".
 - `new`: by sequence first seen, `request`, `sample`, `prompt_token_ids`, and `prompt` (its
@@ -94,6 +95,9 @@ class Tracer:
 
     def begin(self) -> None:
         self.started, self.own_time, self.record = time.perf_counter(), 0.0, self._empty()
+        if self.cached and not self.engine().block_manager.hash_to_block:  # a reset forgot all
+            self.record["evicted"] = sorted(self.cached)
+            self.cached.clear()
 
     def scheduled(self, step: ScheduledStep) -> None:
         """After scheduling: what ran, the blocks each sequence got, hit, or let go of."""

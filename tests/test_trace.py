@@ -220,6 +220,24 @@ def test_a_failed_step_is_traced_and_the_engine_goes_on(qwen3_path, tmp_path, mo
     assert steps[-1]["finished"] and "error" not in steps[-1]
 
 
+def test_a_reset_prefix_cache_is_traced_as_every_cached_block_evicted(qwen3_path, tmp_path):
+    path = str(tmp_path / "run.jsonl")
+    llm = LLM(qwen3_path, max_model_len=256, kvcache_block_size=BLOCK_SIZE, trace=path)
+    prompts, params = random_prompts([40, 40], seed=35), SamplingParams(max_tokens=4)
+    llm.generate(prompts[:1], params, use_tqdm=False)
+    assert llm.reset_prefix_cache()
+    llm.generate(prompts[1:], params, use_tqdm=False)
+    llm.close()
+    replay, steps = Replay(), read_trace(path)[1]
+    for step in steps:
+        replay.advance(step)
+    pool = llm.engine.block_manager
+    assert replay.cached == {b.block_id for b in pool.blocks if b.hash is not None}
+    [reset] = [i for i, s in enumerate(steps) if s["evicted"]]
+    assert steps[reset]["new"]  # the second run's first step
+    assert set(steps[reset]["evicted"]) == {b for s in steps[:reset] for b in s["cached"]} != set()
+
+
 def test_the_command_writes_the_page_and_names_a_file_that_is_no_trace(traced_run, tmp_path):
     command = [sys.executable, "-m", "nanopaged.trace"]
     result = subprocess.run([*command, traced_run["path"], "-o", str(tmp_path / "p.html")],
