@@ -26,10 +26,11 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from nanopaged import LLM, chat, openai_api
-from nanopaged.data_parallel import ReplicaDied, Router, sum_stats
+from nanopaged.data_parallel import ReplicaDied, sum_stats
 from nanopaged.engine_args import EngineArgs
-from nanopaged.outputs import EngineStats
 from nanopaged.openai_responses import Response
+from nanopaged.outputs import EngineStats
+from nanopaged.router import Router
 
 
 class EngineLoop:

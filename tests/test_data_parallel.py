@@ -6,7 +6,8 @@ import psutil
 import pytest
 
 from nanopaged import LLM, SamplingParams
-from nanopaged.data_parallel import DataParallelLLM, Replica, Router
+from nanopaged.data_parallel import DataParallelLLM, Replica
+from nanopaged.router import Router
 from conftest import random_prompts
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12)

@@ -1,0 +1,74 @@
+"""The server's front for several data-parallel replicas: which replica a request goes to."""
+from collections import OrderedDict
+
+from nanopaged.core.block_manager import hash_block
+from nanopaged.data_parallel import DataParallelLLM
+
+MAX_REMEMBERED_BLOCKS = 100_000  # per replica
+
+
+class Router:
+    """The server's front for several replicas, each stepped by an engine loop of its own (as
+    `EngineLoop` it submits, aborts and counts the waiting requests). A request goes to the
+    replica that was sent the longest prefix of its prompt before, in whole KV blocks (whose
+    prefix cache then likely holds that prefix's K/V), unless that replica has more than
+    `balance` requests in flight beyond the least busy one's; else to the least busy one.
+    `policy="least"` always takes the least busy. `routed[i]` counts the requests replica i
+    got, by reason."""
+
+    def __init__(self, llm: DataParallelLLM, loops: list, max_waiting: int,
+                 policy: str = "prefix", balance: int = 4):
+        self.llm, self.loops, self.policy, self.balance = llm, loops, policy, balance
+        self.max_waiting, self.num_waiting = max_waiting, 0
+        self.block_size = llm.config.kvcache_block_size
+        # per replica: the hashes of the block prefixes it was sent, least recently sent first
+        self.prefixes = [OrderedDict() for _ in loops]
+        self.routed = [{"prefix": 0, "least_busy": 0} for _ in loops]
+
+    def submit(self, request_id: str, prompt: dict, params, outbox):
+        hashes = self._block_hashes(prompt["prompt_token_ids"])
+        index, reason = self.choose(hashes)
+        prefixes = self.prefixes[index]
+        for h in hashes:
+            prefixes[h] = None
+            prefixes.move_to_end(h)
+        while len(prefixes) > MAX_REMEMBERED_BLOCKS:
+            prefixes.popitem(last=False)
+        self.routed[index][reason] += 1
+        return self.loops[index].submit(request_id, prompt, params, outbox)
+
+    def choose(self, hashes: list[int]) -> tuple[int, str]:
+        """Among the replicas whose engine loop runs (a dead replica's stops)."""
+        loads = [len(loop.outboxes) for loop in self.loops]
+        alive = [i for i, loop in enumerate(self.loops) if loop.is_alive()] or [0]
+        least = min(alive, key=loads.__getitem__)
+        if self.policy == "prefix":
+            matched = [next((n for n, h in enumerate(hashes) if h not in prefixes), len(hashes))
+                       for prefixes in self.prefixes]
+            best = max(alive, key=lambda i: (matched[i], -loads[i]))
+            if matched[best] and loads[best] <= loads[least] + self.balance:
+                return best, "prefix"
+        return least, "least_busy"
+
+    def _block_hashes(self, token_ids: list[int]) -> list[int]:
+        """A hash per whole block of the prompt, each of the block and all before it."""
+        hashes, h = [], None
+        for start in range(0, len(token_ids) - self.block_size + 1, self.block_size):
+            h = hash_block(h, token_ids[start:start + self.block_size])
+            hashes.append(h)
+        return hashes
+
+    def abort(self, request_id: str) -> None:
+        for loop in self.loops:  # a request id unknown to a replica is ignored there
+            loop.abort(request_id)
+
+    def fail_all(self, reason: str) -> None:
+        for loop in self.loops:
+            loop.fail_all(reason)
+
+    def stop(self) -> None:
+        for loop in self.loops:
+            loop.stop()
+
+    def is_alive(self) -> bool:
+        return all(loop.is_alive() for loop in self.loops)
