@@ -38,6 +38,7 @@ import torch.distributed as dist
 from nanopaged.core.config import Config, check_fields
 from nanopaged.core.model_runner import ModelRunner
 from nanopaged.core.step import SamplerOutput, ScheduledStep, StepInputs
+import nanopaged.cpu  # noqa: F401 (enters the CPU backend in the core's registry)
 import nanopaged.models  # noqa: F401 (enters the model families in the core's registry)
 
 # Workers wait for rank 0's next message for as long as the caller leaves the engine idle.

@@ -15,6 +15,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
 from nanopaged.random_checkpoint import CORPUS, SHAPES, TINY_QWEN3, write_random_checkpoint
+from nanopaged.core.attention import AttentionMetadata
 from nanopaged.core.step import SamplerOutput
 
 TINY = {
@@ -142,3 +143,35 @@ def offline_hub(tmp_path, monkeypatch):
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     return cache
+
+
+# ---- paged KV caches for the attention backends' tests ----
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+HEAD_DIM = 16
+
+
+def paged_cache(block_size: int, context_lens: list[int], num_kv_heads: int, seed: int):
+    """A random KV cache and block tables that scatter each sequence over shuffled blocks."""
+    g = torch.Generator().manual_seed(seed)
+    blocks_per_seq = [-(-n // block_size) for n in context_lens]
+    num_blocks = sum(blocks_per_seq) + 3
+    order = torch.randperm(num_blocks, generator=g).tolist()
+    tables = torch.full((len(context_lens), max(blocks_per_seq)), -1, dtype=torch.int32)
+    for i, n in enumerate(blocks_per_seq):
+        tables[i, :n] = torch.tensor([order.pop() for _ in range(n)])
+    shape = (num_blocks, block_size, num_kv_heads, HEAD_DIM)
+    k_cache, v_cache = (torch.randn(shape, generator=g).to(DEVICE) for _ in range(2))
+    return k_cache, v_cache, tables.to(DEVICE)
+
+
+def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def metadata(context_lens: list[int], tables: torch.Tensor, **ragged) -> AttentionMetadata:
+    """A decode step's metadata, or a ragged step's with `cu_seqlens_q` and `max_seqlen_q`."""
+    lens = torch.tensor(context_lens, dtype=torch.int32, device=DEVICE)
+    return AttentionMetadata(ragged=bool(ragged), slot_mapping=torch.empty(0, device=DEVICE),
+                             context_lens=lens, block_tables=tables,
+                             max_seqlen_k=max(context_lens), **ragged)

@@ -10,10 +10,13 @@ import sys
 import pytest
 
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)  # bench.py and benchmarks/ are importable by name, as bench.py runs them
+from benchmarks import floor, throughput, workload  # noqa: E402
+
+
 @pytest.fixture(scope="module")
 def bench():
-    # importable by name: bench.py runs each engine in a spawned process
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     return importlib.import_module("bench")
 
 
@@ -72,7 +75,7 @@ def test_a_mixture_of_experts_runs_with_its_own_floor(bench, model_path):
     attention = c["hidden_size"] * (2 * c["num_attention_heads"] + 2 * c["num_key_value_heads"]) \
         * c["head_dim"]
     two_experts = 2 * 3 * c["hidden_size"] * c["moe_intermediate_size"]  # of 8
-    assert bench.model_shape(path)["active_params"] == \
+    assert floor.model_shape(path)["active_params"] == \
         c["num_hidden_layers"] * (attention + two_experts) + c["vocab_size"] * c["hidden_size"]
 
 
@@ -95,10 +98,10 @@ def test_plot_without_matplotlib_says_how_to_get_it(bench, monkeypatch, capsys):
 
 
 def test_a_time_under_the_floor_is_never_a_share_above_100_percent(bench):
-    assert bench.share_of_floor(1.0, 2.0) == "50% of the floor"
-    assert bench.share_of_floor(2.0, 1.0) == "under the floor: the floor model is wrong here"
+    assert floor.share_of_floor(1.0, 2.0) == "50% of the floor"
+    assert floor.share_of_floor(2.0, 1.0) == "under the floor: the floor model is wrong here"
     # a floor too small to mean anything is not shown: no "0% of the floor"
-    assert bench.share_of_floor(0.001, 2.0) == bench.share_of_floor(0.5, 100.0) == ""
+    assert floor.share_of_floor(0.001, 2.0) == floor.share_of_floor(0.5, 100.0) == ""
 
 
 def test_rows_come_as_engines_finish_and_the_missing_are_listed_last(qwen3_path):
@@ -121,11 +124,12 @@ def test_rows_come_as_engines_finish_and_the_missing_are_listed_last(qwen3_path)
 
 def test_rows_are_printed_before_the_next_engine_runs(bench, qwen3_path, capsys, monkeypatch):
     order = []
-    run_engine = bench.run_engine
+    run_engine = throughput.run_engine
+
     def recording(engine, *args):
         order.append(("start", engine, capsys.readouterr().out))
         return run_engine(engine, *args)
-    monkeypatch.setattr(bench, "run_engine", recording)
+    monkeypatch.setattr(throughput, "run_engine", recording)
     bench.main(["--tiny", "--model", qwen3_path, "--no-progress", "--engines",
                 "nanopaged,hf-static"])
     assert order[1][1] == "hf-static" and order[1][2].startswith("nanopaged ")
@@ -164,7 +168,7 @@ def test_serving_compares_both_policies(bench, qwen3_path, tmp_path):
     for rates in result["serving"].values():
         run = rates[8.0]
         # the long prompt's one token is not counted with the workload's
-        assert run["output_tokens"] == sum(bench.make_workload(bench.parse_args(
+        assert run["output_tokens"] == sum(workload.make_workload(bench.parse_args(
             ["--tiny", "--num-requests", "6"]), 512).output_lens)
         assert 0 < run["ttft_50_ms"] <= run["ttft_99_ms"]
         assert 0 < run["itl_50_ms"] <= run["itl_99_ms"] <= run["itl_max_ms"]

@@ -37,7 +37,7 @@ def test_the_defaults_the_readme_describes_on_a_cpu(qwen3_path):
     llm = LLM(qwen3_path)
     config = llm.config
     assert (config.device, config.dtype.__repr__(), config.attention_backend) == \
-        ("cpu", "torch.float32", "torch")
+        ("cpu", "torch.float32", "cpu")
     assert config.kvcache_block_size == 16  # without flash-attn
     assert config.max_model_len == config.hf_config.max_position_embeddings
     assert llm.tokenizer.name_or_path == config.model

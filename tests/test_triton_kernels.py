@@ -4,37 +4,8 @@ import torch
 
 triton_attention = pytest.importorskip("nanopaged.core.triton_attention")
 from nanopaged.core.attention import (AttentionMetadata, decode_torch, prefill_torch,  # noqa: E402
-                                 store_kvcache_torch)
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-HEAD_DIM = 16
-
-
-def paged_cache(block_size: int, context_lens: list[int], num_kv_heads: int, seed: int):
-    """A random KV cache and block tables that scatter each sequence over shuffled blocks."""
-    g = torch.Generator().manual_seed(seed)
-    blocks_per_seq = [-(-n // block_size) for n in context_lens]
-    num_blocks = sum(blocks_per_seq) + 3
-    order = torch.randperm(num_blocks, generator=g).tolist()
-    tables = torch.full((len(context_lens), max(blocks_per_seq)), -1, dtype=torch.int32)
-    for i, n in enumerate(blocks_per_seq):
-        tables[i, :n] = torch.tensor([order.pop() for _ in range(n)])
-    shape = (num_blocks, block_size, num_kv_heads, HEAD_DIM)
-    k_cache, v_cache = (torch.randn(shape, generator=g).to(DEVICE) for _ in range(2))
-    return k_cache, v_cache, tables.to(DEVICE)
-
-
-def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
-
-
-def metadata(context_lens: list[int], tables: torch.Tensor, **ragged) -> AttentionMetadata:
-    """A decode step's metadata, or a ragged step's with `cu_seqlens_q` and `max_seqlen_q`."""
-    lens = torch.tensor(context_lens, dtype=torch.int32, device=DEVICE)
-    return AttentionMetadata(ragged=bool(ragged), slot_mapping=torch.empty(0, device=DEVICE),
-                             context_lens=lens, block_tables=tables,
-                             max_seqlen_k=max(context_lens), **ragged)
-
+                                      store_kvcache_torch)
+from conftest import DEVICE, HEAD_DIM, metadata, paged_cache, relative_error  # noqa: E402
 
 @pytest.mark.parametrize("block_size", [16, 256])
 @pytest.mark.parametrize("num_heads, num_kv_heads", [(4, 4), (4, 2), (8, 1)])

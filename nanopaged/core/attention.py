@@ -7,7 +7,10 @@ same function: plain PyTorch (the CPU path and the reference), Triton, and flash
 `window`, a query sees the last `window` positions only. Shapes: T tokens of the step, B
 sequences, L context length, nh query heads, nkv key/value heads, hs head size.
 """
-from dataclasses import dataclass
+import importlib.util
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -19,6 +22,7 @@ class AttentionMetadata:
     """What attention needs to know about one step's batch. In a ragged step sequence i runs the
     queries `cu_seqlens_q[i]:cu_seqlens_q[i+1]`, its last tokens among `context_lens[i]`;
     otherwise each runs one (a decode). Padding rows (CUDA graphs) have slot -1 and no context.
+    `plans` keeps what a backend works out once a step for all its layers.
     """
     ragged: bool
     slot_mapping: torch.Tensor            # (num_tokens,) int64 cache slot of each new token
@@ -28,6 +32,7 @@ class AttentionMetadata:
     cu_seqlens_q: torch.Tensor | None = None  # (num_seqs + 1,) int32, ragged steps only
     cu_seqlens_k: torch.Tensor | None = None
     max_seqlen_q: int = 1
+    plans: dict = field(default_factory=dict)
 
 
 def store_kvcache_torch(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
@@ -101,14 +106,45 @@ def decode_flash(q, k_cache, v_cache, meta: AttentionMetadata, scale: float,
                                    window_size=((window or 0) - 1, 0)).squeeze(1)
 
 
-def get_backend(name: str):
-    """(store_kvcache, prefill, decode) functions for a backend name."""
-    if name == "torch":
-        return store_kvcache_torch, prefill_torch, decode_torch
-    from nanopaged.core import triton_attention
-    if name == "triton":
-        return triton_attention.store_kvcache, triton_attention.prefill, triton_attention.decode
-    return triton_attention.store_kvcache, prefill_flash, decode_flash
+@dataclass
+class Backend:
+    """An attention backend: `load()` gives its (store_kvcache, prefill, decode) functions (its
+    module imported only then); `missing(on_gpu, dtype)` names what it needs and lacks here (None:
+    usable); "auto" may pick it on the device types `auto_on`; its model's linear layers take
+    the method `linear()` gives (None: `layers.LinearMethod`, `F.linear`)."""
+    load: Callable[[], tuple]
+    missing: Callable[[bool, torch.dtype], str | None]
+    auto_on: tuple[str, ...] = ("cuda", "cpu")
+    linear: Callable[[], object] | None = None
+
+
+def _triton():
+    from nanopaged.core import triton_attention as kernels
+    return kernels.store_kvcache, kernels.prefill, kernels.decode
+
+
+def _needs_triton(on_gpu: bool, dtype: torch.dtype) -> str | None:
+    if not (on_gpu or os.environ.get("TRITON_INTERPRET") == "1"):  # Triton on CPU tensors: CI
+        return "a CUDA GPU (or TRITON_INTERPRET=1)"
+    return None if importlib.util.find_spec("triton") else "triton to be importable"
+
+
+def _needs_flash(on_gpu: bool, dtype: torch.dtype) -> str | None:
+    if not on_gpu:
+        return "a CUDA GPU"
+    if not importlib.util.find_spec("flash_attn"):
+        return "flash_attn to be importable"
+    return None if dtype != torch.float32 else "dtype float16 or bfloat16"
+
+
+# name -> backend, in the order "auto" tries them (plain "torch" last). A backend above the core
+# enters itself here (nanopaged/cpu.py), as a model family enters `model.ARCHITECTURES`.
+BACKENDS: dict[str, Backend] = {
+    "flash": Backend(lambda: (_triton()[0], prefill_flash, decode_flash), _needs_flash, ("cuda",)),
+    "triton": Backend(_triton, _needs_triton, ("cuda",)),
+    "torch": Backend(lambda: (store_kvcache_torch, prefill_torch, decode_torch),
+                     lambda on_gpu, dtype: None),
+}
 
 
 class Attention(nn.Module):
@@ -119,7 +155,7 @@ class Attention(nn.Module):
                  sliding_window: int | None = None):
         super().__init__()
         self.scale, self.window = scale or head_dim ** -0.5, sliding_window
-        self.store_kvcache, self.prefill, self.decode = get_backend(backend)
+        self.store_kvcache, self.prefill, self.decode = BACKENDS[backend].load()
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
 

@@ -1,6 +1,5 @@
 """The core's options: what `LLMEngine` needs to know, each checked once. A feature's options are
 its own dataclass, in its own file (see `nanopaged/engine_args.py` for all of them)."""
-import importlib.util
 import os
 from dataclasses import dataclass, field, fields
 from typing import get_args
@@ -8,13 +7,13 @@ from typing import get_args
 import torch
 from transformers import AutoConfig, PretrainedConfig
 
+from nanopaged.core.attention import BACKENDS
 from nanopaged.core.model import check_supported
 
 # vLLM's dtype names, and what each means here ("auto": the checkpoint's on GPU)
 DTYPES = {None: None, "auto": None, "half": "float16", "float16": "float16",
           "bfloat16": "bfloat16", "float": "float32", "float32": "float32"}
 CHOICES = {"device": (None, "cuda", "cpu"), "dtype": tuple(DTYPES),
-           "attention_backend": ("auto", "torch", "triton", "flash"),
            "scheduling": ("prefill-first", "mixed")}
 POSITIVE = ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "kvcache_block_size",
             "num_kvcache_blocks")
@@ -46,7 +45,7 @@ class Config:
     """The checkpoint directory `model` and the core's options. `None` means "choose for me":
     `device` cuda when available, `dtype` the checkpoint's on GPU and float32 on CPU,
     `max_model_len` the model's, `kvcache_block_size` 256 with flash-attn and 16 otherwise;
-    `attention_backend` "auto" picks flash-attn, then Triton (CUDA only), then plain PyTorch.
+    `attention_backend` "auto" picks the first usable of `attention.BACKENDS` for the device.
     `num_kvcache_blocks` forces the pool's size; `scheduling`: see `Scheduler`; `seed` seeds
     the samples of sequences with no seed of their own."""
     model: str
@@ -93,20 +92,18 @@ class Config:
             self.dtype = checkpoint_dtype if self.device == "cuda" else torch.float32
 
     def _resolve_attention_backend(self) -> None:
-        on_gpu, half = self.device == "cuda", self.dtype != torch.float32
-        flash_attn, triton = (importlib.util.find_spec(m) is not None for m in ("flash_attn",
-                                                                               "triton"))
-        if self.attention_backend == "auto":
-            self.attention_backend = ("flash" if on_gpu and half and flash_attn
-                                      else "triton" if on_gpu and triton else "torch")
-        interpreted = os.environ.get("TRITON_INTERPRET") == "1"  # Triton on CPU tensors, for CI
-        needs = {"triton": [(on_gpu or interpreted, "a CUDA GPU (or TRITON_INTERPRET=1)"),
-                            (triton, "triton to be importable")],
-                 "flash": [(on_gpu, "a CUDA GPU"), (flash_attn, "flash_attn to be importable"),
-                           (half, "dtype float16 or bfloat16")]}
-        for met, what in needs.get(self.attention_backend, []):
-            if not met:
-                raise ValueError(f"attention_backend={self.attention_backend!r} needs {what}")
+        on_gpu = self.device == "cuda"
+        if self.attention_backend == "auto":  # the first usable for the device, plain torch last
+            self.attention_backend = next(
+                name for name in sorted(BACKENDS, key=lambda name: name == "torch")
+                if self.device in BACKENDS[name].auto_on
+                and BACKENDS[name].missing(on_gpu, self.dtype) is None)
+        if self.attention_backend not in BACKENDS:
+            raise ValueError(f"attention_backend must be one of {('auto', *BACKENDS)}, "
+                             f"got {self.attention_backend!r}")
+        missing = BACKENDS[self.attention_backend].missing(on_gpu, self.dtype)
+        if missing is not None:
+            raise ValueError(f"attention_backend={self.attention_backend!r} needs {missing}")
         flash = self.attention_backend == "flash"
         if self.kvcache_block_size is None:
             self.kvcache_block_size = FLASH_BLOCK_SIZE_MULTIPLE if flash else 16

@@ -4,6 +4,8 @@ Its `weight_loader(param, tensor, shard_id)` copies this rank's slice of a check
 import functools
 import math
 import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -47,15 +49,74 @@ def tp_shard(loaded: torch.Tensor, dim: int, rank: int, size: int) -> torch.Tens
     return loaded.narrow(dim, rank * shard_size, shard_size)
 
 
+def parameter(data: torch.Tensor, output_dim: int | None = None, input_dim: int | None = None,
+              output_pack: int = 1, input_pack: int = 1) -> nn.Parameter:
+    """A weight tensor that knows which of its dims hold the layer's output and input features
+    (None: neither) and how many features one entry stands for along each (a 4-bit word packs
+    8; a scale may cover a group of 128): all a weight loader needs to place q/k/v or gate/up
+    parts and tensor-parallel shards of it."""
+    param = nn.Parameter(data, requires_grad=False)
+    param.output_dim = output_dim
+    param.input_dim = input_dim
+    param.output_pack = output_pack
+    param.input_pack = input_pack
+    return param
+
+
+class LinearMethod:
+    """How a linear layer keeps and multiplies its weight: here a float (out, in) weight and
+    `F.linear`. The seam of quantized formats (nanopaged/quantization/) and of a backend's own
+    kernels (nanopaged/cpu.py): `create_weights(layer, in_features, out_features)` registers the
+    layer's parameters (see `parameter`), `process_weights(layer)` runs once the checkpoint is
+    loaded (to repack or dequantize them), `apply(layer, x)` multiplies."""
+
+    def create_weights(self, layer: nn.Module, in_features: int, out_features: int) -> None:
+        layer.weight = parameter(torch.empty(out_features, in_features), 0, 1)
+
+    def process_weights(self, layer: nn.Module) -> None:
+        pass
+
+    def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, layer.weight, layer.bias)
+
+
+# The methods of the layers being built: the projections' (q/k/v, o, gate/up, down) and the
+# others' (LM head, routers). `load_model` sets them for the model it builds (see
+# `linear_methods`), as it sets torch's default dtype and device.
+_building = [LinearMethod(), LinearMethod()]
+
+
+@contextmanager
+def linear_methods(projections: LinearMethod, others: LinearMethod) -> Iterator[None]:
+    """Layers built inside the block take these methods."""
+    saved = list(_building)
+    _building[:] = projections, others
+    try:
+        yield
+    finally:
+        _building[:] = saved
+
+
 class LinearBase(nn.Module):
-    def __init__(self, in_features: int, out_features: int, bias: bool):
+    def __init__(self, in_features: int, out_features: int, bias: bool, projection: bool = False):
         super().__init__()
         self.tp_rank, self.tp_size = tp_rank_and_size()
-        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
-        self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+        self.method = _building[0] if projection else _building[1]
+        self.method.create_weights(self, in_features, out_features)
+        self.bias = parameter(torch.empty(out_features), 0) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.method.apply(self, x)
+
+
+def load_output_shard(layer: nn.Module, param: nn.Parameter, loaded: torch.Tensor,
+                      offset: int = 0, size: int | None = None) -> None:
+    """Copies this rank's slice of the checkpoint tensor `loaded` (tensor-parallel ranks split
+    its output features) into the output features [offset, offset + size) of `param`."""
+    dim, pack = param.output_dim, param.output_pack
+    size = param.shape[dim] * pack if size is None else size
+    shard = tp_shard(loaded, dim, layer.tp_rank, layer.tp_size)
+    param.data.narrow(dim, offset // pack, size // pack).copy_(shard)
 
 
 class ColumnParallelLinear(LinearBase):
@@ -63,10 +124,10 @@ class ColumnParallelLinear(LinearBase):
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
         _, tp_size = tp_rank_and_size()
-        super().__init__(in_features, out_features // tp_size, bias)
+        super().__init__(in_features, out_features // tp_size, bias, projection=True)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
-        param.data.copy_(tp_shard(loaded, 0, self.tp_rank, self.tp_size))
+        load_output_shard(self, param, loaded)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -78,8 +139,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int) -> None:
         offset = sum(self.output_sizes[:shard_id]) // self.tp_size
-        size = self.output_sizes[shard_id] // self.tp_size
-        param.data.narrow(0, offset, size).copy_(tp_shard(loaded, 0, self.tp_rank, self.tp_size))
+        load_output_shard(self, param, loaded, offset, self.output_sizes[shard_id] // self.tp_size)
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -87,15 +147,16 @@ class QKVParallelLinear(ColumnParallelLinear):
 
     def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int,
                  bias: bool = False):
-        self.head_dim, self.num_heads, self.num_kv_heads = head_dim, num_heads, num_kv_heads
+        self.head_dim = head_dim
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
         super().__init__(hidden_size, (num_heads + 2 * num_kv_heads) * head_dim, bias)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str) -> None:
         q_size = self.num_heads * self.head_dim // self.tp_size
         kv_size = self.num_kv_heads * self.head_dim // self.tp_size
-        offset, size = {"q": (0, q_size), "k": (q_size, kv_size),
-                        "v": (q_size + kv_size, kv_size)}[shard_id]
-        param.data.narrow(0, offset, size).copy_(tp_shard(loaded, 0, self.tp_rank, self.tp_size))
+        offset = {"q": 0, "k": q_size, "v": q_size + kv_size}[shard_id]
+        load_output_shard(self, param, loaded, offset, q_size if shard_id == "q" else kv_size)
 
 
 class RowParallelLinear(LinearBase):
@@ -103,16 +164,18 @@ class RowParallelLinear(LinearBase):
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
         _, tp_size = tp_rank_and_size()
-        super().__init__(in_features // tp_size, out_features, bias)
+        super().__init__(in_features // tp_size, out_features, bias, projection=True)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
-        if param.dim() == 1:  # the bias is added once, on rank 0 only
+        if param is self.bias:  # added once, on rank 0 only
             param.data.copy_(loaded if self.tp_rank == 0 else torch.zeros_like(loaded))
+        elif param.input_dim is None:  # the same on every rank
+            param.data.copy_(loaded)
         else:
-            param.data.copy_(tp_shard(loaded, 1, self.tp_rank, self.tp_size))
+            param.data.copy_(tp_shard(loaded, param.input_dim, self.tp_rank, self.tp_size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias)
+        y = self.method.apply(self, x)
         if self.tp_size > 1:
             dist.all_reduce(y)
         return y
@@ -126,8 +189,7 @@ class VocabParallelEmbedding(nn.Module):
         self.tp_rank, self.tp_size = tp_rank_and_size()
         self.vocab_per_rank = vocab_size // self.tp_size
         self.vocab_start = self.tp_rank * self.vocab_per_rank
-        self.weight = nn.Parameter(torch.empty(self.vocab_per_rank, hidden_size),
-                                   requires_grad=False)
+        self.weight = parameter(torch.empty(self.vocab_per_rank, hidden_size), 0, 1)
 
     weight_loader = ColumnParallelLinear.weight_loader
 
@@ -145,8 +207,13 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """Projects hidden states to logits over the whole vocabulary, gathered on every rank."""
 
+    def __init__(self, vocab_size: int, hidden_size: int):
+        super().__init__(vocab_size, hidden_size)
+        self.bias = None
+        self.method = _building[1]
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.weight)
+        logits = self.method.apply(self, hidden)
         if self.tp_size == 1:
             return logits
         shards = [torch.empty_like(logits) for _ in range(self.tp_size)]

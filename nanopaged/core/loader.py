@@ -7,6 +7,8 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 from transformers import PretrainedConfig
 
+from nanopaged.core.attention import BACKENDS
+from nanopaged.core.layers import LinearMethod, linear_methods
 from nanopaged.core.model import ARCHITECTURES
 
 # Checkpoint tensors the model has no parameter for, by design.
@@ -18,14 +20,19 @@ def load_model(path: str, hf_config: PretrainedConfig, dtype: torch.dtype, devic
     """The model of the checkpoint at `path` (its config `hf_config`, checked by
     `check_supported`), built in `dtype` on `device`."""
     architecture = next(a for a in hf_config.architectures if a in ARCHITECTURES)
+    backend = BACKENDS[attention_backend]
+    linear = backend.linear() if backend.linear else LinearMethod()
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
-        with device:
+        with device, linear_methods(linear, linear):
             model = ARCHITECTURES[architecture](hf_config, attention_backend)
     finally:
         torch.set_default_dtype(default_dtype)
     load_weights(model, path)
+    for module in model.modules():
+        if isinstance(getattr(module, "method", None), LinearMethod):
+            module.method.process_weights(module)
     return model
 
 

@@ -11,14 +11,12 @@ from nanopaged.core.sequence import Sequence
 def sample(logits: torch.Tensor, temperatures: torch.Tensor, uniform: torch.Tensor
            ) -> torch.Tensor:
     """Per row, the first token whose cumulative probability under softmax(logits / T) exceeds
-    `uniform` (in [0, 1)), or argmax(logits) where T is 0."""
-    logits = logits.float()
-    shifted = logits - logits.amax(dim=-1, keepdim=True)  # <= 0, so a tiny T cannot overflow
-    sampling = temperatures > 0
-    probs = torch.softmax(shifted / torch.where(sampling, temperatures, 1.0).unsqueeze(1), dim=-1)
-    cdf = probs.cumsum(dim=-1)
+    `uniform` (in [0, 1)); T > 0."""
+    shifted = logits.float() - logits.float().amax(dim=-1, keepdim=True)  # <= 0: no overflow
+    weights = torch.exp(shifted / temperatures.unsqueeze(1))  # unnormalised: cdf[-1] is the sum
+    cdf = weights.cumsum(dim=-1)
     sampled = torch.searchsorted(cdf, uniform.unsqueeze(1) * cdf[:, -1:], right=True).squeeze(1)
-    return torch.where(sampling, sampled.clamp(max=logits.shape[-1] - 1), logits.argmax(dim=-1))
+    return sampled.clamp(max=logits.shape[-1] - 1)
 
 
 def seeded_uniform(seed: int, position: int) -> float:
@@ -49,19 +47,22 @@ class Sampler:
         len(seqs[r]) + offsets[r] (offsets: all 0 when None)."""
         logits = self.apply_processors(logits, seqs)
         params = [seq.sampling_params for seq in seqs]
-        if all(p.temperature == 0 for p in params):
+        greedy = [p.temperature == 0 for p in params]
+        if all(greedy):
             return logits.argmax(dim=-1)
-        temperatures = to_device(self.device, [float(p.temperature) for p in params])
+        temperatures = to_device(self.device, [float(p.temperature) or 1.0 for p in params])
         if any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0 for p in params):
             shifted = logits.float() - logits.float().amax(dim=-1, keepdim=True)
-            logits = self._filter(shifted / torch.where(temperatures > 0, temperatures, 1.0)
-                                  .unsqueeze(1), params)
-            temperatures = (temperatures > 0).float()  # the logits are tempered already
+            logits = self._filter(shifted / temperatures.unsqueeze(1), params)
+            temperatures = torch.ones_like(temperatures)  # the logits are tempered already
         uniform = torch.rand(len(seqs), generator=self.generator)
         for r, seq in enumerate(seqs):
             if seq.seed is not None:
                 uniform[r] = seeded_uniform(seq.seed, len(seq) + (offsets[r] if offsets else 0))
-        return sample(logits, temperatures, to_device(self.device, uniform))
+        sampled = sample(logits, temperatures, to_device(self.device, uniform))
+        if any(greedy):
+            sampled = torch.where(to_device(self.device, greedy), logits.argmax(dim=-1), sampled)
+        return sampled
 
     def apply_processors(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         kinds: dict[type, tuple[list[int], list]] = {}

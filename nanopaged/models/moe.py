@@ -5,9 +5,9 @@ experts, whose weights are renormalised to sum to 1 (always in Mixtral; in Qwen3
 `norm_topk_prob`). The token's output is the weighted sum of those experts' SwiGLU MLPs. The
 experts' weights are stacked, `gate_up` (E, 2I, H) and `down` (E, H, I), filled from the
 checkpoint's per-expert matrices; tensor parallelism splits each expert's I, and the ranks'
-partial sums are all-reduced, as a row-parallel linear's. On the "torch" attention backend
-(CPU) the experts run as plain PyTorch, one matmul per expert that has tokens (the reference);
-otherwise as the fused Triton kernels of `moe_triton.py`.
+partial sums are all-reduced, as a row-parallel linear's. On the CPU backends ("torch", "cpu")
+the experts run as plain PyTorch, one matmul per expert that has tokens (the reference);
+on the GPU backends as the fused Triton kernels of `moe_triton.py`.
 """
 import re
 
@@ -82,7 +82,7 @@ class SparseMoeBlock(nn.Module):
         size = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
         self.gate = LinearBase(config.hidden_size, self.num_experts, bias=False)
         self.experts = Experts(self.num_experts, config.hidden_size, size)
-        self.run_experts = experts_torch if backend == "torch" else _fused_experts
+        self.run_experts = _fused_experts if backend in ("triton", "flash") else experts_torch
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = route(self.gate(x), self.top_k, self.renormalize)

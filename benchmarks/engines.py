@@ -1,0 +1,168 @@
+"""The engines compared, each run in its own (spawned) process on the same workload, after a
+warm-up outside the timed region: nanopaged, transformers (continuous batching, and static
+batched `generate`), nano-vllm and vLLM when importable."""
+import importlib.util
+import multiprocessing
+import os
+import statistics
+import time
+
+from benchmarks.workload import Workload, bar, percentile, timed, warmup_prompts
+
+
+ENGINES = ("nanopaged", "hf", "hf-static", "nano-vllm", "vllm")
+
+
+def run_nanopaged(model: str, work: Workload, args, backend: str = "auto") -> dict:
+    from nanopaged import LLM, SamplingParams
+    llm = LLM(model, max_model_len=args.max_model_len, enforce_eager=args.enforce_eager,
+              attention_backend=backend, tensor_parallel_size=args.tensor_parallel_size,
+              speculative_config=args.speculative_config, max_num_seqs=args.max_num_seqs,
+              trace=args.trace)
+    params = [SamplingParams(temperature=work.temperature, ignore_eos=True, max_tokens=n)
+              for n in work.output_lens]
+    llm.generate(warmup_prompts(work), params[:4], use_tqdm=False)
+    elapsed, outputs = timed(lambda: llm.generate(work.prompts, params, use_tqdm=args.progress))
+    llm.close()
+    stats = llm.stats()
+    ttft = [o.metrics.first_token_time - o.metrics.arrival_time for o in outputs]
+    tpot = [
+        (o.metrics.finish_time - o.metrics.first_token_time)
+        / max(1, len(o.outputs[0].token_ids) - 1)
+        for o in outputs
+    ]
+    prompt_tokens = sum(len(p) for p in work.prompts)
+    return dict(elapsed=elapsed, output_tokens=sum(len(o.outputs[0].token_ids) for o in outputs),
+                ttft_median=statistics.median(ttft), ttft_p99=percentile(ttft, 99),
+                tpot_median=statistics.median(tpot), tpot_p99=percentile(tpot, 99),
+                prefix_hit_rate=sum(o.num_cached_tokens for o in outputs) / prompt_tokens,
+                preemptions=stats.num_preemptions, kv_blocks=stats.num_blocks,
+                backend=llm.config.attention_backend, **speculation_stats(stats))
+
+
+def speculation_stats(stats) -> dict:
+    """vLLM's measures: the share of proposals accepted, and the tokens a sequence gets per
+    step that verifies proposals (1 + accepted / drafts)."""
+    return dict(drafts=stats.num_drafts, proposed=stats.num_proposed_tokens,
+                acceptance_rate=stats.num_accepted_tokens / max(1, stats.num_proposed_tokens),
+                mean_accepted_length=1 + stats.num_accepted_tokens / max(1, stats.num_drafts))
+
+
+def run_nano_vllm(model: str, work: Workload, args) -> dict:
+    from nanovllm import LLM, SamplingParams
+    llm = LLM(model, enforce_eager=args.enforce_eager, max_model_len=args.max_model_len,
+              tensor_parallel_size=args.tensor_parallel_size)
+    params = [SamplingParams(temperature=work.temperature, ignore_eos=True, max_tokens=n)
+              for n in work.output_lens]
+    llm.generate(warmup_prompts(work), params[:4], use_tqdm=False)
+    elapsed, outputs = timed(lambda: llm.generate(work.prompts, params, use_tqdm=args.progress))
+    return dict(elapsed=elapsed, output_tokens=sum(len(o["token_ids"]) for o in outputs))
+
+
+def run_vllm(model: str, work: Workload, args) -> dict:
+    from vllm import LLM, SamplingParams, TokensPrompt
+    llm = LLM(model, enforce_eager=args.enforce_eager, max_model_len=args.max_model_len,
+              tensor_parallel_size=args.tensor_parallel_size)
+    params = [SamplingParams(temperature=work.temperature, ignore_eos=True, max_tokens=n)
+              for n in work.output_lens]
+    prompts = [TokensPrompt(prompt_token_ids=p) for p in work.prompts]
+    llm.generate([TokensPrompt(prompt_token_ids=p) for p in warmup_prompts(work)], params[:4],
+                 use_tqdm=False)
+    elapsed, outputs = timed(lambda: llm.generate(prompts, params, use_tqdm=args.progress))
+    return dict(elapsed=elapsed, output_tokens=sum(len(o.outputs[0].token_ids) for o in outputs))
+
+
+def _hf_model(model: str, args):
+    import torch
+    from transformers import AutoModelForCausalLM
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    return AutoModelForCausalLM.from_pretrained(model, dtype=dtype).to(device).eval()
+
+
+def run_hf(model: str, work: Workload, args) -> dict:
+    """transformers' continuous batching (paged attention), one request per prompt."""
+    from transformers import GenerationConfig
+    os.environ["HF_HUB_OFFLINE"] = "1"  # else transformers may look for attention kernels online
+    hf = _hf_model(model, args)
+    hf.set_attn_implementation(args.hf_attn)
+    config = GenerationConfig(do_sample=work.temperature > 0, temperature=work.temperature,
+                              max_new_tokens=max(work.output_lens), eos_token_id=-1)
+    manager = hf.init_continuous_batching(generation_config=config)
+    manager.start()
+    def generate(prompts, lens, progress=False):
+        for i, (p, n) in enumerate(zip(prompts, lens)):
+            manager.add_request(p, request_id=f"r{len(p)}-{i}-{time.time()}", max_new_tokens=n,
+                                eos_token_id=-1)
+        results = [manager.get_result(timeout=args.timeout)
+                   for _ in bar(prompts, "Generating", progress)]
+        if None in results:
+            raise RuntimeError("transformers' continuous batching returned no result")
+        return results
+    generate(warmup_prompts(work), work.output_lens[:4])
+    elapsed, outputs = timed(lambda: generate(work.prompts, work.output_lens, args.progress))
+    manager.stop(block=True)
+    return dict(elapsed=elapsed, output_tokens=sum(len(o.generated_tokens) for o in outputs),
+                attention=args.hf_attn)
+
+
+def run_hf_static(model: str, work: Workload, args) -> dict:
+    """Plain `generate` with a static cache, batches of similar output length (no early exit)."""
+    import torch
+    hf = _hf_model(model, args)
+    hf.generation_config.eos_token_id = None
+    order = sorted(range(len(work.prompts)), key=lambda i: work.output_lens[i])
+    batches = [order[i:i + args.hf_batch_size] for i in range(0, len(order), args.hf_batch_size)]
+    def generate(batches, progress=False):
+        tokens = 0
+        for batch in bar(batches, "Batches", progress):
+            width = max(len(work.prompts[i]) for i in batch)
+            n = max(work.output_lens[i] for i in batch)
+            ids = torch.tensor(
+                [[0] * (width - len(work.prompts[i])) + work.prompts[i] for i in batch],
+                device=hf.device,
+            )
+            mask = (
+                torch.arange(width, device=hf.device)[None, :]
+                >= torch.tensor([width - len(work.prompts[i]) for i in batch], device=hf.device)[
+                    :, None
+                ]
+            )
+            hf.generate(ids, attention_mask=mask.long(), max_new_tokens=n, min_new_tokens=n,
+                        do_sample=work.temperature > 0, temperature=work.temperature,
+                        cache_implementation="static", pad_token_id=0)
+            tokens += sum(work.output_lens[i] for i in batch)  # the tokens the requests asked for
+        return tokens
+    generate([batches[0][:2]])
+    elapsed, tokens = timed(lambda: generate(batches, args.progress))
+    return dict(elapsed=elapsed, output_tokens=tokens, batch_size=args.hf_batch_size)
+
+
+RUNNERS = {"nanopaged": run_nanopaged, "hf": run_hf, "hf-static": run_hf_static,
+           "nano-vllm": run_nano_vllm, "vllm": run_vllm}
+
+
+MODULES = {"nano-vllm": "nanovllm", "vllm": "vllm"}
+
+
+def _child(engine: str, model: str, work: Workload, args, queue) -> None:
+    name, _, backend = engine.partition(":")
+    try:
+        queue.put(RUNNERS[name](model, work, args, *([backend] if backend else [])))
+    except Exception as error:  # report, so the other engines still run
+        queue.put({"error": f"{type(error).__name__}: {error}"})
+
+
+def run_engine(engine: str, model: str, work: Workload, args) -> dict:
+    module = MODULES.get(engine)
+    if module and importlib.util.find_spec(module) is None:
+        return {"skipped": f"{module} is not importable"}
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    process = ctx.Process(target=_child, args=(engine, model, work, args, queue))
+    process.start()
+    process.join(args.timeout)
+    if process.is_alive():
+        process.kill()
+        return {"error": f"no result within {args.timeout} s"}
+    return queue.get() if not queue.empty() else {"error": f"exit code {process.exitcode}"}
