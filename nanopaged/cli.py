@@ -1,38 +1,9 @@
 """The `nanopaged` command: `nanopaged serve MODEL [options]` puts the engine behind an
-OpenAI-compatible HTTP API (`server.py`). The arguments are read before anything heavy is
-imported, so that `--help` and a wrong flag answer at once."""
-import argparse
+OpenAI-compatible HTTP API (`server.py`). The arguments (`server_args.py`) are read before
+anything heavy is imported, so that `--help` and a wrong flag answer at once."""
 import sys
 
-from nanopaged.engine_args import EngineArgs, FlexibleArgumentParser
-
-DESCRIPTION = ("Serve a model behind an OpenAI-compatible HTTP API (/v1/completions, "
-               "/v1/chat/completions, /v1/models, /tokenize, /metrics, ...), as `vllm serve` "
-               "does. Clients name the model by --served-model-name (default: MODEL).")
-
-
-def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = FlexibleArgumentParser(prog="nanopaged serve", description=DESCRIPTION)
-    parser.add_argument("model_tag", nargs="?", metavar="MODEL",
-                        help="a checkpoint directory or a Hugging Face id (or --model)")
-    parser.add_argument("--host", default="127.0.0.1", help="(default: 127.0.0.1)")
-    parser.add_argument("--port", type=int, default=8000, help="(default: 8000)")
-    parser.add_argument("--max-waiting", type=int, default=256,
-                        help="requests that may wait for their first token; more get 503 at once "
-                             "(default: 256)")
-    parser.add_argument("--router", choices=["prefix", "least"], default="prefix",
-                        help="with --data-parallel-size: send a request to the replica that was "
-                             "sent its prompt's longest prefix, unless it is much busier than "
-                             "the least busy (prefix), or always to the least busy (least)")
-    parser.add_argument("--served-model-name",
-                        help="the model's name in the API, which requests must give as `model` "
-                             "(default: MODEL)")
-    parser.add_argument("--log-level", default="info",
-                        help="uvicorn's; warning hides each request (default: info)")
-    EngineArgs.add_cli_args(parser.add_argument_group("engine options"))
-    args = parser.parse_args(argv)
-    args.model = args.model_tag or args.model
-    return args
+from nanopaged.server_args import parse_args
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,7 +1,9 @@
 """The methods of vLLM's `LLM` and `LLMEngine` that vLLM's examples call beyond `generate`,
 `add_request` and `step`, written on those alone, so that one engine and its data-parallel
 replicas (`data_parallel.py`) share them: `chat`, `stream`, `from_engine_args`, and vLLM's
-other names. Nothing here changes what the engine does."""
+other names. Nothing here changes what the engine does. Also what vLLM's module paths under
+`nanopaged.` (`engine`, `entrypoints`, `distributed`, `envs`, `profiler`) say of a name vLLM
+has there and nanopaged has not (`lacks`)."""
 import dataclasses
 import os
 import time
@@ -13,6 +15,15 @@ from nanopaged import chat
 from nanopaged.engine_args import EngineArgs
 from nanopaged.inputs import Prompt
 from nanopaged.sampling_params import SamplingParams
+
+
+def lacks(module: str, name: str, instead: str) -> ImportError | AttributeError:
+    """The error for `from module import name` where vLLM has `name` and nanopaged has not: an
+    ImportError saying what to use instead (an AttributeError for a dunder, as Python's)."""
+    if name.startswith("__"):
+        return AttributeError(name)
+    return ImportError(f"cannot import {name!r} from {module}: vLLM has it there, nanopaged "
+                       f"does not. {instead}")
 
 
 class VLLMEngineAPI:

@@ -28,6 +28,7 @@ from torch import nn
 from nanopaged.core.attention import (BACKENDS, AttentionMetadata, Backend, _attend,
                                       _gather_blocks, decode_torch)
 from nanopaged.core.layers import LinearBase, LinearMethod
+from nanopaged.core.sequence import cdiv
 
 # Padded K and V bytes of one group of decoding sequences: about what an L2 cache holds
 GROUP_BYTES = 4 << 20
@@ -93,7 +94,7 @@ def prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     bounds, block_size = meta.cu_seqlens_q.tolist(), k_cache.shape[1]
     for i, context_len in enumerate(meta.context_lens.tolist()):
         start, end = bounds[i], bounds[i + 1]
-        blocks = meta.block_tables[i:i + 1, :-(-context_len // block_size)]
+        blocks = meta.block_tables[i:i + 1, :cdiv(context_len, block_size)]
         k, v = _gather_blocks(k_cache, blocks), _gather_blocks(v_cache, blocks)
         queries = q[start:end].transpose(0, 1)[None]  # (1, nh, Q, hs)
         if end - start == context_len and (window is None or window >= context_len):
@@ -147,7 +148,7 @@ def decode_groups(meta: AttentionMetadata, window: int | None, k_cache: torch.Te
             end += 1
         rows = torch.tensor(order[start:end])
         first_blocks = torch.tensor([firsts[i] // block_size for i in order[start:end]])
-        num_blocks = -(-(lens[order[end - 1]] - firsts[order[end - 1]]) // block_size)
+        num_blocks = cdiv(lens[order[end - 1]] - firsts[order[end - 1]], block_size)
         columns = first_blocks[:, None] + torch.arange(num_blocks)[None, :]
         tables = meta.block_tables[rows].gather(
             1, columns.clamp(max=meta.block_tables.shape[1] - 1))

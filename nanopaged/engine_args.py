@@ -56,6 +56,10 @@ OPTIONS = {
                                               "{\"model\": DRAFT, ...}"),
     "trace": (str | None, None, "write a trace of every step here (JSON lines); `python -m "
                                 "nanopaged.trace PATH` makes the page that plays it back"),
+    "config_format": (str, "auto", "auto or hf: the checkpoint's config.json (mistral's "
+                                   "params.json is not read)"),
+    "load_format": (str, "auto", "auto or safetensors: the checkpoint's *.safetensors files "
+                                 "(not .bin, gguf, ...)"),
     # vLLM options that only tune what nanopaged does not have: checked, then ignored
     "trust_remote_code": (bool, False, "accepted: nanopaged runs no code from a checkpoint"),
     "disable_log_stats": (bool, True, "accepted: nanopaged logs no periodic stats"),
@@ -67,6 +71,8 @@ OPTIONS = {
                                                   "JSON"),
 }
 HINTS = ("trust_remote_code", "disable_log_stats", "swap_space")
+# vLLM's options whose other values nanopaged does not do: what it does
+FORMATS = {"config_format": ("auto", "hf"), "load_format": ("auto", "safetensors")}
 ALIASES = {"block_size": "kvcache_block_size"}
 SURFACE = ("tokenizer", "tokenizer_mode", "generation_config", "structured_outputs_config",
            "speculative_config", "trace")
@@ -92,7 +98,12 @@ def split_options(model: str, options: dict) -> tuple[dict, dict, dict]:
 
 def _normalize(options: dict) -> dict:
     """`LLM(**options)` with vLLM's aliases renamed and its mere hints dropped."""
-    options = {name: value for name, value in options.items() if name not in HINTS}
+    for name, values in FORMATS.items():
+        if options.get(name, "auto") not in values:
+            raise ValueError(f"{name}={options[name]!r} is not supported: nanopaged reads "
+                             f"{OPTIONS[name][2].partition(': ')[2]} ({' or '.join(values)})")
+    options = {name: value for name, value in options.items()
+               if name not in HINTS and name not in FORMATS}
     backend = options.pop("guided_decoding_backend", None)  # vLLM's name before 0.10
     if backend is not None:
         name, _, extra = str(backend).partition(":")

@@ -11,7 +11,7 @@ from transformers import PreTrainedTokenizerBase
 from nanopaged.chat import check_text
 from nanopaged.checkpoint import eos_token_ids, generation_defaults, load_tokenizer, resolve_model
 from nanopaged.core.config import Config
-from nanopaged.core.sequence import Sequence
+from nanopaged.core.sequence import Sequence, cdiv
 from nanopaged.logits_processors import SamplingAdjustments
 from nanopaged.outputs import Request
 from nanopaged.sampling_params import SamplingParams
@@ -108,7 +108,7 @@ class InputProcessor:
                              f"max_model_len={config.max_model_len}")
         longest = min(len(token_ids) + (params.max_tokens or config.max_model_len),
                       config.max_model_len)
-        blocks_needed = -(-longest // config.kvcache_block_size)
+        blocks_needed = cdiv(longest, config.kvcache_block_size)
         if blocks_needed > self.num_blocks:
             raise ValueError(f"request needs up to {blocks_needed} KV-cache blocks ({longest} "
                              f"tokens) but the pool has only {self.num_blocks}; lower "

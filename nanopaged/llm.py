@@ -16,7 +16,6 @@ from nanopaged.core.config import Config
 from nanopaged.core.llm_engine import LLMEngine as CoreEngine
 from nanopaged.core.sequence import Sequence
 from nanopaged.core.step import SamplerOutput, ScheduledStep
-from nanopaged.data_parallel import DataParallelLLM
 from nanopaged.engine_args import split_options
 from nanopaged.inputs import InputProcessor, Prompt, as_batch
 import nanopaged.cpu  # noqa: F401 (enters the CPU backend in the core's registry)
@@ -24,8 +23,6 @@ import nanopaged.models  # noqa: F401 (enters the model families in the core's r
 from nanopaged.outputs import EngineStats, Request, RequestOutput, token_logprobs
 from nanopaged.parallel import ParallelConfig, make_runner
 from nanopaged.sampling_params import SamplingParams
-from nanopaged.speculative import SpeculativeConfig, make_proposer
-from nanopaged.trace import Tracer, TracedRunner
 
 
 class LLM(VLLMEngineAPI):
@@ -38,12 +35,18 @@ class LLM(VLLMEngineAPI):
     ValueError and leaves the engine as it was. A step that raises (an error, Ctrl-C) aborts
     every unfinished request; the prefix cache keeps only K/V that was written. A failure in one
     request's own bookkeeping (its text, its stop strings) ends that request alone, with its
-    `error` set. With `data_parallel_size` > 1, `LLM(...)` is a `DataParallelLLM`.
+    `error` set. With `data_parallel_size` > 1, `LLM(...)` returns a `DataParallelLLM` instead
+    (`data_parallel.py`): that many replicas of this engine, each in its own process, behind
+    the same API.
+
+    The features an option asks for are imported when it does (speculative decoding, the
+    trace, data parallelism): without them, their files could be deleted.
     """
 
     def __new__(cls, model: str = "Qwen/Qwen3-0.6B", **options):
         size = options.get("data_parallel_size")
         if isinstance(size, int) and not isinstance(size, bool) and size > 1:
+            from nanopaged.data_parallel import DataParallelLLM
             return DataParallelLLM(cls, model, **options)
         return super().__new__(cls)
 
@@ -53,23 +56,27 @@ class LLM(VLLMEngineAPI):
         self.parallel = ParallelConfig(**parallel)
         self.parallel.check(config)
         spec = surface["speculative_config"]
-        spec = spec and SpeculativeConfig.from_dict(spec, config,
-                                                    self.parallel.tensor_parallel_size)
+        if spec:
+            from nanopaged import speculative
+            spec = speculative.SpeculativeConfig.from_dict(spec, config,
+                                                           self.parallel.tensor_parallel_size)
+            proposer = speculative.make_proposer(spec, config)
         self.inputs = InputProcessor.for_checkpoint(config, surface)
-        self.proposer = spec and make_proposer(spec, config)
-        runner = make_runner(config, self.parallel, self.proposer)
+        runner = make_runner(config, self.parallel, proposer.kv_bytes_per_block() if spec else 0)
         self.requests: dict[str, Request] = {}  # the unfinished ones
         self.owners: dict[Sequence, tuple[Request, int]] = {}  # a sequence's request, sample
-        self.tracer = surface["trace"] and Tracer(surface["trace"], self)
-        if self.tracer:
+        self.tracer = None
+        if surface["trace"]:
+            from nanopaged.trace import Tracer, TracedRunner
+            self.tracer = Tracer(surface["trace"], self)
             runner = TracedRunner(runner, self.tracer)
         # tensor-parallel workers exit when the engine is closed or garbage-collected
         self._finalizer = weakref.finalize(self, runner.close)
-        self.engine = CoreEngine(config, runner)
+        self.engine = speculative.SpeculativeEngine(config, runner, spec, proposer) if spec \
+            else CoreEngine(config, runner)
         if self.tracer:
             self.tracer.attach(self.engine, config)
         self.inputs.num_blocks = self.engine.block_manager.num_blocks
-        self.num_accepted_tokens = 0
 
     # ---- requests in ----
 
@@ -109,22 +116,28 @@ class LLM(VLLMEngineAPI):
     def step(self) -> list[RequestOutput]:
         """Runs one step; returns an output (cumulative so far) for every request that got
         tokens in it, `finished` on its last. Returns [] when nothing is queued."""
-        return [self._output(request) for request in self.run_step()[1]]
+        requests = self.run_step()[1]
+        try:
+            return [self._output(request) for request in requests]
+        except BaseException:  # Ctrl-C: every request ends, as after a failed step
+            self._abort_all()
+            raise
 
     def run_step(self) -> tuple[ScheduledStep, list[Request]]:
         """`step()` without the outputs: runs a step of the core engine and takes note of what
-        it sampled; returns the step and the requests that got tokens in it."""
+        it sampled; returns the step and the requests that got tokens in it. Whatever raises
+        in it (an error, Ctrl-C) aborts every unfinished request."""
         self._check_open()
         if self.tracer:
             self.tracer.begin()
         try:
             step, sampled = self.engine.step()
+            requests = self._take(step, sampled)
         except BaseException as error:
             self._abort_all()
             if self.tracer:
                 self.tracer.stepped(None, None, error)
             raise
-        requests = self._take(step, sampled)
         if self.tracer:
             self.tracer.stepped(step, sampled)
         return step, requests
@@ -151,15 +164,13 @@ class LLM(VLLMEngineAPI):
             if not request.each_token and seq.finish_reason is None:
                 continue  # nothing to take note of yet
             try:
-                if request.take_tokens(index, logprobs.get(row)):  # a stop string
-                    self.engine.finish([seq], "stop")
-                    seq.finish_reason = "stop"  # also when the core ended it at a later token
+                kept = request.take_tokens(index, logprobs.get(row))
+                if kept is not None:  # a stop string ends there
+                    self.engine.stop(seq, kept)
             except Exception as error:
                 self._fail(request, error)
             if seq.finish_reason is not None and request.finished:
                 request.metrics.finish_time = now
-        if self.proposer:
-            self.num_accepted_tokens += sum(map(len, sampled.token_ids)) - len(sampled.token_ids)
         return list(advanced)
 
     def _logprobs(self, step: ScheduledStep, sampled: SamplerOutput) -> dict[int, list]:
@@ -196,9 +207,8 @@ class LLM(VLLMEngineAPI):
 
     def _abort_all(self) -> None:
         """After a failed or interrupted step: every request ends, nothing half-run stays."""
-        for request in self.requests.values():
-            for seq in request.seqs:
-                seq.finish_reason = seq.finish_reason or "abort"
+        # also a sequence that an interrupt left in no queue; abort_all then repairs the pool
+        self.engine.finish([seq for request in self.requests.values() for seq in request.seqs])
         self.engine.abort_all()
         self.requests.clear()
         self.owners.clear()
@@ -207,13 +217,14 @@ class LLM(VLLMEngineAPI):
         return self.engine.is_finished()
 
     def stats(self) -> EngineStats:
-        scheduler, pool = self.engine.scheduler, self.engine.block_manager
+        engine = self.engine
+        scheduler, pool = engine.scheduler, engine.block_manager
+        # speculative decoding's counters (see speculative.SpeculativeEngine), or none
+        drafts, proposed, accepted = (getattr(engine, name, 0) for name in (
+            "num_drafts", "num_proposed_tokens", "num_accepted_tokens"))
         return EngineStats(len(self.requests), len(scheduler.waiting), len(scheduler.running),
                            pool.num_free_blocks, pool.num_blocks, scheduler.num_preemptions,
-                           self.engine.num_generated_tokens,
-                           self.proposer.num_drafts if self.proposer else 0,
-                           self.proposer.num_proposed_tokens if self.proposer else 0,
-                           self.num_accepted_tokens)
+                           engine.num_generated_tokens, drafts, proposed, accepted)
 
     def reset_prefix_cache(self) -> bool:
         """Forgets every cached prefix; False (and nothing forgotten) while requests run."""

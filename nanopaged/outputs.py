@@ -194,26 +194,27 @@ class Request:
     def finished(self) -> bool:
         return all(seq.finish_reason is not None for seq in self.seqs)
 
-    def take_tokens(self, index: int, logprobs: list[TokenLogprobs] | None) -> bool:
+    def take_tokens(self, index: int, logprobs: list[TokenLogprobs] | None) -> int | None:
         """Takes note of the tokens sample `index` got in a step: advances its grammar, records
-        their logprobs, and looks for a stop string after each. Returns whether one was found:
-        the tokens after it are then dropped, and the sample must end as "stop"."""
+        their logprobs, and looks for a stop string after each. When one ends at a token,
+        returns how many completion tokens it keeps (those after it are to be dropped, and the
+        sample must end as "stop"); else None."""
         seq = self.seqs[index]
         if self.each_token:
             first = self.num_seen[index]
             self.num_seen[index] = seq.num_completion_tokens
             for j, token_id in enumerate(seq.token_ids[seq.num_prompt_tokens + first:]):
                 if self._take_token(index, first + j, token_id, logprobs and logprobs[j]):
-                    return True
+                    return first + j + 1
         if seq.finish_reason == "stop":  # at a stop token: it is the reason, unless it is EOS
             last = seq.token_ids[-1]
             self.stop_reasons[index] = last if last in (self.params.stop_token_ids or ()) else None
-        return False
+        return None
 
     def _take_token(self, index: int, position: int, token_id: int,
                     logprobs: TokenLogprobs | None) -> bool:
         """Takes note of token `position` of the completion of sample `index`; True when it
-        completes a stop string (the tokens after it are dropped)."""
+        completes a stop string."""
         seq, detokenizer = self.seqs[index], self.detokenizers[index]
         if self.matchers:
             self.matchers[index].accept(token_id)
@@ -226,7 +227,6 @@ class Request:
         stop = detokenizer.update(seq, position + 1, stop_token)
         if stop is None:
             return False
-        del seq.token_ids[seq.num_prompt_tokens + position + 1:]
         self.stop_reasons[index] = stop
         return True
 

@@ -83,10 +83,11 @@ class ParallelConfig:
         """Whether the model can be split this way on this machine; picks a free port."""
         size = self.tensor_parallel_size
         for name in ("num_attention_heads", "num_key_value_heads", "vocab_size",
-                     "intermediate_size"):
-            if getattr(config.hf_config, name) % size:
-                raise ValueError(f"the model's {name}={getattr(config.hf_config, name)} is not "
-                                 f"divisible by tensor_parallel_size={size}")
+                     "intermediate_size", "moe_intermediate_size"):  # what the ranks split
+            value = getattr(config.hf_config, name, None)
+            if value is not None and value % size:
+                raise ValueError(f"the model's {name}={value} is not divisible by "
+                                 f"tensor_parallel_size={size}")
         if self.external_launcher:
             self._check_torchrun(config)
             return
@@ -121,22 +122,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def make_runner(config: Config, parallel: ParallelConfig, proposer=None) -> ModelRunner:
+def make_runner(config: Config, parallel: ParallelConfig, extra_kv_bytes_per_block: int = 0
+                ) -> ModelRunner:
     """The engine's model runner: in this process alone, on every rank torchrun started, or on
     this process (rank 0) and the worker processes it starts."""
     if parallel.tensor_parallel_size == 1:
-        return ModelRunner(config, proposer)
+        return ModelRunner(config, extra_kv_bytes_per_block)
     if parallel.external_launcher:
-        return TorchrunRunner(config, proposer)
-    return MultiprocRunner(config, parallel, proposer)
+        return TorchrunRunner(config, extra_kv_bytes_per_block)
+    return MultiprocRunner(config, parallel, extra_kv_bytes_per_block)
 
 
 class TorchrunRunner(ModelRunner):
     """A rank of torchrun's job: it runs the whole engine, and leaves the group when closed."""
 
-    def __init__(self, config: Config, proposer=None):
+    def __init__(self, config: Config, extra_kv_bytes_per_block: int = 0):
         join_torchrun(config)
-        super().__init__(config, proposer)
+        super().__init__(config, extra_kv_bytes_per_block)
 
     def close(self) -> None:
         if dist.is_initialized():
@@ -147,12 +149,14 @@ class MultiprocRunner(ModelRunner):
     """Rank 0 of a tensor-parallel engine on one machine: it starts ranks 1..N-1 (`run_worker`)
     and, every step, sends them the step's inputs before running its own shard."""
 
-    def __init__(self, config: Config, parallel: ParallelConfig, proposer=None):
+    def __init__(self, config: Config, parallel: ParallelConfig,
+                 extra_kv_bytes_per_block: int = 0):
         self.workers, workers = [], start_workers(config, parallel, run_worker)
         try:
             with in_lockstep(workers):
                 self.group = join_ranks(config, parallel, 0, workers)
-                super().__init__(config, proposer)  # each rank sizes its pool, captures graphs
+                # each rank sizes its pool, captures graphs
+                super().__init__(config, extra_kv_bytes_per_block)
         except BaseException:
             stop_workers(workers, None)
             raise

@@ -1,8 +1,8 @@
 """How one request samples and when it stops, with vLLM's names and meanings, at vLLM's module
-path: the core's sampling settings, and vLLM's own fields, every one checked."""
+path: the core's sampling options, and vLLM's own fields, every one checked."""
 from dataclasses import dataclass
 
-from nanopaged.core import sampling_params as core
+from nanopaged.core.sequence import SamplingOptions
 
 MAX_LOGPROBS = 20  # as vLLM's default max_logprobs
 FLOAT32_MAX = 3.4028234663852886e38  # the sampler works in float32
@@ -31,7 +31,7 @@ GuidedDecodingParams = StructuredOutputsParams  # its name in vLLM before 0.11
 
 
 @dataclass
-class SamplingParams(core.SamplingParams):
+class SamplingParams(SamplingOptions):
     """Sampling settings for one request, as in vLLM.
 
     `n` completions are sampled from one prompt, whose K/V is computed once and shared.

@@ -1,5 +1,6 @@
-"""An OpenAI-compatible HTTP server: `nanopaged serve MODEL` (or `python -m nanopaged serve
-MODEL`; the command line is `cli.py`).
+"""An OpenAI-compatible HTTP server: `nanopaged serve MODEL`, `python -m nanopaged.server MODEL`,
+or vLLM's `python -m nanopaged.entrypoints.openai.api_server --model MODEL` (the arguments:
+`server_args.py`).
 
 One engine loop runs in a thread of its own and is the only caller of the engine: handlers hand
 it requests and aborts through a queue, and after every step it hands each request's outputs to
@@ -31,6 +32,7 @@ from nanopaged.engine_args import EngineArgs
 from nanopaged.openai_responses import Response
 from nanopaged.outputs import EngineStats
 from nanopaged.router import Router
+from nanopaged.server_args import parse_args
 
 
 class EngineLoop:
@@ -303,7 +305,7 @@ class Server(uvicorn.Server):
 
 
 def serve(args: argparse.Namespace) -> None:
-    """Runs the server the command line (`cli.py`) asked for, until SIGTERM or Ctrl-C."""
+    """Runs the server the command line (`server_args.py`) asked for, until SIGTERM or Ctrl-C."""
     try:
         llm = LLM(**dataclasses.asdict(EngineArgs.from_cli_args(args)))
     except ValueError as error:  # a wrong option or model: one line, not a traceback
@@ -312,3 +314,12 @@ def serve(args: argparse.Namespace) -> None:
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=3)
     Server(config).run()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m nanopaged.server MODEL [options]`."""
+    serve(parse_args(sys.argv[1:] if argv is None else argv))
+
+
+if __name__ == "__main__":
+    main()

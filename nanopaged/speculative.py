@@ -4,15 +4,17 @@ model, and keep the run the model agrees with, plus one token of its own.
 Proposals come from n-grams of the sequence itself (vLLM's "ngram" method: the tokens that
 followed the latest earlier occurrence of the sequence's last n tokens) or from a small draft
 model with the same tokenizer (vLLM's "draft_model"), proposing its most likely tokens. This
-file is the proposer that the core's seams take: the scheduler reserves cache slots for a
-sequence's token and its proposals (its lookahead slots); the runner runs them as one query of
-k+1 tokens through the paged attention of any backend, samples every row, and keeps the
-proposals while the model's own samples equal them. Both proposers are deterministic, so this
-accepts a proposal x with probability p(x), as rejection sampling would, and each token is
-still sampled from the model's distribution, with a seeded sequence's numbers: speculative or
-not, a seeded request gives the same tokens. `BlockManager.trim` then gives back the blocks
-reserved for rejected proposals; only blocks whose every token was accepted enter the prefix
-cache.
+file reaches the core through the seam of `LLMEngine`, the two ends of a step, which
+`SpeculativeEngine` extends: once a step is scheduled, each decoding sequence gets cache slots
+past its last token (as many as the token budget and the free blocks allow: a proposal never
+preempts) and proposals for them (`ScheduledStep.proposals`); the runner runs a sequence's
+token and its proposals as one query of k+1 tokens through the paged attention of any backend,
+and samples after each; applying the step keeps the proposals while the model's own samples
+equal them. Both proposers are deterministic, so this accepts a proposal x with probability
+p(x), as rejection sampling would, and each token is still sampled from the model's
+distribution, with a seeded sequence's numbers: speculative or not, a seeded request gives the
+same tokens. `BlockManager.trim` then gives back the blocks reserved for rejected proposals;
+only blocks whose every token was accepted enter the prefix cache.
 
 The draft model keeps its own KV cache in the same blocks as the model's, at the same slots:
 it runs every token the model runs (prompt chunks included), so that wherever the model's
@@ -27,10 +29,11 @@ import torch
 from nanopaged.checkpoint import resolve_model
 from nanopaged.core.attention import AttentionMetadata
 from nanopaged.core.config import Config, check_fields, read_checkpoint_config
+from nanopaged.core.llm_engine import LLMEngine
 from nanopaged.core.loader import load_model
 from nanopaged.core.model import sliding_window
 from nanopaged.core.model_runner import ModelRunner
-from nanopaged.core.step import SamplerOutput, ScheduledStep, StepInputs
+from nanopaged.core.step import SamplerOutput, ScheduledStep
 
 DEFAULT_NGRAM = 5  # vLLM's prompt_lookup_min and _max when neither is given
 
@@ -124,19 +127,11 @@ def ngram_proposals(token_ids: list[int], k: int, shortest: int, longest: int) -
 
 
 class NgramProposer:
-    """Proposes what followed the last n-gram before (see `ngram_proposals`); keeps no cache.
-    Counts the sequences it proposed for (`num_drafts`) and the tokens it proposed."""
+    """Proposes what followed the last n-gram before (see `ngram_proposals`); keeps no cache."""
 
     def __init__(self, spec: SpeculativeConfig):
-        self.num_speculative_tokens = spec.num_speculative_tokens
-        self.disable_by_batch_size = spec.disable_by_batch_size
-        self.shortest, self.longest = spec.prompt_lookup_min, spec.prompt_lookup_max
-        self.num_drafts = self.num_proposed_tokens = 0
-
-    def count(self, proposals: dict[int, list[int]]) -> dict[int, list[int]]:
-        self.num_drafts += len(proposals)
-        self.num_proposed_tokens += sum(map(len, proposals.values()))
-        return proposals
+        self.shortest = spec.prompt_lookup_min
+        self.longest = spec.prompt_lookup_max
 
     def kv_bytes_per_block(self) -> int:
         return 0
@@ -144,35 +139,15 @@ class NgramProposer:
     def allocate_kv_cache(self, num_blocks: int) -> None:
         pass
 
-    def verify(self, logits: torch.Tensor, step: ScheduledStep, inputs: StepInputs,
-               proposals: dict[int, list[int]], runner: ModelRunner) -> SamplerOutput:
-        """Samples each sampling row at its last token and after each of its proposals; a
-        sequence keeps its proposals while the model samples them (which leaves each token's
-        distribution the model's), and the token after them."""
-        drafts = [proposals.get(i, []) for i in step.sample_rows]
-        rows = [seq for seq, tokens in zip(step.samplers, drafts) for _ in range(len(tokens) + 1)]
-        offsets = [j for tokens in drafts for j in range(len(tokens) + 1)]
-        sampled = runner.sampler(logits[:len(rows)], rows, offsets).tolist()
-        token_ids, first_rows, row = [], [], 0
-        for tokens in drafts:
-            accepted = 0
-            while accepted < len(tokens) and sampled[row + accepted] == tokens[accepted]:
-                accepted += 1
-            token_ids.append(sampled[row:row + accepted + 1])
-            first_rows.append(row)
-            row += len(tokens) + 1
-        return SamplerOutput(token_ids, logits[:len(rows)], first_rows,
-                             runner.prompt_logits(logits, len(rows), inputs))
-
-    def propose(self, step: ScheduledStep, inputs: StepInputs, runner: ModelRunner
+    def propose(self, step: ScheduledStep, slots: dict[int, int], runner: ModelRunner
                 ) -> dict[int, list[int]]:
-        """Per sequence of the step (by index) with lookahead slots, its proposals."""
+        """For each sequence of the step (by index) with `slots[i]` slots, its proposals."""
         proposals = {}
-        for i, k in step.lookahead_slots.items():
+        for i, k in slots.items():
             tokens = ngram_proposals(step.seqs[i].token_ids, k, self.shortest, self.longest)
             if tokens:
                 proposals[i] = tokens
-        return self.count(proposals)
+        return proposals
 
 
 class DraftProposer(NgramProposer):
@@ -180,7 +155,8 @@ class DraftProposer(NgramProposer):
 
     def __init__(self, spec: SpeculativeConfig, config: Config):
         super().__init__(spec)
-        self.config, self.device = config, torch.device(config.device)
+        self.config = config
+        self.device = torch.device(config.device)
         draft_config = read_checkpoint_config(spec.model)
         if _reach(draft_config) > _reach(config.hf_config):
             raise ValueError(f"the draft model {spec.model!r} attends further back than the "
@@ -198,28 +174,30 @@ class DraftProposer(NgramProposer):
         self.kv_cache = self.model.allocate_kv_cache(num_blocks, self.block_size,
                                                      self.config.dtype, self.device)
 
-    def propose(self, step: ScheduledStep, inputs: StepInputs, runner: ModelRunner
+    @torch.inference_mode()
+    def propose(self, step: ScheduledStep, slots: dict[int, int], runner: ModelRunner
                 ) -> dict[int, list[int]]:
         """Runs the step's tokens through the draft (writing its K/V), then, for the sequences
-        with lookahead slots, one more forward per slot: each writes the K/V of the token
-        proposed last and proposes the next (the last proposal is not verified)."""
+        with slots, one more forward per slot: each writes the K/V of the token proposed last
+        and proposes the next (the last proposal is not verified)."""
+        inputs = runner.prepare_inputs(step)
         hidden = self.model(*runner.device_inputs(inputs))
-        if not step.lookahead_slots:
+        if not slots:
             return {}
-        index = list(step.lookahead_slots)
+        index = list(slots)
         rows = inputs.cu_seqlens_q[1:][index] - 1 if inputs.ragged else np.array(index)
         tokens = self._greedy(hidden[torch.as_tensor(rows, device=self.device)])
-        ks = np.array(list(step.lookahead_slots.values()))
+        ks = np.array(list(slots.values()))
         positions = np.array([len(step.seqs[i]) for i in index])  # where the first proposal goes
         block_tables = inputs.block_tables[index]
         proposed = [tokens]
         for j in range(ks.max()):
             active = np.flatnonzero(ks > j)  # sequences with a slot for proposal j
             tables, pos = block_tables[active], positions[active] + j
-            slots = tables[np.arange(len(active)), pos // self.block_size].astype(np.int64) \
-                * self.block_size + pos % self.block_size
+            slot_mapping = tables[np.arange(len(active)), pos // self.block_size].astype(
+                np.int64) * self.block_size + pos % self.block_size
             meta = AttentionMetadata(
-                ragged=False, slot_mapping=self._tensor(slots, torch.int64),
+                ragged=False, slot_mapping=self._tensor(slot_mapping, torch.int64),
                 context_lens=self._tensor(pos + 1, torch.int32),
                 block_tables=self._tensor(tables, torch.int32), max_seqlen_k=int(pos.max()) + 1)
             ids = proposed[-1][self._tensor(active, torch.int64)] if j else proposed[-1]
@@ -229,13 +207,86 @@ class DraftProposer(NgramProposer):
                 full[self._tensor(active, torch.int64)] = self._greedy(hidden)
                 proposed.append(full)
         columns = torch.stack(proposed, dim=1).tolist()
-        return self.count({i: row[:k] for i, row, k in zip(index, columns, ks.tolist())})
+        return {i: row[:k] for i, row, k in zip(index, columns, ks.tolist())}
 
     def _greedy(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.model.compute_logits(hidden).argmax(dim=-1)
 
     def _tensor(self, values: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
         return torch.as_tensor(values, dtype=dtype, device=self.device)
+
+
+
+class SpeculativeEngine(LLMEngine):
+    """The core engine with proposals verified each step (see the module's docstring). Each
+    decoding sequence (oldest first) gets slots for up to `num_speculative_tokens` proposals:
+    as many as its max_tokens and max_model_len leave room for, the step's token budget allows
+    and free blocks hold; none with logits processors (they may depend on each token), nor when
+    a step decodes more than `disable_by_batch_size` sequences. Counts the sequences that got
+    proposals (`num_drafts`), the tokens proposed and those accepted."""
+
+    def __init__(self, config: Config, runner: ModelRunner, spec: SpeculativeConfig,
+                 proposer: NgramProposer):
+        super().__init__(config, runner)
+        self.spec = spec
+        self.proposer = proposer
+        proposer.allocate_kv_cache(self.runner.num_kvcache_blocks)
+        self.reserved: list[int] = []  # the sequences (by index) given slots this step
+        self.num_drafts = 0
+        self.num_proposed_tokens = 0
+        self.num_accepted_tokens = 0
+
+    def schedule(self) -> ScheduledStep:
+        step = super().schedule()
+        slots = {}
+        for i, k in self._room(step).items():
+            k = self.block_manager.reserve(step.seqs[i], k)
+            if k:
+                slots[i] = k
+        self.reserved = list(slots)
+        if step.seqs:
+            step.proposals = self.proposer.propose(step, slots, self.runner)
+        self.num_drafts += len(step.proposals)
+        self.num_proposed_tokens += sum(map(len, step.proposals.values()))
+        return step
+
+    def _room(self, step: ScheduledStep) -> dict[int, int]:
+        """The proposals each decoding sequence of the step may get, before free blocks."""
+        decoding = [i for i in step.sample_rows
+                    if step.num_tokens[i] == 1 and step.seqs[i].num_completion_tokens > 0]
+        if len(decoding) > (self.spec.disable_by_batch_size or len(decoding)):
+            return {}
+        budget = self.config.max_num_batched_tokens - step.num_scheduled_tokens
+        room = {}
+        for i in decoding:
+            seq = step.seqs[i]
+            left = self.config.max_model_len - len(seq)
+            if seq.sampling_params.max_tokens is not None:
+                left = min(left, seq.sampling_params.max_tokens - seq.num_completion_tokens)
+            k = min(self.spec.num_speculative_tokens, left - 1, budget)
+            if k > 0 and not seq.logits_processors:
+                room[i] = k
+                budget -= k
+        return room
+
+    def apply(self, step: ScheduledStep, sampled: SamplerOutput) -> SamplerOutput:
+        """Keeps each row's proposals while the model sampled them, and the token after; gives
+        back the slots of the rest."""
+        kept = []
+        for i, tokens in zip(step.sample_rows, sampled.token_ids):
+            proposals = step.proposals.get(i, ())
+            accepted = 0
+            while accepted < min(len(proposals), len(tokens) - 1) \
+                    and tokens[accepted] == proposals[accepted]:
+                accepted += 1
+            kept.append(tokens[:accepted + 1])
+            self.num_accepted_tokens += accepted
+        applied = super().apply(step, SamplerOutput(kept, sampled.logits, sampled.first_rows,
+                                                    sampled.prompt_logits))
+        for i in self.reserved:
+            if step.seqs[i].finish_reason is None:
+                self.block_manager.trim(step.seqs[i])
+        return applied
 
 
 def _reach(hf_config) -> float:

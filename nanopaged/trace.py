@@ -49,6 +49,7 @@ from nanopaged.outputs import Detokenizer
 from nanopaged.sampling_params import SamplingParams
 
 NO_BLOCKS: list[int] = []  # never changed
+NO_SEQUENCES: list[Sequence] = []
 PAGE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "trace_page.html")
 
 
@@ -77,10 +78,14 @@ class Tracer:
         self.file = open(path, "w")
         self.owners, self.tokenizer = llm.owners, llm.inputs.tokenizer.name_or_path
         self.engine = lambda: None  # the engine, once `attach` is called (weakly: no cycle)
-        self.num_steps, self.started, self.own_time = 0, 0.0, 0.0
+        self.num_steps = 0
+        self.started = 0.0
+        self.own_time = 0.0
+        self.new_cached: set[int] = set()  # entered in the running step
         self.tables: dict[Sequence, list[int]] = {}  # as last written
         self.refs: dict[int, int] = {}  # block -> the written tables that hold it
         self.cached: set[int] = set()
+        self.running: set[Sequence] = set()  # as the last step left them
         self.num_tokens: dict[Sequence, int] = {}  # completion tokens written, by sequence
         self.record: dict = {}
 
@@ -94,7 +99,10 @@ class Tracer:
                          max_num_seqs=config.max_num_seqs, sliding_window=pool.sliding_window))
 
     def begin(self) -> None:
-        self.started, self.own_time, self.record = time.perf_counter(), 0.0, self._empty()
+        self.started = time.perf_counter()
+        self.own_time = 0.0
+        self.record = self._empty()
+        self.new_cached = set()
         if self.cached and not self.engine().block_manager.hash_to_block:  # a reset forgot all
             self.record["evicted"] = sorted(self.cached)
             self.cached.clear()
@@ -105,14 +113,15 @@ class Tracer:
         engine, record = self.engine(), self.record
         pool, size = engine.block_manager, engine.block_manager.block_size
         record["tokens"] = step.num_scheduled_tokens
-        for i, (seq, start, n) in enumerate(zip(step.seqs, step.starts, step.num_tokens)):
-            decode = n == 1 and start == len(seq) - 1 and start >= seq.num_prompt_tokens
-            kind = "decode" if decode else "prefill"
-            record["ran"].append([seq.seq_id, start, n, kind, 0, 0])
-            if seq not in self.tables and seq.block_table:  # admitted now
+        record["preempted"] = [seq.seq_id for seq in step.preempted]
+        for seq, start, n in zip(step.seqs, step.starts, step.num_tokens):
+            # a sequence preempted and admitted again in the step recomputes, even one token
+            decode = n == 1 and seq in self.running and seq not in step.preempted
+            record["ran"].append([seq.seq_id, start, n, "decode" if decode else "prefill", 0, 0])
+            if (seq not in self.tables or seq in step.preempted) and seq.block_table:  # admitted
                 record["hits"][str(seq.seq_id)] = seq.block_table[:start // size]
-        record["cached"] += pool.uncommitted  # entered while scheduling (or trimming before)
-        self._note_tables(engine, step.seqs)
+        self._note_tables(engine, step.seqs, step.preempted)
+        self._note_cached(pool)  # entered while scheduling
         self.own_time += time.perf_counter() - started
 
     def stepped(self, step: ScheduledStep | None, sampled: SamplerOutput | None,
@@ -123,12 +132,16 @@ class Tracer:
         if error is None and step.seqs:
             self._note_samples(step, sampled)
         self._note_tables(engine, step.seqs if step else [])
-        if error is not None:  # the step's hashes are forgotten, its sequences aborted
+        if error is None:
+            self._note_cached(engine.block_manager)  # entered after the forward (proposals')
+        else:  # the step's hashes are forgotten, its sequences aborted
             record["error"] = f"{type(error).__name__}: {error}"
-            forgotten = {b for b in self.cached if engine.block_manager.blocks[b].hash is None}
-            record["evicted"] += sorted(forgotten)
+            forgotten = {b for b in self.cached if engine.block_manager.hashes[b] is None}
+            record["cached"] = [b for b in record["cached"] if b not in forgotten]
+            record["evicted"] += sorted(forgotten - set(record["cached"]) - self.new_cached)
             self.cached -= forgotten
         scheduler = engine.scheduler
+        self.running = set(scheduler.running)
         record.update(running=[s.seq_id for s in scheduler.running],
                       waiting=[s.seq_id for s in scheduler.waiting],
                       free=engine.block_manager.num_free_blocks)
@@ -148,11 +161,11 @@ class Tracer:
 
     def _note_samples(self, step: ScheduledStep, sampled: SamplerOutput) -> None:
         """Proposals kept, and the tokens added."""
-        if step.lookahead_slots:  # a sampling row's rows: its token's, then its proposals'
+        if step.proposals:
             by_seq = {entry[0]: entry for entry in self.record["ran"]}
-            rows = [*sampled.first_rows, len(sampled.logits)]
-            for r, seq in enumerate(step.samplers):
-                by_seq[seq.seq_id][4:] = rows[r + 1] - rows[r] - 1, len(sampled.token_ids[r]) - 1
+            for r, (i, seq) in enumerate(zip(step.sample_rows, step.samplers)):
+                proposed = len(step.proposals.get(i, ()))
+                by_seq[seq.seq_id][4:] = proposed, len(sampled.token_ids[r]) - 1
         num_tokens, added = self.num_tokens, self.record["sampled"]
         for seq in step.samplers:
             written = num_tokens.get(seq)
@@ -160,9 +173,19 @@ class Tracer:
                 added[str(seq.seq_id)] = seq.token_ids[seq.num_prompt_tokens + written:]
                 num_tokens[seq] = len(seq.token_ids) - seq.num_prompt_tokens
 
-    def _note_tables(self, engine, seqs: list[Sequence]) -> None:
+    def _note_cached(self, pool) -> None:
+        """The blocks entered in the prefix cache since the step's last commit, but those
+        noted already."""
+        new = [b for b in pool.uncommitted if b not in self.cached]
+        self.record["cached"] += new
+        self.cached.update(new)
+        self.new_cached.update(new)
+
+    def _note_tables(self, engine, seqs: list[Sequence],
+                     preempted: list[Sequence] = NO_SEQUENCES) -> None:
         """The tables that changed since they were last written, and so the blocks handed out
-        (but for hits) and given back, with the cached ones handed out again."""
+        (but for hits) and given back, with the cached ones handed out again; also those of a
+        sequence preempted and admitted again, whose table may look unchanged."""
         record, scheduler, tables = self.record, engine.scheduler, self.tables
         taken, released = {}, {}
         # the running ones hold blocks or run now; one met twice is unchanged the second time
@@ -195,7 +218,11 @@ class Tracer:
                     record["evicted"].append(block)
                     self.cached.discard(block)
             self.refs[block] = left + taken.get(block, 0)
-        self.cached.update(record["cached"])
+        pool = engine.block_manager
+        for block in {b for seq in preempted for b in seq.block_table}:
+            if block in self.cached and pool.hashes[block] is None:  # handed out again
+                record["evicted"].append(block)
+                self.cached.discard(block)
 
     def _introduce(self, seq: Sequence) -> None:
         if seq not in self.owners or seq.finish_reason:
@@ -207,10 +234,8 @@ class Tracer:
         self.num_tokens[seq] = seq.num_completion_tokens
 
     def _ended(self, seq: Sequence) -> None:
-        """`seq` let go of its blocks: it finished, or was preempted."""
-        if seq.finish_reason is None:
-            self.record["preempted"].append(seq.seq_id)
-        else:
+        """`seq` let go of its blocks: it finished (or was preempted: see `scheduled`)."""
+        if seq.finish_reason is not None:
             self.record["finished"][str(seq.seq_id)] = seq.finish_reason
             self.num_tokens.pop(seq, None)
 

@@ -20,37 +20,35 @@ def bench():
     return importlib.import_module("bench")
 
 
-def test_every_command_the_readme_quotes_parses(bench):
-    """The README's `python bench.py ...` commands, inline or in its indented blocks, name
-    flags bench.py has, with values it takes."""
-    readme = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                          "README.md")
-    with open(readme) as f:
-        text = f.read().replace("\\\n", " ")
-    quoted = re.findall(r"`python bench\.py([^`]*)`", text) + \
-        re.findall(r"^ {4}python bench\.py(.*)$", text, re.M)
+def test_every_command_the_docs_quote_parses(bench):
+    """The `python bench.py ...` commands of the README and docs/, inline or in their blocks,
+    name flags bench.py has, with values it takes."""
+    from test_readme import PAGES
+    quoted = []
+    for page in PAGES:
+        with open(os.path.join(ROOT, page)) as f:
+            text = f.read().replace("\\\n", " ")
+        quoted += re.findall(r"`python bench\.py([^`]*)`", text)
+        quoted += re.findall(r"^ {0,4}python bench\.py(.*)$", text, re.M)
     assert len(quoted) >= 10
     for arguments in quoted:
         bench.parse_args(shlex.split(" ".join(arguments.split("#")[0].split())))
 
 
-def test_throughput_with_peers(bench, qwen3_path, tmp_path):
-    out = tmp_path / "bench.json"
-    result = bench.main(
-        [
-            "--tiny",
-            "--model",
-            qwen3_path,
-            "--engines",
-            "nanopaged,hf-static,nano-vllm",
-            "--prefix-len",
-            "16",
-            "--out",
-            str(out),
-            "--plot",
-            str(tmp_path / "bench.png"),
-        ]
-    )
+def test_throughput_with_peers(bench, qwen3_path, tmp_path, capsys, monkeypatch):
+    """Each engine on the same workload, a row printed as soon as it finishes (before the next
+    engine starts); the JSON and the plot of the results."""
+    out, order = tmp_path / "bench.json", []
+    run_engine = throughput.run_engine
+
+    def recording(engine, *args):
+        order.append((engine, capsys.readouterr().out))
+        return run_engine(engine, *args)
+    monkeypatch.setattr(throughput, "run_engine", recording)
+    result = bench.main(["--tiny", "--model", qwen3_path, "--no-progress", "--engines",
+                         "nanopaged,hf-static,nano-vllm", "--prefix-len", "16", "--out",
+                         str(out), "--plot", str(tmp_path / "bench.png")])
+    assert order[1][0] == "hf-static" and order[1][1].splitlines()[-1].startswith("nanopaged ")
     assert json.loads(out.read_text()) == json.loads(json.dumps(result))
     nano = result["engines"]["nanopaged"]
     assert nano["output_tokens"] == result["workload"]["output_tokens"]
@@ -122,19 +120,6 @@ def test_rows_come_as_engines_finish_and_the_missing_are_listed_last(qwen3_path)
     assert "0.00 s" not in result.stdout and " 0% of the floor" not in result.stdout
 
 
-def test_rows_are_printed_before_the_next_engine_runs(bench, qwen3_path, capsys, monkeypatch):
-    order = []
-    run_engine = throughput.run_engine
-
-    def recording(engine, *args):
-        order.append(("start", engine, capsys.readouterr().out))
-        return run_engine(engine, *args)
-    monkeypatch.setattr(throughput, "run_engine", recording)
-    bench.main(["--tiny", "--model", qwen3_path, "--no-progress", "--engines",
-                "nanopaged,hf-static"])
-    assert order[1][1] == "hf-static" and order[1][2].startswith("nanopaged ")
-
-
 def test_step_times(bench, qwen3_path, tmp_path):
     result = bench.main(["--tiny", "--model", qwen3_path, "--steps", "--backends", "torch",
                          "--plot", str(tmp_path / "steps.png")])
@@ -146,9 +131,14 @@ def test_step_times(bench, qwen3_path, tmp_path):
 
 
 def test_step_times_fit_a_cpu_pool_at_a_larger_batch(bench, qwen3_path):
-    result = bench.main(["--tiny", "--model", qwen3_path, "--steps", "--backends", "torch",
+    """32 sequences of 300 tokens fit the CPU pool it sizes: the timed step decodes all 32,
+    the prefill step runs 3 prompts of 300 tokens, each timing is of that step."""
+    result = bench.main(["--tiny", "--model", qwen3_path, "--steps", "--backends", "cpu",
                          "--batch-sizes", "32", "--context", "300", "--prefill-seqs", "3"])
-    assert [row["kind"] for row in result["steps"]] == ["decode b=32", "prefill 900 tok"]
+    decode, prefill = result["steps"]
+    assert (decode["backend"], decode["tokens"], prefill["tokens"]) == ("cpu", 32, 900)
+    assert prefill["tok_per_s"] == pytest.approx(900 / (prefill["ms"] / 1e3))
+    assert 0 < decode["floor_ms"] and 0 < decode["ms"]
 
 
 def test_host_times(bench, qwen3_path):

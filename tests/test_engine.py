@@ -103,9 +103,14 @@ def test_chunked_prefill_gives_the_same_tokens(qwen3_path, hf_greedy):
 
 
 def test_max_num_seqs_limits_the_batch(qwen3_path, hf_greedy):
+    """No step runs more than max_num_seqs sequences; the others wait their turn."""
     llm = LLM(qwen3_path, max_model_len=512, max_num_seqs=2)
+    sizes = []
+    run = llm.engine.runner.run
+    llm.engine.runner.run = lambda step: sizes.append(len(step.seqs)) or run(step)
     outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert token_ids(outputs) == hf_greedy(qwen3_path, PROMPTS, GREEDY.max_tokens)
+    assert max(sizes) == 2 and len(PROMPTS) > 2
 
 
 def test_step_api(qwen3_path, hf_greedy):

@@ -190,6 +190,16 @@ def test_a_step_failing_on_rank_0_stops_the_workers(qwen3_path):
     assert not worker_processes()
 
 
+def test_experts_that_the_ranks_cannot_split_evenly_are_refused(model_path, tmp_path):
+    """Each rank takes its share of every expert's intermediate size: 33 cannot be halved."""
+    from test_errors import broken_copy
+    odd = broken_copy(model_path("qwen3-moe"), tmp_path, {"moe_intermediate_size": 33})
+    with pytest.raises(ValueError, match="moe_intermediate_size=33 is not divisible by "
+                                         "tensor_parallel_size=2"):
+        ParallelConfig(tensor_parallel_size=2).check(Config(odd))
+    ParallelConfig(tensor_parallel_size=2).check(Config(model_path("qwen3-moe")))  # 32 can
+
+
 def test_tensor_parallel_errors(qwen3_path, monkeypatch):
     config = Config(qwen3_path)
     with pytest.raises(ValueError, match="num_attention_heads=4 is not divisible"):

@@ -1,7 +1,12 @@
-"""Every Python and shell block of the README runs as written: the Python blocks in order, as
-one session (the offline ones, then the server ones against the server the README starts), with
-a random-weight checkpoint for the Hugging Face model ids and a free port for 8000. ```text
-blocks are diagrams and templates."""
+"""Every code block of the README and of each page of docs/ runs, or is checked, as written.
+
+Python blocks run in order, one session a page: the offline ones, then those that talk to a
+server against the server the README starts (with a random-weight checkpoint for the model ids
+and a free port for 8000). A shell block's every command is one this test knows how to check:
+`pip install` (what CI does), `nanopaged serve` and the server's module paths (parsed as the
+server parses them, the README's started), `curl` (run against that server), `python bench.py`
+and `python example.py` (parsed by tests/test_bench.py, and run by tests/test_example.py).
+```text blocks are diagrams and templates."""
 import contextlib
 import io
 import json
@@ -14,23 +19,54 @@ import sys
 import time
 
 import httpx
+import pytest
 
 from nanopaged.parallel import free_port
+from nanopaged.server_args import parse_args
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PAGES = ["README.md"] + sorted(f"docs/{name}" for name in os.listdir(os.path.join(ROOT, "docs"))
+                               if name.endswith(".md"))
 MODEL_IDS = re.compile(r"Qwen/Qwen3-[0-9.]+B")
+SERVER_COMMANDS = ("nanopaged serve", "python -m nanopaged.server",
+                   "python -m nanopaged.entrypoints.openai.api_server")
 
 
-def blocks(language: str) -> list[str]:
-    with open(os.path.join(ROOT, "README.md")) as f:
+def blocks(page: str, language: str) -> list[str]:
+    with open(os.path.join(ROOT, page)) as f:
         return [code for lang, code in re.findall(r"```(\w*)\n(.*?)```", f.read(), re.S)
                 if lang == language]
 
 
-def test_the_readme_has_only_python_bash_and_text_blocks():
-    with open(os.path.join(ROOT, "README.md")) as f:
-        assert set(re.findall(r"```(\w*)\n", f.read())) <= {"python", "bash", "text", ""}
-    assert len(blocks("python")) >= 5 and len(blocks("bash")) >= 2
+def commands(page: str) -> list[str]:
+    """The commands of a page's shell blocks, continued lines joined, comments dropped."""
+    found = []
+    for code in blocks(page, "bash"):
+        for line in code.replace("\\\n", " ").splitlines():
+            line = " ".join(line.split("#")[0].split()) if not line.startswith("curl") else line
+            if line.strip():
+                found.append(line.strip())
+    return found
+
+
+def talks_to_a_server(code: str) -> bool:
+    return "OpenAI(" in code or "client." in code
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_every_block_is_python_shell_or_text_and_every_command_is_checked(page):
+    with open(os.path.join(ROOT, page)) as f:
+        languages = {lang for lang, _ in re.findall(r"```(\w*)\n(.*?)```", f.read(), re.S)}
+    assert languages <= {"python", "bash", "text"}
+    for command in commands(page):
+        if command.startswith(SERVER_COMMANDS):
+            arguments = shlex.split(command)
+            arguments = arguments[2:] if arguments[0] == "nanopaged" else arguments[3:]
+            args = parse_args(arguments)
+            assert args.model.startswith("Qwen/") and args.port == 8000, command
+        else:
+            assert command.startswith(("pip install", "curl ", "python bench.py",
+                                       "python example.py")), command
 
 
 def run(code: str, namespace: dict, model: str, port: int) -> str:
@@ -42,18 +78,22 @@ def run(code: str, namespace: dict, model: str, port: int) -> str:
     return printed.getvalue()
 
 
-def test_the_readme_runs_as_written(qwen3_path):
-    python, shell = blocks("python"), blocks("bash")
-    offline = [code for code in python if "OpenAI(" not in code and "client." not in code]
+@pytest.mark.parametrize("page", [p for p in PAGES if any(
+    not talks_to_a_server(code) for code in blocks(p, "python"))])
+def test_the_offline_blocks_run_as_written(page, qwen3_path):
     namespace: dict = {}
-    for code in offline:
-        assert run(code, namespace, qwen3_path, 0).strip(), code
-    # the server block's `nanopaged serve MODEL ...`, as written (its `pip install` is the set-up
-    # CI has done); the name clients use for the model is the README's, and the random model
-    # writes compact JSON, so that its objects end
-    [serve] = [code for code in shell if "nanopaged serve" in code]
-    command = next(line for line in serve.splitlines() if line.startswith("nanopaged serve"))
-    arguments = shlex.split(command.split("#")[0])
+    for code in blocks(page, "python"):
+        if not talks_to_a_server(code):
+            assert run(code, namespace, qwen3_path, 0).strip(), code  # each shows its result
+
+
+@pytest.fixture(scope="module")
+def readme_server(qwen3_path):
+    """The README's `nanopaged serve MODEL ...`, as written but for the checkpoint and the port
+    (its `pip install` is the set-up CI has done); the random model writes compact JSON, so
+    that its objects end. -> (the name clients use, the port)"""
+    [command] = [c for c in commands("README.md") if c.startswith("nanopaged serve")]
+    arguments = shlex.split(command)
     served_as, port = arguments[2], free_port()
     arguments[2], arguments[arguments.index("--port") + 1] = qwen3_path, str(port)
     executable = [shutil.which("nanopaged")] if shutil.which("nanopaged") else [
@@ -65,18 +105,26 @@ def test_the_readme_runs_as_written(qwen3_path):
         stderr=subprocess.PIPE, text=True)
     try:
         wait_until_healthy(server, port)
-        [curl] = [code for code in shell if code.startswith("curl")]
-        if shutil.which("curl"):
-            answer = subprocess.run(["bash", "-c", curl.replace("8000", str(port))],
-                                    capture_output=True, text=True, timeout=60).stdout
-            assert json.loads(answer)["choices"][0]["finish_reason"] in ("stop", "length")
-        for code in python:
-            if code not in offline:
-                run(code, namespace, served_as, port)
-        assert 1 <= namespace["trip"].days <= 30
+        yield served_as, port
     finally:
         server.terminate()
         server.wait(timeout=60)
+
+
+def test_the_server_blocks_run_as_written(readme_server):
+    served_as, port = readme_server
+    for page in PAGES:
+        for command in commands(page):
+            if command.startswith("curl") and shutil.which("curl"):
+                answer = subprocess.run(["bash", "-c", command.replace("8000", str(port))],
+                                        capture_output=True, text=True, timeout=60).stdout
+                assert json.loads(answer)["choices"][0]["finish_reason"] in ("stop", "length")
+        namespace: dict = {}
+        for code in blocks(page, "python"):
+            if talks_to_a_server(code):
+                assert run(code, namespace, served_as, port).strip(), code
+        if "trip" in namespace:
+            assert 1 <= namespace["trip"].days <= 30 and len(namespace["trip"].city) <= 20
 
 
 def wait_until_healthy(server: subprocess.Popen, port: int) -> None:
@@ -88,3 +136,12 @@ def wait_until_healthy(server: subprocess.Popen, port: int) -> None:
         except httpx.HTTPError:
             time.sleep(0.2)
     raise AssertionError("the server did not start")
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_every_link_of_a_page_leads_to_a_file(page):
+    with open(os.path.join(ROOT, page)) as f:
+        links = re.findall(r"\]\(([^)#]+)\)", f.read())
+    for link in links:
+        if not link.startswith("http"):
+            assert os.path.exists(os.path.join(ROOT, os.path.dirname(page), link)), link

@@ -57,7 +57,7 @@ def fresh_engine(qwen3_path, **options) -> LLM:
 def assert_engine_is_clean(llm) -> None:
     assert llm.is_finished() and not llm.requests
     assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
-    assert all(block.ref_count == 0 for block in llm.engine.block_manager.blocks)
+    assert not any(llm.engine.block_manager.ref_counts)
     assert not llm.engine.block_manager.uncommitted
 
 
@@ -231,3 +231,37 @@ def test_a_failure_in_one_requests_bookkeeping_ends_that_request_alone(qwen3_pat
     assert failed.finished and failed.outputs[0].finish_reason == "abort"
     assert "injected" in failed.error and failed.outputs[0].token_ids == expected[1][:5]
     assert_engine_is_clean(llm)
+
+
+@pytest.mark.parametrize("where", ["logprobs", "stop strings", "outputs"])
+def test_an_interrupt_after_the_core_step_aborts_every_request(qwen3_path, hf_greedy,
+                                                              monkeypatch, where):
+    """Ctrl-C in the layer above the core (logprobs, stop strings, the outputs' text) after
+    its step ran: every request ends, and the engine gives the right tokens and logprobs on."""
+    from nanopaged import llm as llm_module
+    targets = {"logprobs": (llm_module, "token_logprobs"), "stop strings": (Request,
+               "take_tokens"), "outputs": (Request, "output")}
+    owner, name = targets[where]
+    original = getattr(owner, name)
+    calls = []
+
+    def interrupted(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return original(*args, **kwargs)
+    prompts = random_prompts([5, 9, 14], seed=8)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2,
+                            stop=["§ no such text §"])
+    llm = fresh_engine(qwen3_path)
+    for prompt in prompts:
+        llm.add_request(prompt, params)
+    monkeypatch.setattr(owner, name, interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        while not llm.is_finished():
+            llm.step()
+    monkeypatch.setattr(owner, name, original)
+    assert_engine_is_clean(llm)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == hf_greedy(qwen3_path, prompts, 8)
+    assert all(len(o.outputs[0].logprobs) == 8 for o in outputs)

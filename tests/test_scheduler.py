@@ -30,7 +30,7 @@ def test_allocate_takes_one_block_per_started_block_of_tokens():
     manager = BlockManager(8, BLOCK)
     seq = admit(manager, seq_of(list(range(9))))
     assert len(seq.block_table) == 3 and manager.num_free_blocks == 5
-    assert all(manager.blocks[b].ref_count == 1 for b in seq.block_table)
+    assert all(manager.ref_counts[b] == 1 for b in seq.block_table)
 
 
 def test_shared_prefix_is_hit_and_ref_counted():
@@ -38,9 +38,9 @@ def test_shared_prefix_is_hit_and_ref_counted():
     a = admit(manager, seq_of(list(range(10))))
     b = admit(manager, seq_of(list(range(8)) + [50, 51, 52]))
     assert b.block_table[:2] == a.block_table[:2] and b.num_cached_tokens == 8
-    assert [manager.blocks[x].ref_count for x in a.block_table[:2]] == [2, 2]
+    assert [manager.ref_counts[x] for x in a.block_table[:2]] == [2, 2]
     manager.deallocate(a)
-    assert [manager.blocks[x].ref_count for x in b.block_table[:2]] == [1, 1]
+    assert [manager.ref_counts[x] for x in b.block_table[:2]] == [1, 1]
 
 
 def test_hash_chain_names_the_whole_prefix():
@@ -149,7 +149,7 @@ def test_admission_counts_cached_free_blocks_against_the_free_pool():
     holder = admit(manager, seq_of([70, 71]))  # evicts the tail: 2 cached blocks left, both free
     seq = seq_of(list(range(12)))  # 3 blocks, 2 hits that are free: needs 3 free blocks
     assert manager.num_free_blocks == 2 and not manager.allocate(seq)
-    assert sorted(b.ref_count for b in manager.blocks) == [0, 0, 1]  # nothing changed
+    assert sorted(manager.ref_counts) == [0, 0, 1]  # nothing changed
     manager.deallocate(holder)
     assert manager.allocate(seq) and seq.num_computed_tokens == 8
 
@@ -158,9 +158,9 @@ def test_reclaim_returns_blocks_that_an_interrupt_left_out_of_the_free_list():
     manager = BlockManager(4, BLOCK)
     manager.free_block_ids.popitem(last=False)  # taken, not yet counted (Ctrl-C in between)
     block_id, _ = manager.free_block_ids.popitem(last=False)
-    manager.blocks[block_id].ref_count = 1  # counted, but in no block table
+    manager.ref_counts[block_id] = 1  # counted, but in no block table
     manager.reclaim()
-    assert manager.num_free_blocks == 4 and all(b.ref_count == 0 for b in manager.blocks)
+    assert manager.num_free_blocks == 4 and not any(manager.ref_counts)
 
 
 def test_append_takes_a_block_only_when_the_last_is_full():
@@ -189,7 +189,7 @@ def test_a_shared_full_block_is_never_written_a_new_token_takes_a_new_block():
     b.token_ids.append(71)
     manager.may_append(b)
     assert b.block_table[:2] == a.block_table[:2] and b.block_table[2] != a.block_table[2]
-    assert [manager.blocks[x].ref_count for x in b.block_table] == [2, 2, 1]
+    assert [manager.ref_counts[x] for x in b.block_table] == [2, 2, 1]
 
 
 def test_deallocate_returns_every_block():
@@ -197,7 +197,7 @@ def test_deallocate_returns_every_block():
     seqs = [admit(manager, seq_of(list(range(i, i + 7)))) for i in range(3)]
     for seq in seqs:
         manager.deallocate(seq)
-    assert manager.num_free_blocks == 8 and all(b.ref_count == 0 for b in manager.blocks)
+    assert manager.num_free_blocks == 8 and not any(manager.ref_counts)
 
 
 # ---- the scheduler, through the engine's step ----

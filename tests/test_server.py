@@ -22,22 +22,16 @@ OPTIONS = ["--max-model-len", "512", "--kvcache-block-size", "16"]
 
 
 class Server:
-    def __init__(self, model: str, *flags: str):
+    """`nanopaged serve MODEL --port P --served-model-name tiny FLAGS`, or another entry point's
+    command line before the port (`entry`)."""
+
+    def __init__(self, model: str, *flags: str, entry: tuple[str, ...] | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        entry = entry or ("-m", "nanopaged", "serve", model)
         self.process = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "nanopaged",
-                "serve",
-                model,
-                "--port",
-                str(self.port),
-                "--served-model-name",
-                "tiny",
-                *flags,
-            ],
+            [sys.executable, *entry, "--port", str(self.port), "--served-model-name", "tiny",
+             *flags],
             cwd=ROOT,
             env=dict(os.environ, PYTHONPATH=ROOT),
             stdout=subprocess.DEVNULL,

@@ -9,7 +9,7 @@ import torch
 from nanopaged import LLM, SamplingParams
 from nanopaged.core.block_manager import BlockManager
 from nanopaged.core.sequence import Sequence
-from nanopaged.speculative import ngram_proposals
+from nanopaged.speculative import SpeculativeEngine, ngram_proposals
 from conftest import ScriptedRunner, random_prompts
 from test_scheduler import add
 
@@ -38,7 +38,7 @@ def completions(llm: LLM, token_lists: list[list[int]], params: SamplingParams) 
 def assert_pool_whole(llm: LLM) -> None:
     pool = llm.engine.block_manager
     assert pool.num_free_blocks == pool.num_blocks and not pool.uncommitted
-    assert all(block.ref_count == 0 for block in pool.blocks)
+    assert not any(pool.ref_counts)
 
 
 GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
@@ -81,10 +81,10 @@ def test_bad_speculative_config_is_a_value_error_naming_it(qwen3_path, options, 
 def test_prompt_lookup_bounds_are_honoured_as_written(qwen3_path):
     llm = LLM(qwen3_path, speculative_config={"num_speculative_tokens": 2,
                                               "prompt_lookup_min": 2})
-    assert (llm.proposer.shortest, llm.proposer.longest) == (2, 2)  # vLLM: max = min
+    assert (llm.engine.proposer.shortest, llm.engine.proposer.longest) == (2, 2)  # vLLM: max = min
     llm = LLM(qwen3_path, speculative_config={"num_speculative_tokens": 2,
                                               "prompt_lookup_max": 3})
-    assert (llm.proposer.shortest, llm.proposer.longest) == (3, 3)
+    assert (llm.engine.proposer.shortest, llm.engine.proposer.longest) == (3, 3)
 
 
 def test_a_bad_speculative_config_on_the_command_line_is_one_line(qwen3_path):
@@ -108,8 +108,9 @@ def test_draft_model_needs_the_models_vocabulary(qwen3_path, checkpoint_root):
 
 # ---- greedy: token-exact ----
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
-@pytest.mark.parametrize("method", ["ngram", "draft"])
+@pytest.mark.parametrize("method, backend", [
+    ("ngram", "torch"), ("draft", "torch"), ("ngram", "cpu"), ("draft", "cpu"),
+    ("ngram", "triton")])  # the draft runs the same kernels as the model: once is enough
 def test_greedy_speculation_gives_transformers_tokens(qwen3_path, hf_greedy, backend, method):
     spec = NGRAM if method == "ngram" else draft_config(qwen3_path)
     llm = LLM(qwen3_path, attention_backend=backend, num_kvcache_blocks=64,
@@ -206,22 +207,30 @@ def test_a_row_that_adjusts_its_logits_decodes_one_token_at_a_time(qwen3_path):
 
 # ---- which sequences get lookahead slots ----
 
+class EverySlot:
+    """A proposer that fills every slot it is given (with token 5)."""
+
+    def propose(self, step, slots, runner):
+        return {i: [5] * k for i, k in slots.items()}
+
+
 @pytest.fixture
 def scripted(qwen3_path):
     """scripted(**options) -> an LLM speculating 3 tokens ahead, with 4-token blocks, whose
-    steps run a ScriptedRunner (which accepts no proposal)."""
+    steps run a ScriptedRunner (which accepts no proposal) and propose in every slot."""
     def make(num_blocks=64, disable_by_batch_size=None, **options) -> LLM:
         spec = dict(NGRAM, disable_by_batch_size=disable_by_batch_size)
         llm = LLM(qwen3_path, kvcache_block_size=4, num_kvcache_blocks=num_blocks,
                   speculative_config=spec, **options)
         llm.engine.runner = ScriptedRunner()
+        llm.engine.proposer = EverySlot()
         return llm
     return make
 
 
 def lookahead_of_each_step(llm: LLM, seq: Sequence) -> list[int]:
     steps = llm.engine.runner.steps
-    return [step.lookahead_slots.get(step.seqs.index(seq), 0) for step in steps
+    return [len(step.proposals.get(step.seqs.index(seq), ())) for step in steps
             if seq in step.seqs]
 
 
@@ -377,7 +386,7 @@ def test_lookahead_reserves_blocks_and_trim_gives_back_the_rejected_ones():
     manager.trim(seq)
     assert seq.num_computed_tokens == 9 and len(seq.block_table) == 3  # position 9 runs next
     # the block of positions 4..7 is full of accepted tokens: cached; 8..11 is not full
-    assert [manager.blocks[b].hash is not None for b in seq.block_table] == [True, True, False]
+    assert [manager.hashes[b] is not None for b in seq.block_table] == [True, True, False]
     manager.may_append(seq)
     assert manager.reserve(seq, 3) == 3  # 10..12: a block
     assert len(seq.block_table) == 4
@@ -394,16 +403,16 @@ def test_lookahead_reserves_blocks_and_trim_gives_back_the_rejected_ones():
 
 def test_a_failed_speculative_step_leaves_the_engine_correct(qwen3_path, hf_greedy, monkeypatch):
     llm = LLM(qwen3_path, num_kvcache_blocks=64, speculative_config=draft_config(qwen3_path))
-    calls, verify = [], type(llm.proposer).verify
+    calls, apply = [], SpeculativeEngine.apply
 
-    def failing(self, *args):
-        calls.append(True)
-        if len(calls) == 3:  # the third step that verifies proposals
+    def failing(self, step, *args):
+        calls.append(bool(step.proposals))
+        if sum(calls) == 3:  # the third step that verifies proposals
             raise RuntimeError("injected")
-        return verify(self, *args)
-    monkeypatch.setattr(type(llm.proposer), "verify", failing)
+        return apply(self, step, *args)
+    monkeypatch.setattr(SpeculativeEngine, "apply", failing)
     with pytest.raises(RuntimeError, match="injected"):
         llm.generate(as_inputs(prompts()), GREEDY, use_tqdm=False)
     assert_pool_whole(llm)
-    monkeypatch.setattr(type(llm.proposer), "verify", verify)
+    monkeypatch.setattr(SpeculativeEngine, "apply", apply)
     assert completions(llm, prompts(), GREEDY) == hf_greedy(qwen3_path, prompts(), 40)

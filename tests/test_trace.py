@@ -43,6 +43,34 @@ class Replay:
         return {b for table in self.tables.values() for b in table if b >= 0}
 
 
+def assert_step_agrees(llm: LLM, step: dict, replay: Replay) -> None:
+    """The trace's state after a step's line is the engine's: the blocks in use, the tables,
+    the cached blocks, the running queue."""
+    pool = llm.engine.block_manager
+    replay.advance(step)
+    assert replay.in_use() == {b for b, count in enumerate(pool.ref_counts) if count}
+    assert len(replay.in_use()) == pool.num_blocks - pool.num_free_blocks == \
+        pool.num_blocks - step["free"]
+    live = [s for s in (*llm.engine.scheduler.running, *llm.engine.scheduler.waiting)
+            if s.block_table]
+    assert replay.tables == {str(s.seq_id): s.block_table for s in live}
+    assert replay.cached == {b for b, h in enumerate(pool.hashes) if h is not None}
+    assert step["running"] == [s.seq_id for s in llm.engine.scheduler.running]
+
+
+def replayed(llm: LLM, path: str, run_step) -> tuple[Replay, list[dict]]:
+    """Steps the engine with `run_step()` until it is finished, checking each step's line."""
+    replay, steps = Replay(), []
+    with open(path) as trace:
+        trace.readline()  # the header
+        while not llm.is_finished():
+            run_step()
+            steps.append(json.loads(trace.readline()))
+            assert_step_agrees(llm, steps[-1], replay)
+        assert trace.readline() == ""  # one line a step
+    return replay, steps
+
+
 @pytest.fixture(scope="module")
 def traced_run(qwen3_path, tmp_path_factory):
     """Run a step at a time: two prompts sharing 40 tokens, a request of n=3 samples, four
@@ -60,28 +88,92 @@ def traced_run(qwen3_path, tmp_path_factory):
     for prompt in random_prompts([10] * 4, seed=33):
         llm.add_request(prompt, greedy)
     seqs = {str(seq.seq_id): seq for seq in llm.owners}
-    pool, replay, shared_seen, texts = llm.engine.block_manager, Replay(), False, {}
-    with open(path) as trace:
-        header = json.loads(trace.readline())
-        while not llm.is_finished():
-            for output in llm.step():
-                for sample, completion in enumerate(output.outputs):
-                    texts[(output.request_id, sample)] = completion.text
-            step = json.loads(trace.readline())
-            replay.advance(step)
-            assert replay.in_use() == {b.block_id for b in pool.blocks if b.ref_count}
-            assert len(replay.in_use()) == pool.num_blocks - pool.num_free_blocks == \
-                pool.num_blocks - step["free"]
-            live = [s for s in (*llm.engine.scheduler.running, *llm.engine.scheduler.waiting)
-                    if s.block_table]
-            assert replay.tables == {str(s.seq_id): s.block_table for s in live}
-            assert replay.cached == {b.block_id for b in pool.blocks if b.hash is not None}
-            assert step["running"] == [s.seq_id for s in llm.engine.scheduler.running]
-            shared_seen |= any(b.ref_count > 1 for b in pool.blocks)
-        assert trace.readline() == ""  # one line a step
+    pool, shared_seen, texts = llm.engine.block_manager, [False], {}
+    header = read_trace(path)[0]
+
+    def run_step():
+        for output in llm.step():
+            for sample, completion in enumerate(output.outputs):
+                texts[(output.request_id, sample)] = completion.text
+        shared_seen[0] |= any(count > 1 for count in pool.ref_counts)
+    replay, _ = replayed(llm, path, run_step)
     llm.close()
     return dict(path=path, header=header, llm=llm, seqs=seqs, replay=replay, texts=texts,
-                shared_seen=shared_seen)
+                shared_seen=shared_seen[0])
+
+
+def test_a_failed_step_shows_its_cached_blocks_forgotten_not_both(qwen3_path, tmp_path):
+    """Steps fail now and then (the model raises): the step's line has its error, the blocks
+    whose hashes its rollback forgot are not listed cached, and the trace agrees with the
+    engine at every step, through the failures and after."""
+    from test_reliability import Boom, first_layer_raises
+    path = str(tmp_path / "run.jsonl")
+    llm = LLM(qwen3_path, max_model_len=512, kvcache_block_size=BLOCK_SIZE,
+              num_kvcache_blocks=14, max_num_batched_tokens=32, trace=path)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    calls, errors = [], []
+
+    def add_requests():
+        for prompt in random_prompts([40, 20, 33], seed=len(calls)):
+            llm.add_request(prompt, params)
+
+    def run_step():
+        try:
+            llm.step()
+        except Boom as error:  # every request was aborted: new ones
+            errors.append(error)
+            add_requests()
+    forgotten = []  # the hashes each failed step had entered
+
+    def should_fail(meta) -> bool:
+        """Fails the 2nd and 4th steps with hashes to forget (after a first that runs)."""
+        entered = set(llm.engine.block_manager.uncommitted)
+        calls.append(bool(entered))
+        if entered and sum(calls) in (2, 4):
+            forgotten.append(entered)
+            return True
+        return False
+    add_requests()
+    with first_layer_raises(llm, Boom, should_fail):
+        replay, steps = replayed(llm, path, run_step)
+    failed = [s for s in steps if "error" in s]
+    assert len(failed) == len(errors) == 2 and any(forgotten)
+    for step, hashes in zip(failed, forgotten):
+        assert not set(step["cached"]) & set(step["evicted"])
+        assert not hashes & set(step["cached"])
+
+
+def test_blocks_cached_by_accepted_proposals_are_on_their_steps_line(qwen3_path, tmp_path):
+    """Speculative decoding: a block filled by accepted proposals is cached in the step that
+    accepted them (the trace agrees with the pool after every step)."""
+    path = str(tmp_path / "run.jsonl")
+    llm = LLM(qwen3_path, max_model_len=512, kvcache_block_size=4, num_kvcache_blocks=64,
+              trace=path, speculative_config={"method": "ngram", "num_speculative_tokens": 4,
+                                              "prompt_lookup_min": 1, "prompt_lookup_max": 3})
+    for prompt in ([5, 6, 7, 8] * 6, [9, 10] * 10):
+        llm.add_request(prompt, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
+    replay, steps = replayed(llm, path, llm.step)
+    assert llm.stats().num_accepted_tokens > 8
+    assert sum(r[5] for s in steps for r in s["ran"]) == llm.stats().num_accepted_tokens
+
+
+def test_mixed_scheduling_preempts_and_readmits_in_one_step_as_the_engine_does(qwen3_path,
+                                                                               tmp_path):
+    """scheduling="mixed" can preempt a sequence while decoding and admit it again in the same
+    step: it is traced as preempted and recomputed (prefill), as many preemptions as the
+    engine's, and the blocks its admission handed out again lose their cached mark."""
+    path = str(tmp_path / "run.jsonl")
+    llm = LLM(qwen3_path, max_model_len=512, kvcache_block_size=4, num_kvcache_blocks=10,
+              max_num_batched_tokens=8, scheduling="mixed", trace=path)
+    shared = random_prompts([4], seed=40)[0]  # greedy samples and prompts share blocks
+    for (tail, max_tokens, n) in zip(random_prompts([6, 5, 2, 2, 4], seed=41),
+                                     (6, 6, 18, 13, 11), (2, 2, 2, 2, 1)):
+        llm.add_request(shared + tail, SamplingParams(temperature=0, n=n,
+                                                      max_tokens=max_tokens, ignore_eos=True))
+    replay, steps = replayed(llm, path, llm.step)
+    assert replay.preemptions == llm.stats().num_preemptions > 0
+    readmitted = [(s, r) for s in steps for r in s["ran"] if r[0] in s["preempted"]]
+    assert readmitted and all(r[3] == "prefill" for _, r in readmitted)
 
 
 def test_the_trace_agrees_with_the_engine_at_every_step(traced_run):
@@ -232,7 +324,7 @@ def test_a_reset_prefix_cache_is_traced_as_every_cached_block_evicted(qwen3_path
     for step in steps:
         replay.advance(step)
     pool = llm.engine.block_manager
-    assert replay.cached == {b.block_id for b in pool.blocks if b.hash is not None}
+    assert replay.cached == {b for b, h in enumerate(pool.hashes) if h is not None}
     [reset] = [i for i, s in enumerate(steps) if s["evicted"]]
     assert steps[reset]["new"]  # the second run's first step
     assert set(steps[reset]["evicted"]) == {b for s in steps[:reset] for b in s["cached"]} != set()

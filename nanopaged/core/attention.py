@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nanopaged.core.sequence import cdiv
+
 
 @dataclass
 class AttentionMetadata:
@@ -67,7 +69,7 @@ def prefill_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     bounds, block_size = meta.cu_seqlens_q.tolist(), k_cache.shape[1]
     for i, context_len in enumerate(meta.context_lens.tolist()):
         start, end = bounds[i], bounds[i + 1]
-        blocks = meta.block_tables[i:i + 1, :-(-context_len // block_size)]
+        blocks = meta.block_tables[i:i + 1, :cdiv(context_len, block_size)]
         k, v = _gather_blocks(k_cache, blocks), _gather_blocks(v_cache, blocks)
         q_pos = torch.arange(context_len - (end - start), context_len, device=q.device)
         key_pos = torch.arange(k.shape[2], device=q.device)[None, :]
@@ -154,14 +156,16 @@ class Attention(nn.Module):
     def __init__(self, head_dim: int, backend: str, scale: float | None = None,
                  sliding_window: int | None = None):
         super().__init__()
-        self.scale, self.window = scale or head_dim ** -0.5, sliding_window
-        self.store_kvcache, self.prefill, self.decode = BACKENDS[backend].load()
+        self.scale = scale or head_dim ** -0.5
+        self.window = sliding_window
+        self.kernels = BACKENDS[backend].load()  # store_kvcache, prefill, decode
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         # q: (T, nh, hs), k/v: (T, nkv, hs)
-        self.store_kvcache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
-        attend = self.prefill if meta.ragged else self.decode
+        store_kvcache, prefill, decode = self.kernels
+        store_kvcache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        attend = prefill if meta.ragged else decode
         return attend(q, self.k_cache, self.v_cache, meta, self.scale, self.window)

@@ -1,14 +1,13 @@
 """The KV-cache pool: fixed-size blocks, ref counts, and a hash-chained prefix cache."""
 from collections import OrderedDict
-from dataclasses import dataclass, field
 
 import numpy as np
 import xxhash
 
-from nanopaged.core.sequence import Sequence
+from nanopaged.core.sequence import Sequence, cdiv
 
 
-def hash_block(parent_hash: int | None, token_ids: list[int]) -> int:
+def hash_block(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
     """Hash of a full block, chained to the hash of the block before it: the hash names the
     whole prefix up to this block, not only its own tokens."""
     h = xxhash.xxh64()
@@ -18,21 +17,14 @@ def hash_block(parent_hash: int | None, token_ids: list[int]) -> int:
     return h.intdigest()
 
 
-@dataclass
-class Block:
-    """One block of `block_size` token slots. A block with a hash holds a full block of tokens
-    (computed, or being computed by the current step) and can be shared by every sequence with
-    the same prefix."""
-    block_id: int
-    ref_count: int = 0
-    hash: int | None = None
-    token_ids: list[int] = field(default_factory=list)
-
-
 class BlockManager:
     """Hands out blocks to sequences and keeps the prefix cache.
 
-    Free blocks wait in `free_block_ids`, least recently freed first: that order is the eviction
+    Block `b` holds `block_size` token slots. `ref_counts[b]` counts the sequences holding it. A
+    block with a hash (`hashes[b]`) holds a full block of tokens (`block_tokens[b]`), computed or
+    being computed by the current step, and can be shared by every sequence with the same
+    prefix. (Plain lists, not an object per block: a pool of many thousand blocks is made in a
+    moment.) Free blocks wait in `free_block_ids`, least recently freed first: that order is the eviction
     policy. A freed block keeps its hash, so a later request with the same prefix can take it
     back until it is handed out again. Only full blocks are shared; a full block is never
     written again. A block's hash is entered when the step that fills it is scheduled (later
@@ -46,23 +38,26 @@ class BlockManager:
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
                  sliding_window: int | None = None):
-        self.block_size, self.sliding_window = block_size, sliding_window
+        self.block_size = block_size
+        self.sliding_window = sliding_window
         self.enable_prefix_caching = enable_prefix_caching
-        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.ref_counts = [0] * num_blocks
+        self.hashes: list[int | None] = [None] * num_blocks
+        self.block_tokens: list[tuple[int, ...]] = [()] * num_blocks
         self.hash_to_block: dict[int, int] = {}
         self.free_block_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.uncommitted: list[int] = []  # blocks hashed by the step being scheduled or run
 
     @property
     def num_blocks(self) -> int:
-        return len(self.blocks)
+        return len(self.ref_counts)
 
     @property
     def num_free_blocks(self) -> int:
         return len(self.free_block_ids)
 
     def blocks_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
+        return cdiv(num_tokens, self.block_size)
 
     def _cached_prefix(self, seq: Sequence) -> list[int]:
         """Block ids that already hold the leading full blocks of `seq`, but the block of its
@@ -74,7 +69,7 @@ class BlockManager:
             token_ids = self._block_tokens(seq, i)
             parent = hash_block(parent, token_ids)
             block_id = self.hash_to_block.get(parent)
-            if block_id is None or self.blocks[block_id].token_ids != token_ids:
+            if block_id is None or self.block_tokens[block_id] != token_ids:
                 break
             hits.append(block_id)
         return hits
@@ -84,14 +79,13 @@ class BlockManager:
         changing nothing, when the pool cannot hold them."""
         assert not seq.block_table
         hits = self._cached_prefix(seq)
-        hits_in_use = sum(1 for b in hits if self.blocks[b].ref_count > 0)
+        hits_in_use = sum(1 for b in hits if self.ref_counts[b] > 0)
         if self.blocks_for(len(seq)) - hits_in_use > self.num_free_blocks:
             return False
         for block_id in hits:
-            block = self.blocks[block_id]
-            if block.ref_count == 0:
+            if self.ref_counts[block_id] == 0:
                 del self.free_block_ids[block_id]
-            block.ref_count += 1
+            self.ref_counts[block_id] += 1
         seq.block_table = list(hits)
         for _ in range(self.blocks_for(len(seq)) - len(hits)):
             seq.block_table.append(self._take_free_block())
@@ -127,7 +121,8 @@ class BlockManager:
                     len(seq.block_table) - 2) - 1
             while i >= 0 and seq.block_table[i] >= 0:
                 self._release(seq.block_table[i])
-                seq.block_table[i], i = -1, i - 1
+                seq.block_table[i] = -1
+                i -= 1
 
     def reserve(self, seq: Sequence, num_slots: int) -> int:
         """After `may_append`: makes room for up to `num_slots` proposals past the last token of
@@ -161,52 +156,52 @@ class BlockManager:
     def rollback(self) -> None:
         """The step failed: forget the hashes it entered, whose K/V may never have been written."""
         for block_id in self.uncommitted:
-            self._forget_hash(self.blocks[block_id])
+            self._forget_hash(block_id)
         self.uncommitted.clear()
 
     def reset_prefix_cache(self) -> bool:
         """Forgets every cached prefix; refuses (False) while any block is in use."""
-        if any(block.ref_count for block in self.blocks):
+        if any(self.ref_counts):
             return False
-        for block in self.blocks:
-            self._forget_hash(block)
+        for block_id in range(self.num_blocks):
+            self._forget_hash(block_id)
         return True
 
     def reclaim(self) -> None:
         """Frees every block. Only for when no sequence holds any: it also returns blocks that an
         allocation or a release interrupted halfway (Ctrl-C) left out of the free list."""
-        for block in self.blocks:
-            block.ref_count = 0
-            self.free_block_ids.setdefault(block.block_id)
+        for block_id in range(self.num_blocks):
+            self.ref_counts[block_id] = 0
+            self.free_block_ids.setdefault(block_id)
 
-    def _block_tokens(self, seq: Sequence, i: int) -> list[int]:
-        return seq.token_ids[i * self.block_size:(i + 1) * self.block_size]
+    def _block_tokens(self, seq: Sequence, i: int) -> tuple[int, ...]:
+        return tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
 
     def _cache_block(self, seq: Sequence, i: int) -> None:
-        block = self.blocks[seq.block_table[i]]
-        if block.hash is not None or not self.enable_prefix_caching:  # a hit: registered
+        block_id = seq.block_table[i]
+        if self.hashes[block_id] is not None or not self.enable_prefix_caching:  # a hit
             return
         # journalled before the hash exists, so that no interrupt can leave a hash unjournalled
-        self.uncommitted.append(block.block_id)
-        parent = self.blocks[seq.block_table[i - 1]].hash if i > 0 else None
-        block.token_ids = self._block_tokens(seq, i)
-        block.hash = hash_block(parent, block.token_ids)
-        self.hash_to_block.setdefault(block.hash, block.block_id)  # the first copy stays found
+        self.uncommitted.append(block_id)
+        parent = self.hashes[seq.block_table[i - 1]] if i > 0 else None
+        self.block_tokens[block_id] = self._block_tokens(seq, i)
+        self.hashes[block_id] = hash_block(parent, self.block_tokens[block_id])
+        self.hash_to_block.setdefault(self.hashes[block_id], block_id)  # the first copy stays
 
-    def _forget_hash(self, block: Block) -> None:
-        if block.hash is not None and self.hash_to_block.get(block.hash) == block.block_id:
-            del self.hash_to_block[block.hash]
-        block.hash, block.token_ids = None, []
+    def _forget_hash(self, block_id: int) -> None:
+        block_hash = self.hashes[block_id]
+        if block_hash is not None and self.hash_to_block.get(block_hash) == block_id:
+            del self.hash_to_block[block_hash]
+        self.hashes[block_id] = None
+        self.block_tokens[block_id] = ()
 
     def _release(self, block_id: int) -> None:
-        block = self.blocks[block_id]
-        block.ref_count -= 1
-        if block.ref_count == 0:
+        self.ref_counts[block_id] -= 1
+        if self.ref_counts[block_id] == 0:
             self.free_block_ids[block_id] = None
 
     def _take_free_block(self) -> int:
         block_id, _ = self.free_block_ids.popitem(last=False)
-        block = self.blocks[block_id]
-        self._forget_hash(block)
-        block.ref_count = 1
+        self._forget_hash(block_id)
+        self.ref_counts[block_id] = 1
         return block_id

@@ -24,9 +24,10 @@ def check_fields(options, choices: dict[str, tuple] = {}, positive: tuple[str, .
     """A ValueError naming the first field of the dataclass `options` whose value has not the
     field's type, is not one of its `choices`, or is below 1 while it should be `positive`."""
     for f in filter(lambda f: f.init, fields(options)):
-        value, allowed = getattr(options, f.name), get_args(f.type) or (f.type,)
-        if isinstance(value, bool) and bool not in allowed or not isinstance(
-                value, allowed + ((int,) if float in allowed else ())):
+        value = getattr(options, f.name)
+        allowed = get_args(f.type) or (f.type,)
+        numbers = allowed + ((int,) if float in allowed else ())  # an int is a number too
+        if (isinstance(value, bool) and bool not in allowed) or not isinstance(value, numbers):
             names = " or ".join("None" if t is type(None) else "a number" if t is float
                                 else t.__name__ for t in allowed)
             raise ValueError(f"{f.name} must be {names}, got {value!r}")

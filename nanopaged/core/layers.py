@@ -38,10 +38,12 @@ def to_device(device: torch.device, values, dtype: torch.dtype | None = None):
     return tensor
 
 
-def tp_rank_and_size() -> tuple[int, int]:
-    if dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
+def tp_rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def tp_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
 
 
 def tp_shard(loaded: torch.Tensor, dim: int, rank: int, size: int) -> torch.Tensor:
@@ -100,7 +102,8 @@ def linear_methods(projections: LinearMethod, others: LinearMethod) -> Iterator[
 class LinearBase(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool, projection: bool = False):
         super().__init__()
-        self.tp_rank, self.tp_size = tp_rank_and_size()
+        self.tp_rank = tp_rank()
+        self.tp_size = tp_size()
         self.method = _building[0] if projection else _building[1]
         self.method.create_weights(self, in_features, out_features)
         self.bias = parameter(torch.empty(out_features), 0) if bias else None
@@ -123,8 +126,7 @@ class ColumnParallelLinear(LinearBase):
     """Output features split across ranks; no communication."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
-        _, tp_size = tp_rank_and_size()
-        super().__init__(in_features, out_features // tp_size, bias, projection=True)
+        super().__init__(in_features, out_features // tp_size(), bias, projection=True)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         load_output_shard(self, param, loaded)
@@ -163,8 +165,7 @@ class RowParallelLinear(LinearBase):
     """Input features split across ranks; partial outputs are summed with an all-reduce."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
-        _, tp_size = tp_rank_and_size()
-        super().__init__(in_features // tp_size, out_features, bias, projection=True)
+        super().__init__(in_features // tp_size(), out_features, bias, projection=True)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         if param is self.bias:  # added once, on rank 0 only
@@ -186,7 +187,8 @@ class VocabParallelEmbedding(nn.Module):
 
     def __init__(self, vocab_size: int, hidden_size: int):
         super().__init__()
-        self.tp_rank, self.tp_size = tp_rank_and_size()
+        self.tp_rank = tp_rank()
+        self.tp_size = tp_size()
         self.vocab_per_rank = vocab_size // self.tp_size
         self.vocab_start = self.tp_rank * self.vocab_per_rank
         self.weight = parameter(torch.empty(self.vocab_per_rank, hidden_size), 0, 1)

@@ -14,6 +14,11 @@ class LLMEngine:
     model's max_model_len, and its blocks are freed. A step that raises (an error, Ctrl-C) ends
     every sequence ("abort") and leaves the engine usable: the prefix cache keeps only K/V that
     was written, and every block is free again.
+
+    Seam: a subclass may extend the two ends of a step, `schedule()` (what it runs) and
+    `apply()` (what it sampled). Speculative decoding (`nanopaged/speculative.py`) adds
+    proposals to the scheduled step, in slots `BlockManager.reserve` makes, and applies only
+    those the model agrees with, giving the rest back with `BlockManager.trim`.
     """
 
     def __init__(self, config: Config, runner: ModelRunner | None = None):
@@ -22,10 +27,7 @@ class LLMEngine:
         self.block_manager = BlockManager(self.runner.num_kvcache_blocks, config.kvcache_block_size,
                                           config.enable_prefix_caching,
                                           self.runner.model.sliding_window)
-        proposer = self.runner.proposer
-        self.scheduler = Scheduler(config, self.block_manager,
-                                   proposer.num_speculative_tokens if proposer else 0,
-                                   proposer.disable_by_batch_size if proposer else None)
+        self.scheduler = Scheduler(config, self.block_manager)
         self.num_generated_tokens = 0
 
     def add(self, seq: Sequence) -> None:
@@ -36,6 +38,13 @@ class LLMEngine:
         """Ends sequences early, wherever they are, and frees their blocks."""
         self.scheduler.finish(seqs, reason)
 
+    def stop(self, seq: Sequence, num_completion_tokens: int) -> None:
+        """Ends `seq` as "stop" with its first `num_completion_tokens` tokens (where a stop
+        string the layer above found ends), also when a step has just ended it."""
+        self.scheduler.finish([seq], "stop")
+        del seq.token_ids[seq.num_prompt_tokens + num_completion_tokens:]
+        seq.finish_reason = "stop"
+
     def is_finished(self) -> bool:
         return self.scheduler.is_finished()
 
@@ -43,21 +52,24 @@ class LLMEngine:
         """Schedules a step, runs it and applies what it sampled; returns the step and its
         output (no sequences and no tokens when nothing is queued)."""
         try:
-            step = self.scheduler.schedule()
+            step = self.schedule()
             if not step.seqs:
                 assert self.is_finished(), "sequences are queued but none can run"
                 return step, SamplerOutput([])
             sampled = self.runner.run(step)
             self.block_manager.commit()  # the step's K/V is written: its hashes may be served
-            self._apply(step, sampled)
-            return step, sampled
+            return step, self.apply(step, sampled)
         except BaseException:
             self.abort_all()
             raise
 
-    def _apply(self, step: ScheduledStep, sampled: SamplerOutput) -> None:
+    def schedule(self) -> ScheduledStep:
+        """The next step (with no sequences when there is nothing to run), booked."""
+        return self.scheduler.schedule()
+
+    def apply(self, step: ScheduledStep, sampled: SamplerOutput) -> SamplerOutput:
         """Appends each row's tokens to its sequence, deciding after each whether it stops (the
-        tokens after a stop are dropped); gives back the slots of rejected proposals."""
+        tokens after a stop are dropped); returns what it applied."""
         for seq, token_ids in zip(step.samplers, sampled.token_ids):
             for token_id in token_ids:
                 seq.token_ids.append(token_id)
@@ -66,9 +78,7 @@ class LLMEngine:
                 if reason is not None:
                     self.scheduler.finish([seq], reason)
                     break
-        for i in step.lookahead_slots:
-            if step.seqs[i].finish_reason is None:
-                self.block_manager.trim(step.seqs[i])
+        return sampled
 
     def _stop_reason(self, seq: Sequence) -> str | None:
         if seq.token_ids[-1] in seq.stop_token_ids:

@@ -9,7 +9,7 @@ from nanopaged.core.attention import Attention, AttentionMetadata
 from nanopaged.core.layers import (MergedColumnParallelLinear, ParallelLMHead,
                                    QKVParallelLinear, RMSNorm, RotaryEmbedding,
                                    RowParallelLinear, VocabParallelEmbedding, silu_and_mul,
-                                   tp_rank_and_size)
+                                   tp_size)
 
 
 def rope_parameters(config: PretrainedConfig, index: int = 0) -> dict:
@@ -68,12 +68,11 @@ def unsupported_fields(config: PretrainedConfig) -> dict:
 class DecoderAttention(nn.Module):
     def __init__(self, config: PretrainedConfig, backend: str, index: int):
         super().__init__()
-        _, tp_size = tp_rank_and_size()
         arch = config.architectures[0]
         self.head_dim = (getattr(config, "head_dim", None)
                          or config.hidden_size // config.num_attention_heads)
-        self.num_heads = config.num_attention_heads // tp_size
-        self.num_kv_heads = config.num_key_value_heads // tp_size
+        self.num_heads = config.num_attention_heads // tp_size()
+        self.num_kv_heads = config.num_key_value_heads // tp_size()
         qkv_bias = arch in QKV_BIAS or getattr(config, "attention_bias", False)
         o_bias = arch not in QKV_BIAS and getattr(config, "attention_bias", False)
         self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim,
@@ -210,7 +209,8 @@ class CausalLM(nn.Module):
         shape = self.kv_cache_shape(num_blocks, block_size)
         kv_cache = torch.zeros(shape, dtype=dtype, device=device)
         for i, layer in enumerate(self.model.layers):
-            layer.self_attn.attn.k_cache, layer.self_attn.attn.v_cache = kv_cache[:, i]
+            layer.self_attn.attn.k_cache = kv_cache[0, i]
+            layer.self_attn.attn.v_cache = kv_cache[1, i]
         return kv_cache
 
 

@@ -13,8 +13,7 @@ from nanopaged.core.cuda_graphs import DecodeGraphs
 from nanopaged.core.layers import to_device
 from nanopaged.core.loader import load_model
 from nanopaged.core.sampler import Sampler
-from nanopaged.core.sampling_params import SamplingParams
-from nanopaged.core.sequence import Sequence
+from nanopaged.core.sequence import SamplingOptions, Sequence, cdiv
 from nanopaged.core.step import SamplerOutput, ScheduledStep, StepInputs
 
 # On CPU the KV cache takes at most this share of the RAM available at start-up.
@@ -24,21 +23,19 @@ CPU_KV_CACHE_FRACTION = 0.25
 class ModelRunner:
     """Turns a scheduled step into model inputs, runs the model, and samples. Prefill steps run
     eagerly over a ragged batch; decode steps replay a CUDA graph captured for the next larger batch
-    size, when graphs are on. Seams: a subclass may run `execute` on several processes (tensor
-    parallelism); a `proposer` (speculative decoding) has `num_speculative_tokens`,
-    `disable_by_batch_size`, `kv_bytes_per_block()` and `allocate_kv_cache(num_blocks)` (a draft's
-    cache, in the same blocks), `propose(step, inputs, runner)`: by index into the step's sequences,
-    tokens to run in their lookahead slots, and `verify(logits, step, inputs, proposals, runner)`:
-    the step's output."""
+    size, when graphs are on. Seam: a subclass may run `execute` on several processes (tensor
+    parallelism). `extra_kv_bytes_per_block` are left free, per block, for another model's
+    cache in the same blocks (a speculative draft's)."""
 
-    def __init__(self, config: Config, proposer=None):
-        self.config, self.proposer = config, proposer
+    def __init__(self, config: Config, extra_kv_bytes_per_block: int = 0):
+        self.config = config
+        self.extra_kv_bytes_per_block = extra_kv_bytes_per_block
         self.block_size = config.kvcache_block_size
         self.device = torch.device(config.device)
         self.model = load_model(config.model, config.hf_config, config.dtype, self.device,
                                 config.attention_backend)
         self.sampler = Sampler(self.device, config.seed)
-        self.max_blocks_per_seq = -(-config.max_model_len // self.block_size)
+        self.max_blocks_per_seq = cdiv(config.max_model_len, self.block_size)
         self.graphs: DecodeGraphs | None = None
         self.num_kvcache_blocks = self._allocate_kv_cache()
         if self.device.type == "cuda" and not config.enforce_eager \
@@ -51,9 +48,9 @@ class ModelRunner:
     # ---- the KV cache ----
 
     def _kv_bytes_per_block(self) -> int:
-        """Bytes of one block in every layer, a draft model's included."""
+        """Bytes of one block in every layer, another model's included."""
         own = math.prod(self.model.kv_cache_shape(1, self.block_size)) * self.config.dtype.itemsize
-        return own + (self.proposer.kv_bytes_per_block() if self.proposer else 0)
+        return own + self.extra_kv_bytes_per_block
 
     def _allocate_kv_cache(self) -> int:
         """Sizes the pool (unless `num_kvcache_blocks` forces it) and allocates it."""
@@ -75,8 +72,6 @@ class ModelRunner:
         self.kv_cache = None  # free the old one first
         self.kv_cache = self.model.allocate_kv_cache(num_blocks, self.block_size,
                                                      self.config.dtype, self.device)
-        if self.proposer:
-            self.proposer.allocate_kv_cache(num_blocks)
 
     def _kv_budget_cpu(self) -> int:
         available = _mem_available_bytes()
@@ -93,23 +88,21 @@ class ModelRunner:
         seq_len = min(config.max_num_batched_tokens, config.max_model_len)
         num_seqs = max(1, min(config.max_num_batched_tokens // seq_len, config.max_num_seqs))
         self.execute(self.prepare_inputs(_profiling_step(num_seqs, seq_len, self.block_size)))
-        seq = Sequence([0], SamplingParams(temperature=1.0, top_p=0.9))
+        seq = Sequence([0], SamplingOptions(temperature=1.0, top_p=0.9))
         for size in (1, config.max_num_seqs):  # torch.compile specialises on batches of one
             logits = torch.randn(size, config.hf_config.vocab_size, device=self.device)
             self.sampler(logits, [seq] * size)
         torch.cuda.synchronize()
         free, total = torch.cuda.mem_get_info()
-        peak, current = torch.cuda.max_memory_allocated(), torch.cuda.memory_allocated()
-        return int(total * config.gpu_memory_utilization - (total - free) - (peak - current))
+        activations = torch.cuda.max_memory_allocated() - torch.cuda.memory_allocated()
+        return int(total * config.gpu_memory_utilization - (total - free) - activations)
 
     # ---- inputs ----
 
-    def prepare_inputs(self, step: ScheduledStep, proposals: dict[int, list[int]] | None = None
-                       ) -> StepInputs:
-        """The step's model inputs, as host arrays: all the host work of a step but scheduling.
-        `proposals` (by index into the step's sequences) run after their sequence's token."""
-        if step.ragged or proposals:
-            return self._prepare_ragged(step, proposals or {})
+    def prepare_inputs(self, step: ScheduledStep) -> StepInputs:
+        """The step's model inputs, as host arrays: all the host work of a step but scheduling."""
+        if step.ragged or step.proposals:
+            return self._prepare_ragged(step)
         positions = np.array(step.starts)
         block_tables = self._block_tables(step.seqs)
         # the block of the token being decoded (blocks reserved for proposals may follow it)
@@ -121,8 +114,8 @@ class ModelRunner:
             context_lens=positions + 1, block_tables=block_tables,
             logits_indices=np.arange(len(step.seqs)))
 
-    def _prepare_ragged(self, step: ScheduledStep, proposals: dict[int, list[int]]
-                        ) -> StepInputs:
+    def _prepare_ragged(self, step: ScheduledStep) -> StepInputs:
+        proposals = step.proposals
         input_ids, positions, slots, num_tokens = [], [], [], []
         for i, (seq, start, n) in enumerate(zip(step.seqs, step.starts, step.num_tokens)):
             tokens = seq.token_ids[start:start + n] + proposals.get(i, [])
@@ -163,19 +156,26 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, step: ScheduledStep) -> SamplerOutput:
         """One step: runs the model over the step's tokens and samples every row of
-        `step.samplers`; with a proposer, over its proposals too, which it verifies."""
+        `step.samplers` (and after each of its proposals)."""
         inputs = self.prepare_inputs(step)
-        proposals = self.proposer.propose(step, inputs, self) if self.proposer else {}
-        if not proposals:
-            return self.sample(self.execute(inputs), step, inputs)
-        inputs = self.prepare_inputs(step, proposals)
-        return self.proposer.verify(self.execute(inputs), step, inputs, proposals, self)
+        return self.sample(self.execute(inputs), step, inputs)
 
     def sample(self, logits: torch.Tensor | None, step: ScheduledStep, inputs: StepInputs
                ) -> SamplerOutput:
-        rows = step.samplers
-        sampled = self.sampler(logits[:len(rows)], rows).view(-1, 1).tolist() if rows else []
-        return SamplerOutput(sampled, logits, range(len(rows)),
+        """A token for each sampling row, and one after each of its proposals (sampled at the
+        position it would take: a seeded sequence's numbers stay its own)."""
+        if not step.proposals:
+            rows = step.samplers
+            sampled = self.sampler(logits[:len(rows)], rows).view(-1, 1).tolist() if rows else []
+            return SamplerOutput(sampled, logits, range(len(rows)),
+                                 self.prompt_logits(logits, len(rows), inputs))
+        counts = [1 + len(step.proposals.get(i, ())) for i in step.sample_rows]
+        rows = [seq for seq, count in zip(step.samplers, counts) for _ in range(count)]
+        offsets = [j for count in counts for j in range(count)]
+        sampled = self.sampler(logits[:len(rows)], rows, offsets).tolist()
+        first_rows = list(itertools.accumulate(counts[:-1], initial=0))
+        return SamplerOutput([sampled[first:first + count] for first, count in
+                              zip(first_rows, counts)], logits, first_rows,
                              self.prompt_logits(logits, len(rows), inputs))
 
     @staticmethod
@@ -184,7 +184,8 @@ class ModelRunner:
         """The rows of `logits` from `first` on, by the sequences that asked for them."""
         found = {}
         for i, count in inputs.prompt_rows:
-            found[i], first = logits[first:first + count], first + count
+            found[i] = logits[first:first + count]
+            first += count
         return found
 
     @torch.inference_mode()
@@ -224,8 +225,8 @@ def _profiling_step(num_seqs: int, length: int, block_size: int) -> ScheduledSte
     """The largest prefill step: `num_seqs` prompts of `length` tokens, all in block 0."""
     step = ScheduledStep()
     for _ in range(num_seqs):
-        seq = Sequence([0] * length, SamplingParams())
-        seq.block_table = [0] * -(-length // block_size)
+        seq = Sequence([0] * length, SamplingOptions())
+        seq.block_table = [0] * cdiv(length, block_size)
         step.add(seq, length)
     return step
 

@@ -24,18 +24,11 @@ class Scheduler:
     one step of `max_num_batched_tokens` tokens at a time. `mixed` (as vLLM V1, Sarathi-Serve)
     decodes every running sequence in each step and spends the rest of the budget on prefill
     chunks. A step is booked at once: `num_computed_tokens` counts the tokens it computes.
-
-    Seam for speculative decoding: with `lookahead` > 0, once every decoding sequence has its
-    token, each (oldest first) gets slots for up to `lookahead` proposals, as many as its
-    max_tokens and max_model_len leave room for, the budget allows and free blocks hold (a
-    proposal never preempts); none with logits processors (they may depend on each token), nor
-    when a step decodes more than `lookahead_max_batch` sequences.
     """
 
-    def __init__(self, config: Config, block_manager: BlockManager, lookahead: int = 0,
-                 lookahead_max_batch: int | None = None):
-        self.config, self.max_num_batched_tokens = config, config.max_num_batched_tokens
-        self.lookahead, self.lookahead_max_batch = lookahead, lookahead_max_batch
+    def __init__(self, config: Config, block_manager: BlockManager):
+        self.config = config
+        self.max_num_batched_tokens = config.max_num_batched_tokens
         self.block_manager = block_manager
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
@@ -88,40 +81,22 @@ class Scheduler:
         scheduled: list[Sequence] = []
         while self.running and len(scheduled) < self.max_num_batched_tokens:
             seq = self.running.popleft()
-            if self._make_room(seq):
+            if self._make_room(seq, step):
                 self.block_manager.may_append(seq)
                 seq.num_computed_tokens += 1
                 scheduled.append(seq)
         self.running.extendleft(reversed(scheduled))
         step.add_decodes(scheduled)
-        if self.lookahead and len(scheduled) <= (self.lookahead_max_batch or len(scheduled)):
-            self._reserve_lookahead(step, len(step.seqs) - len(scheduled))
 
-    def _reserve_lookahead(self, step: ScheduledStep, first: int) -> None:
-        """Lookahead slots for the decoding sequences `step.seqs[first:]`, oldest first, from
-        what the token budget and the free blocks have left."""
-        budget = self.max_num_batched_tokens - step.num_scheduled_tokens
-        for i in range(first, len(step.seqs)):
-            seq = step.seqs[i]
-            if seq.logits_processors:
-                continue
-            room = self.config.max_model_len - len(seq)
-            if seq.sampling_params.max_tokens is not None:
-                room = min(room, seq.sampling_params.max_tokens - seq.num_completion_tokens)
-            k = min(self.lookahead, room - 1, budget)
-            k = self.block_manager.reserve(seq, k) if k > 0 else 0
-            if k:
-                step.lookahead_slots[i] = k
-                budget -= k
-
-    def _make_room(self, seq: Sequence) -> bool:
+    def _make_room(self, seq: Sequence, step: ScheduledStep) -> bool:
         """Preempts the newest running sequences until `seq` can append a token; preempts `seq`
         itself (and returns False) when it is the only one left."""
         while not self.block_manager.can_append(seq):
-            if not self.running:
-                self._preempt(seq)
+            victim = self.running.pop() if self.running else seq
+            step.preempted.append(victim)
+            self._preempt(victim)
+            if victim is seq:
                 return False
-            self._preempt(self.running.pop())
         return True
 
     def _preempt(self, seq: Sequence) -> None:

@@ -1,7 +1,26 @@
-"""One sequence as the engine tracks it: its tokens, and where their K/V lives."""
+"""One sequence as the engine tracks it: its tokens, how it is sampled, and where their K/V
+lives."""
+from dataclasses import dataclass
 from itertools import count
 
-from nanopaged.core.sampling_params import SamplingParams
+
+def cdiv(a: int, b: int) -> int:
+    """a / b rounded up: the blocks of b tokens that a tokens fill."""
+    return -(-a // b)
+
+
+@dataclass
+class SamplingOptions:
+    """How one sequence is sampled and how long it may grow. `temperature=0` is greedy
+    decoding. `top_k` (0 or -1: off), `top_p` (1: off) and `min_p` (0: off) keep only the most
+    likely tokens of the tempered distribution. A completion ends after `max_tokens` tokens
+    (None: at the model's `max_model_len`), or at a stop token. vLLM's `SamplingParams`
+    (`nanopaged/sampling_params.py`) extends these with its own fields and checks them all."""
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    max_tokens: int | None = 16
 
 
 class Sequence:
@@ -14,15 +33,17 @@ class Sequence:
     their logprobs)."""
     _ids = count()
 
-    def __init__(self, token_ids: list[int], sampling_params: SamplingParams,
+    def __init__(self, token_ids: list[int], sampling_params: SamplingOptions,
                  stop_token_ids: frozenset[int] = frozenset(), logits_processors: tuple = (),
                  seed: int | None = None, prompt_logits: bool = False):
         self.seq_id = next(Sequence._ids)
         self.token_ids = list(token_ids)
         self.num_prompt_tokens = len(token_ids)
-        self.sampling_params, self.stop_token_ids = sampling_params, stop_token_ids
+        self.sampling_params = sampling_params
+        self.stop_token_ids = stop_token_ids
         self.logits_processors = list(logits_processors)
-        self.seed, self.prompt_logits = seed, prompt_logits
+        self.seed = seed
+        self.prompt_logits = prompt_logits
         self.block_table: list[int] = []
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0

@@ -13,15 +13,18 @@ class ScheduledStep:
     """One step as the scheduler decided it. The model runs `num_tokens[i]` tokens of `seqs[i]`
     from position `starts[i]`; a sequence whose tokens reach its last token samples the next:
     it is one of `samplers`, at rows `sample_rows`. A step where every sequence runs just its
-    last token is a plain decode step, any other `ragged`. `lookahead_slots` maps a sequence (by
-    index) to the slots reserved past its last token for proposals to verify."""
+    last token is a plain decode step, any other `ragged`. `proposals` maps a sequence (by
+    index) to tokens that run after its last one, in slots reserved for them, each sampled
+    after too (speculative decoding's, added by the seam of `LLMEngine`). `preempted`: the
+    sequences preempted to make room for it (they may run in it again, recomputed)."""
     seqs: list[Sequence] = field(default_factory=list)
     starts: list[int] = field(default_factory=list)
     num_tokens: list[int] = field(default_factory=list)
     samplers: list[Sequence] = field(default_factory=list)
     sample_rows: list[int] = field(default_factory=list)
     ragged: bool = False
-    lookahead_slots: dict[int, int] = field(default_factory=dict)
+    proposals: dict[int, list[int]] = field(default_factory=dict)
+    preempted: list[Sequence] = field(default_factory=list)
 
     def add(self, seq: Sequence, num_tokens: int) -> None:
         """Runs `num_tokens` more tokens of `seq`; it samples if they reach its last token."""
@@ -45,7 +48,7 @@ class ScheduledStep:
 
     @property
     def num_scheduled_tokens(self) -> int:
-        return sum(self.num_tokens) + sum(self.lookahead_slots.values())
+        return sum(self.num_tokens) + sum(map(len, self.proposals.values()))
 
 
 @dataclass
@@ -70,7 +73,8 @@ class StepInputs:
 @dataclass
 class SamplerOutput:
     """What a step sampled, one entry per sampling row (the step's `samplers`, in order): its
-    new tokens (one; with speculative decoding, the accepted proposals and one more). `logits`
+    new tokens (one, and one after each of its proposals; once applied, the proposals the
+    model agreed with and one more). `logits`
     holds the model's logits (before any processor or temperature) that the tokens came from:
     row `first_rows[i] + j` for token j of sampling row i. `prompt_logits` maps a sequence that
     asks for them (by index in the step) to the logits of the prompt tokens it ran, row j

@@ -238,7 +238,7 @@ def prefill_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     num_seqs = context_lens.shape[0]
     q = q.contiguous()
     out = torch.empty_like(q)
-    block_m = 64 if q.is_cuda else 16
+    block_m = 64
     grid = (triton.cdiv(max_seqlen_q, block_m), num_seqs, num_heads)
     _prefill_kernel[grid](q, k_cache, v_cache, out, cu_seqlens_q, context_lens,
                           block_tables, scale, q.stride(0), block_tables.stride(0), window,

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import nn
 from transformers import PretrainedConfig
 
-from nanopaged.core.layers import LinearBase, silu_and_mul, tp_rank_and_size, tp_shard
+from nanopaged.core.layers import LinearBase, silu_and_mul, tp_rank, tp_shard, tp_size
 from nanopaged.core.model import ARCHITECTURES, MLP, QK_NORM, CausalLM, DecoderLayer
 
 
@@ -52,7 +52,8 @@ class Experts(nn.Module):
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
         super().__init__()
-        self.tp_rank, self.tp_size = tp_rank_and_size()
+        self.tp_rank = tp_rank()
+        self.tp_size = tp_size()
         size = intermediate_size // self.tp_size
         self.gate_up = nn.Parameter(torch.empty(num_experts, 2 * size, hidden_size),
                                     requires_grad=False)

@@ -70,7 +70,7 @@ def _grouped_matmul(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, aligned
                     weights: torch.Tensor, a_rows_per_pair: int, block_m: int) -> None:
     sorted_ids, tile_experts, rows_in_use = aligned
     n, k = w.shape[1], w.shape[2]
-    block_n, block_k = (64, 32) if a.is_cuda else (32, 32)
+    block_n, block_k = 64, 32
     grid = (tile_experts.numel(), triton.cdiv(n, block_n))
     _grouped_matmul_kernel[grid](
         a, w, out, weights, sorted_ids, tile_experts, rows_in_use, out.shape[0], N=n, K=k,

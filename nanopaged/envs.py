@@ -1,0 +1,14 @@
+"""vLLM's `vllm.envs`: the environment variables nanopaged reads, with vLLM's defaults."""
+import os
+
+ENVIRONMENT = {"VLLM_TORCH_PROFILER_DIR": None, "VLLM_WORKER_MULTIPROC_METHOD": "fork",
+               "VLLM_USE_V1": "1", "VLLM_LOGGING_LEVEL": "INFO", "VLLM_HOST_IP": "",
+               "VLLM_PORT": None}
+
+
+def __getattr__(name: str):
+    if name not in ENVIRONMENT:
+        raise AttributeError(f"nanopaged.envs has no {name!r}; it reads "
+                             f"{', '.join(ENVIRONMENT)}")
+    value = os.environ.get(name, ENVIRONMENT[name])
+    return value == "1" if name == "VLLM_USE_V1" else value

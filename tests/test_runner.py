@@ -1,0 +1,86 @@
+"""The model runner's policies that a GPU would exercise, checked on CPU: which CUDA graph a
+decode batch replays, its padding rows, the eager fallback, and the KV budget's arithmetic."""
+import torch
+
+from nanopaged import LLM
+from nanopaged.core.cuda_graphs import DecodeGraphs
+from conftest import random_prompts
+
+
+class StandInGraph:
+    """What `capture` returns: replays the recorded forward (eagerly), counting its replays."""
+
+    def __init__(self, forward, pool):
+        self.forward = forward
+        self.replays = 0
+
+    def replay(self) -> None:
+        self.replays += 1
+        self.forward()
+
+    def pool(self) -> None:
+        return None
+
+
+def decode_step(llm: LLM, batch: int):
+    """A decode step of `batch` sequences (prefilled first), and its device inputs."""
+    for prompt in random_prompts([5 + i for i in range(batch)], seed=batch):
+        llm.add_request(prompt, None)
+    while llm.engine.scheduler.waiting:
+        llm.run_step()
+    step = llm.engine.scheduler.schedule()
+    runner = llm.engine.runner
+    return step, runner.device_inputs(runner.prepare_inputs(step))
+
+
+def test_a_decode_batch_replays_the_next_larger_graph_over_padding_rows(qwen3_path):
+    llm = LLM(qwen3_path, attention_backend="torch", max_num_seqs=40, num_kvcache_blocks=64)
+    runner, captured = llm.engine.runner, []
+
+    def capture(forward, pool):
+        captured.append(forward)
+        return StandInGraph(forward, pool)
+    graphs = DecodeGraphs(runner.model, llm.config, runner.max_blocks_per_seq, capture)
+    # sizes 1, 2, 4, 8, then steps of 16 up to max_num_seqs; captured largest first
+    assert graphs.batch_sizes == [1, 2, 4, 8, 16, 32] and graphs.max_batch == 32
+    assert list(graphs.graphs) == [32, 16, 8, 4, 2, 1] and len(captured) == 6
+    step, (input_ids, positions, meta) = decode_step(llm, 5)
+    eager = runner.model(input_ids, positions, meta)
+    hidden = graphs.replay(input_ids, positions, meta)
+    assert [size for size, g in graphs.graphs.items() if g.replays] == [8]
+    assert torch.allclose(hidden, eager, atol=1e-6)
+    # the three padding rows of the 8-graph write no cache slot and see no context
+    assert graphs.meta.slot_mapping[5:8].tolist() == [-1] * 3
+    assert graphs.meta.context_lens[5:8].tolist() == [0] * 3
+
+
+def test_a_batch_larger_than_every_graph_runs_eagerly(qwen3_path):
+    llm = LLM(qwen3_path, attention_backend="torch", max_num_seqs=40, num_kvcache_blocks=64)
+    runner = llm.engine.runner
+    runner.graphs = DecodeGraphs(runner.model, llm.config, runner.max_blocks_per_seq,
+                                 StandInGraph)
+    _, inputs = decode_step(llm, 33)
+    runner._run_model(*inputs)
+    assert not any(g.replays for g in runner.graphs.graphs.values())
+    for request_id in list(llm.requests):
+        llm.abort(request_id)
+    _, inputs = decode_step(llm, 32)
+    runner._run_model(*inputs)
+    assert [size for size, g in runner.graphs.graphs.items() if g.replays] == [32]
+
+
+def test_the_gpu_kv_budget_is_what_the_profiling_forward_leaves(qwen3_path, monkeypatch):
+    """total x gpu_memory_utilization, less what is in use, less the activations' peak of the
+    largest prefill the scheduler can issue (and of sampling the largest batch)."""
+    llm = LLM(qwen3_path, max_num_batched_tokens=300, max_num_seqs=8, max_model_len=256,
+              gpu_memory_utilization=0.5, attention_backend="torch")
+    runner, profiled = llm.engine.runner, []
+    gib = 1 << 30
+    monkeypatch.setattr(runner, "execute", lambda inputs: profiled.append(inputs))
+    for name, value in (("empty_cache", None), ("reset_peak_memory_stats", None),
+                        ("synchronize", None), ("mem_get_info", (70 * gib, 80 * gib)),
+                        ("max_memory_allocated", 7 * gib), ("memory_allocated", 5 * gib)):
+        monkeypatch.setattr(torch.cuda, name, lambda *args, value=value: value)
+    assert runner._kv_budget_cuda() == 80 * gib // 2 - 10 * gib - 2 * gib
+    # the profiling forward: one prompt of max_model_len tokens (256 of a 300-token budget)
+    assert len(profiled) == 1 and len(profiled[0].input_ids) == 256
