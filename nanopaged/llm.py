@@ -19,6 +19,7 @@ from nanopaged.core.step import SamplerOutput, ScheduledStep
 from nanopaged.engine_args import split_options
 from nanopaged.inputs import InputProcessor, Prompt, as_batch
 import nanopaged.cpu  # noqa: F401 (enters the CPU backend in the core's registry)
+import nanopaged.quantization  # noqa: F401 (enters the quantized formats in the core)
 import nanopaged.models  # noqa: F401 (enters the model families in the core's registry)
 from nanopaged.outputs import EngineStats, Request, RequestOutput, token_logprobs
 from nanopaged.parallel import ParallelConfig, make_runner

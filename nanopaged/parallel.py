@@ -20,6 +20,7 @@ The core sees none of this: the model's layers shard themselves over the ranks o
 process group, and `make_runner` hands the engine a `ModelRunner` whose steps run on every rank.
 """
 import datetime
+import gc
 import multiprocessing as mp
 import multiprocessing.connection
 import os
@@ -35,11 +36,12 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+import nanopaged.cpu  # noqa: F401 (enters the CPU backend in the core's registry)
+import nanopaged.models  # noqa: F401 (enters the model families in the core's registry)
+import nanopaged.quantization  # noqa: F401 (enters the quantized formats in the core)
 from nanopaged.core.config import Config, check_fields
 from nanopaged.core.model_runner import ModelRunner
 from nanopaged.core.step import SamplerOutput, ScheduledStep, StepInputs
-import nanopaged.cpu  # noqa: F401 (enters the CPU backend in the core's registry)
-import nanopaged.models  # noqa: F401 (enters the model families in the core's registry)
 
 # Workers wait for rank 0's next message for as long as the caller leaves the engine idle.
 IDLE_TIMEOUT = datetime.timedelta(days=365)
@@ -229,6 +231,8 @@ def start_method() -> str:
 def _worker_main(target: Callable[[Config, ParallelConfig, int], None], config: Config,
                  parallel: ParallelConfig, rank: int, errors: mp.connection.Connection,
                  forked: bool) -> None:
+    if forked:  # the parent's unreachable objects stay uncollected here: their finalizers
+        gc.freeze()  # (an engine's close) would act on the parent's processes and groups
     # Ctrl-C is rank 0's to handle: it stops the workers
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     if config.device == "cpu":  # share the cores with the other ranks; in a forked child the

@@ -4,5 +4,5 @@ attention), sampler; sequence, config and loader hold what a sequence is, the op
 weights. Nothing here imports the rest of nanopaged, which stands above and plugs into the
 seams the core documents: `LLMEngine` (the two ends of a step), `Sequence` (stop tokens,
 logits processors, seeds, prompt logits), `Sampler`, `ModelRunner` (a subclass per tensor-
-parallel rank), `attention.BACKENDS`, `layers.LinearMethod` and `model.ARCHITECTURES` (see
-docs/architecture.md)."""
+parallel rank), `attention.BACKENDS`, `layers.LinearMethod` and `QUANTIZATIONS`,
+`model.ARCHITECTURES` (docs/architecture.md)."""

@@ -24,10 +24,10 @@ class BlockManager:
     block with a hash (`hashes[b]`) holds a full block of tokens (`block_tokens[b]`), computed or
     being computed by the current step, and can be shared by every sequence with the same
     prefix. (Plain lists, not an object per block: a pool of many thousand blocks is made in a
-    moment.) Free blocks wait in `free_block_ids`, least recently freed first: that order is the eviction
-    policy. A freed block keeps its hash, so a later request with the same prefix can take it
-    back until it is handed out again. Only full blocks are shared; a full block is never
-    written again. A block's hash is entered when the step that fills it is scheduled (later
+    moment.) Free blocks wait in `free_block_ids`, least recently freed first: that order is the
+    eviction policy. A freed block keeps its hash, so a later request with the same prefix can
+    take it back until it is handed out again. Only full blocks are shared; a full block is
+    never written again. A block's hash is entered when the step that fills it is scheduled (later
     sequences of the step may share it: the n samples of a prompt) and *committed* once the
     step has run: after a failed step, `rollback` forgets it. Nothing is looked up without
     `enable_prefix_caching`, nor for a sequence that asks for its prompt's logits. With a

@@ -19,9 +19,8 @@ def capture_cuda_graph(forward: Callable[[], None], pool) -> torch.cuda.CUDAGrap
 
 class DecodeGraphs:
     """One graph of the model's decode forward per batch size (1, 2, 4, 8, then steps of 16),
-    captured largest first into one memory pool (by `capture`, which a test may replace). A
-    batch replays the next larger size's graph, over static buffers where padding rows get
-    slot -1 (no cache write) and no context."""
+    captured largest first into one memory pool by `capture`. A batch replays the next larger
+    size's graph, over static buffers where padding rows get slot -1 and no context."""
 
     def __init__(self, model: nn.Module, config: Config, max_blocks_per_seq: int,
                  capture: Callable = capture_cuda_graph):

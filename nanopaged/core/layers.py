@@ -4,7 +4,7 @@ Its `weight_loader(param, tensor, shard_id)` copies this rank's slice of a check
 import functools
 import math
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
@@ -14,9 +14,8 @@ from torch import nn
 
 
 def cuda_compiled(fn):
-    """`fn`, fused by torch.compile (on first use: importing it takes a second) when its first
-    argument is on a GPU, where tiny kernels' launches are most of a small decode step's time;
-    on CPU as written, where compiling costs more than it saves."""
+    """`fn`, fused by torch.compile (once used) on a GPU, where tiny kernels' launches are most
+    of a small decode step's time; on CPU as written: compiling costs more than it saves."""
     compiled = []
 
     @functools.wraps(fn)
@@ -67,10 +66,11 @@ def parameter(data: torch.Tensor, output_dim: int | None = None, input_dim: int 
 
 class LinearMethod:
     """How a linear layer keeps and multiplies its weight: here a float (out, in) weight and
-    `F.linear`. The seam of quantized formats (nanopaged/quantization/) and of a backend's own
-    kernels (nanopaged/cpu.py): `create_weights(layer, in_features, out_features)` registers the
-    layer's parameters (see `parameter`), `process_weights(layer)` runs once the checkpoint is
-    loaded (to repack or dequantize them), `apply(layer, x)` multiplies."""
+    `F.linear`. The seam of a backend's own kernels (nanopaged/cpu.py) and of quantized formats,
+    which nanopaged/quantization/ enters in `QUANTIZATIONS[quant_method](quantization_config,
+    float method)`: `create_weights(layer, in_features, out_features)` registers the layer's
+    parameters (see `parameter`), `process_weights(layer)` runs once the checkpoint is loaded
+    (to repack or dequantize them), `apply(layer, x)` multiplies."""
 
     def create_weights(self, layer: nn.Module, in_features: int, out_features: int) -> None:
         layer.weight = parameter(torch.empty(out_features, in_features), 0, 1)
@@ -81,6 +81,8 @@ class LinearMethod:
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, layer.weight, layer.bias)
 
+
+QUANTIZATIONS: dict[str, Callable[[dict, LinearMethod], LinearMethod]] = {}
 
 # The methods of the layers being built: the projections' (q/k/v, o, gate/up, down) and the
 # others' (LM head, routers). `load_model` sets them for the model it builds (see
@@ -115,11 +117,17 @@ class LinearBase(nn.Module):
 def load_output_shard(layer: nn.Module, param: nn.Parameter, loaded: torch.Tensor,
                       offset: int = 0, size: int | None = None) -> None:
     """Copies this rank's slice of the checkpoint tensor `loaded` (tensor-parallel ranks split
-    its output features) into the output features [offset, offset + size) of `param`."""
+    its output features) into the output features [offset, offset + size) of `param` (all of it
+    if it has no output dim); a scalar (a part's scale) fills the part."""
     dim, pack = param.output_dim, param.output_pack
+    if dim is None:
+        return param.data.copy_(loaded)
     size = param.shape[dim] * pack if size is None else size
-    shard = tp_shard(loaded, dim, layer.tp_rank, layer.tp_size)
-    param.data.narrow(dim, offset // pack, size // pack).copy_(shard)
+    if offset % pack or size % pack:
+        raise ValueError(f"a part of {size} features at {offset} splits the groups of {pack}")
+    if loaded.dim():
+        loaded = tp_shard(loaded, dim, layer.tp_rank, layer.tp_size)
+    param.data.narrow(dim, offset // pack, size // pack).copy_(loaded)
 
 
 class ColumnParallelLinear(LinearBase):

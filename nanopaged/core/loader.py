@@ -8,7 +8,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from nanopaged.core.attention import BACKENDS
-from nanopaged.core.layers import LinearMethod, linear_methods
+from nanopaged.core.layers import QUANTIZATIONS, LinearMethod, linear_methods
 from nanopaged.core.model import ARCHITECTURES
 
 # Checkpoint tensors the model has no parameter for, by design.
@@ -18,14 +18,16 @@ IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 def load_model(path: str, hf_config: PretrainedConfig, dtype: torch.dtype, device: torch.device,
                attention_backend: str) -> nn.Module:
     """The model of the checkpoint at `path` (its config `hf_config`, checked by
-    `check_supported`), built in `dtype` on `device`."""
+    `check_supported`), built in `dtype` on `device`, quantized as `quantization_config` says."""
     architecture = next(a for a in hf_config.architectures if a in ARCHITECTURES)
     backend = BACKENDS[attention_backend]
     linear = backend.linear() if backend.linear else LinearMethod()
+    quant = getattr(hf_config, "quantization_config", None)
+    projections = QUANTIZATIONS[quant["quant_method"]](quant, linear) if quant else linear
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
-        with device, linear_methods(linear, linear):
+        with device, linear_methods(projections, linear):
             model = ARCHITECTURES[architecture](hf_config, attention_backend)
     finally:
         torch.set_default_dtype(default_dtype)
@@ -75,6 +77,6 @@ def _load_tensor(model: nn.Module, params: dict, modules: dict, name: str, f, fi
             params[param_name].data.copy_(f.get_tensor(name))
         else:
             load(params[param_name], f.get_tensor(name), shard)
-    except RuntimeError as error:  # a shape that does not fit the config
+    except (RuntimeError, ValueError) as error:  # a shape that does not fit the config
         raise ValueError(f"weight {name!r} in {file} does not fit the model: {error}") from None
     return param_name, shard

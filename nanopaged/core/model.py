@@ -6,7 +6,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from nanopaged.core.attention import Attention, AttentionMetadata
-from nanopaged.core.layers import (MergedColumnParallelLinear, ParallelLMHead,
+from nanopaged.core.layers import (QUANTIZATIONS, MergedColumnParallelLinear, ParallelLMHead,
                                    QKVParallelLinear, RMSNorm, RotaryEmbedding,
                                    RowParallelLinear, VocabParallelEmbedding, silu_and_mul,
                                    tp_size)
@@ -57,11 +57,13 @@ def unsupported_fields(config: PretrainedConfig) -> dict:
     partial = {r.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
                for r in ropes} - {1.0}
     act = getattr(config, "hidden_act", "silu")
+    quant = getattr(config, "quantization_config", None)  # a format's own checks: loader.py
+    quant = quant if quant and quant.get("quant_method") not in QUANTIZATIONS else None
     found = {"hidden_act": act if act != "silu" else None,
              "rope_type": ", ".join(sorted(rope_types - ROPE_TYPES)) or None,
              "partial_rotary_factor": partial.pop() if partial else None,
              "layer_types": set(getattr(config, "layer_types", None) or ()) - LAYER_TYPES or None,
-             "quantization_config": getattr(config, "quantization_config", None)}
+             "quant_method": quant.get("quant_method", "none") if quant else None}
     return {name: value for name, value in found.items() if value is not None}
 
 

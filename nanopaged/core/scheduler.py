@@ -64,10 +64,9 @@ class Scheduler:
             chunked = self.config.enable_chunked_prefill
             if not chunked and len(seq) - seq.num_computed_tokens > budget:
                 break  # it waits for a step with room for all of it
-            # a partly prefilled sequence keeps its blocks
             if not seq.block_table and (len(self.running) >= self.config.max_num_seqs
                                         or not self.block_manager.allocate(seq)):
-                break
+                break  # no room (a partly prefilled sequence holds its blocks already)
             num_tokens = min(len(seq) - seq.num_computed_tokens, budget)
             self.block_manager.cache_full_blocks(seq, num_tokens)
             step.add(seq, num_tokens)

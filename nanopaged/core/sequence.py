@@ -1,5 +1,4 @@
-"""One sequence as the engine tracks it: its tokens, how it is sampled, and where their K/V
-lives."""
+"""One sequence as the engine tracks it: its tokens, how it is sampled, where their K/V lives."""
 from dataclasses import dataclass
 from itertools import count
 

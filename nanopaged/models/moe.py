@@ -17,7 +17,8 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from nanopaged.core.layers import LinearBase, silu_and_mul, tp_rank, tp_shard, tp_size
-from nanopaged.core.model import ARCHITECTURES, MLP, QK_NORM, CausalLM, DecoderLayer
+from nanopaged.core.model import (ARCHITECTURES, MLP, QK_NORM, CausalLM, DecoderLayer,
+                                  unsupported_fields)
 
 
 def route(router_logits: torch.Tensor, top_k: int, renormalize: bool
@@ -127,6 +128,12 @@ class MoeForCausalLM(CausalLM):
     def __init__(self, config: PretrainedConfig, backend: str):
         super().__init__(config, backend)
         self.num_experts = num_experts(config)
+
+    @staticmethod
+    def unsupported(config: PretrainedConfig) -> dict:
+        quant = getattr(config, "quantization_config", None) or {}
+        experts = {"quantization_config (quantized experts)": quant.get("quant_method", "?")}
+        return unsupported_fields(config) | (experts if quant else {})
 
     def checkpoint_param(self, name: str) -> tuple[str, object]:
         match = EXPERT_MATRIX.match(name)

@@ -1,0 +1,73 @@
+"""What the quantized formats share: their tensors, stored as the checkpoint has them, become
+once loaded one float weight (out, in) that the device's linear method multiplies. The
+numbers are exact: each value is the product (or the difference times the scale) the format
+defines, computed in float32, then cast to the model's dtype."""
+import torch
+from torch import nn
+
+from nanopaged.core.layers import LinearMethod, parameter
+
+NIBBLE_SHIFTS = torch.arange(0, 32, 4, dtype=torch.int32)  # the 8 four-bit values of an int32
+
+
+class DequantizedLinear(LinearMethod):
+    """A format's tensors (`tensors(in_features, out_features)`, each a `layers.parameter`)
+    turned into the float weight by `dequantize(layer)`, then multiplied by `dense`."""
+
+    def __init__(self, dense: LinearMethod):
+        self.dense = dense
+
+    def tensors(self, in_features: int, out_features: int) -> dict[str, nn.Parameter]:
+        raise NotImplementedError
+
+    def dequantize(self, layer: nn.Module) -> torch.Tensor:
+        raise NotImplementedError
+
+    def create_weights(self, layer: nn.Module, in_features: int, out_features: int) -> None:
+        layer.float_dtype = torch.get_default_dtype()
+        layer.quantized = self.tensors(in_features, out_features)
+        for name, param in layer.quantized.items():
+            layer.register_parameter(name, param)
+
+    def process_weights(self, layer: nn.Module) -> None:
+        weight = self.dequantize(layer).to(layer.float_dtype)
+        for name in layer.quantized:
+            delattr(layer, name)
+        del layer.quantized
+        layer.weight = parameter(weight, 0, 1)
+        layer.method = self.dense
+        self.dense.process_weights(layer)
+
+
+def unpack_int4(words: torch.Tensor, dim: int, order: list[int] | None = None) -> torch.Tensor:
+    """The 4-bit values of int32 `words`, eight per word along `dim` (the lowest bits first),
+    placed in `order` (value i of a word is feature order[i] of its eight; None: in turn)."""
+    values = (words.unsqueeze(-1) >> NIBBLE_SHIFTS.to(words.device)) & 0xF  # (..., 8)
+    if order is not None:
+        values = values[..., torch.tensor(order).argsort()]
+    return values.movedim(-1, dim + 1).flatten(dim, dim + 1)
+
+
+def check_group(name: str, features: int, group: int) -> None:
+    if features % group:
+        raise ValueError(f"{name}={group} does not divide a projection's {features} input "
+                         f"features (on each tensor-parallel rank)")
+
+
+def check_keys(method: str, config: dict, expected: dict) -> None:
+    """A ValueError naming the first field of `config` whose value is not among `expected[name]`
+    (a field it lacks counts as its default, the first)."""
+    for name, allowed in expected.items():
+        value = config.get(name, allowed[0])
+        if value not in allowed:
+            raise ValueError(f"the checkpoint's {method} quantization_config has {name}="
+                             f"{value!r}, which nanopaged does not implement (it does "
+                             f"{', '.join(map(repr, allowed))})")
+
+
+def check_skipped(field: str, modules) -> None:
+    """Formats keep some modules unquantized: here only those outside the projections."""
+    kept = [m for m in modules or () if "proj" in m]
+    if kept:
+        raise ValueError(f"the checkpoint's quantization_config leaves {kept[0]!r} unquantized "
+                         f"({field}), which nanopaged does not implement")

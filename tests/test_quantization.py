@@ -1,0 +1,252 @@
+"""Quantized checkpoints (nanopaged/quantization/): tiny random ones written in each format's
+published layout by the code below, loaded by nanopaged and compared with transformers. FP8
+block-wise checkpoints are read by transformers itself (its own dequantization), and
+compressed-tensors ones by transformers with the compressed-tensors library (decompressed:
+`run_compressed=False`); AWQ, GPTQ and per-tensor FP8 ones are compared with a float checkpoint
+of the weights the format defines, which transformers runs. Greedy tokens must be equal, alone
+and on 2 ranks; a malformed checkpoint or a config asking for what is not implemented is a
+ValueError naming it."""
+import json
+import os
+import re
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from conftest import TINY, random_prompts
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM
+
+from nanopaged import LLM, SamplingParams
+from nanopaged.random_checkpoint import write_random_checkpoint
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12)
+# wide enough for groups of 64 and 128 and FP8 blocks of 64 on 2 ranks
+SHAPE = dict(hidden_size=128, intermediate_size=256, head_dim=64, num_attention_heads=4,
+             num_key_value_heads=2)
+PROJECTION = re.compile(r".*\.(q|k|v|o|gate|up|down)_proj\.weight$")
+FP8_MAX = torch.finfo(torch.float8_e4m3fn).max
+AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]  # AutoAWQ's: the word's value i is output AWQ_ORDER[i]
+
+
+def pack_rows(values: torch.Tensor, order=range(8)) -> torch.Tensor:
+    """int32 words of eight 4-bit values along the last dim: value i at bits 4i is column
+    order[i] of its eight (AutoAWQ's and AutoGPTQ's pack loops)."""
+    values = values.numpy().astype(np.uint32)
+    words = np.zeros((values.shape[0], values.shape[1] // 8), dtype=np.uint32)
+    for i, column in enumerate(order):
+        words |= values[:, column::8] << np.uint32(4 * i)
+    return torch.from_numpy(words.view(np.int32))
+
+
+def fp8_block(w: torch.Tensor, block: int) -> tuple[dict, torch.Tensor]:
+    out_f, in_f = w.shape
+    blocks = w.reshape(out_f // block, block, in_f // block, block)
+    scale = blocks.abs().amax(dim=(1, 3)) / FP8_MAX
+    q = (blocks / scale[:, None, :, None]).to(torch.float8_e4m3fn)
+    deq = (q.float() * scale[:, None, :, None]).reshape(out_f, in_f)
+    return {"weight": q.reshape(out_f, in_f), "weight_scale_inv": scale}, deq
+
+
+def fp8_rows(w: torch.Tensor, per_channel: bool) -> tuple[dict, torch.Tensor]:
+    scale = (w.abs().amax(dim=1, keepdim=True) if per_channel else w.abs().max()) / FP8_MAX
+    q = (w / scale).to(torch.float8_e4m3fn)
+    stored = scale if per_channel else scale.reshape(())
+    return {"weight": q, "weight_scale": stored}, q.float() * scale
+
+
+def int4_groups(w: torch.Tensor, group: int, sym: bool):
+    """w (out, in) as 4-bit values, zero points and float16 scales per `group` inputs: (in, out)
+    values, (groups, out) zeros and scales, and the weight they stand for (out, in)."""
+    groups = w.t().reshape(-1, group, w.shape[0])  # (groups, group, out)
+    low, high = groups.amin(dim=1), groups.amax(dim=1)
+    if sym:
+        scale = 2 * torch.maximum(low.abs(), high.abs()) / 15
+        zero = torch.full_like(scale, 8)
+    else:  # zero points 1..15: AutoGPTQ's stored zero - 1 corrupts its neighbours at 0
+        scale = (high - low) / 14
+        zero = (1 - low / scale).round().clamp(1, 15)
+    scale = scale.half().float()
+    q = (groups / scale[:, None] + zero[:, None]).round().clamp(0, 15)
+    deq = ((q - zero[:, None]) * scale[:, None]).reshape(-1, w.shape[0]).t()
+    return q.reshape(-1, w.shape[0]).int(), zero.int(), scale.half(), deq
+
+
+def awq(w: torch.Tensor, group: int) -> tuple[dict, torch.Tensor]:
+    q, zero, scale, deq = int4_groups(w, group, sym=False)
+    return {"qweight": pack_rows(q, AWQ_ORDER), "qzeros": pack_rows(zero, AWQ_ORDER),
+            "scales": scale}, deq
+
+
+def gptq(w: torch.Tensor, group: int, sym: bool, v2: bool = False) -> tuple[dict, torch.Tensor]:
+    q, zero, scale, deq = int4_groups(w, group, sym)
+    stored_zero = zero if v2 else (zero - 1) & 0xF
+    return {"qweight": pack_rows(q.t().contiguous()).t().contiguous(),
+            "qzeros": pack_rows(stored_zero), "scales": scale,
+            "g_idx": (torch.arange(w.shape[1]) // group).int()}, deq
+
+
+FORMATS = {  # name -> (quantization_config, quantize one projection's weight)
+    "fp8-block": ({"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                   "weight_block_size": [64, 64]}, lambda w: fp8_block(w, 64)),
+    "fp8-tensor": ({"quant_method": "fp8", "activation_scheme": "dynamic"},
+                   lambda w: fp8_rows(w, per_channel=False)),
+    "compressed-tensors": ({
+        "quant_method": "compressed-tensors", "format": "float-quantized",
+        "quantization_status": "compressed", "ignore": ["lm_head"], "kv_cache_scheme": None,
+        "config_groups": {"group_0": {
+            "targets": ["Linear"],
+            "weights": {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "channel",
+                        "dynamic": False},
+            "input_activations": {"num_bits": 8, "type": "float", "symmetric": True,
+                                  "strategy": "token", "dynamic": True}}}},
+        lambda w: fp8_rows(w, per_channel=True)),
+    "awq": ({"quant_method": "awq", "bits": 4, "group_size": 64, "zero_point": True,
+             "version": "gemm"}, lambda w: awq(w, 64)),
+    "gptq": ({"quant_method": "gptq", "bits": 4, "group_size": 64, "desc_act": False,
+              "sym": False}, lambda w: gptq(w, 64, sym=False)),
+    "gptq-v2-sym": ({"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False,
+                     "sym": True, "checkpoint_format": "gptq_v2"},
+                    lambda w: gptq(w, 128, sym=True, v2=True)),
+}
+
+
+def transformers_greedy(path: str, fmt: str) -> list[list[int]]:
+    """transformers' greedy tokens: its own reading of the quantized checkpoint where it has
+    one without GPU kernels, else of the float checkpoint beside it."""
+    options = {}
+    if fmt == "compressed-tensors":
+        from transformers import CompressedTensorsConfig
+        options["quantization_config"] = CompressedTensorsConfig(run_compressed=False)
+    elif fmt != "fp8-block":
+        path += "-float"
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **options)
+    with torch.no_grad():
+        return [model.generate(torch.tensor([p]), max_new_tokens=GREEDY.max_tokens,
+                               do_sample=False)[0, len(p):].tolist() for p in prompts()]
+
+
+def write_quantized(base: str, path: str, fmt: str, edit=None) -> str:
+    """The checkpoint at `base` with its projections in format `fmt` at `path`, and a float
+    checkpoint of the weights they stand for at `path`-float. `edit(tensors)` may break it."""
+    config, quantize = FORMATS[fmt]
+    tensors = load_file(os.path.join(base, "model.safetensors"))
+    quantized, dequantized = {}, {}
+    for name, tensor in tensors.items():
+        if PROJECTION.match(name):
+            parts, deq = quantize(tensor)
+            prefix = name.removesuffix("weight")
+            quantized.update({prefix + key: value for key, value in parts.items()})
+            dequantized[name] = deq
+        else:
+            quantized[name] = dequantized[name] = tensor
+    if edit:
+        edit(quantized)
+    for target, weights, quant in ((path, quantized, config), (path + "-float", dequantized, None)):
+        shutil.copytree(base, target, dirs_exist_ok=True)
+        save_file(weights, os.path.join(target, "model.safetensors"))
+        with open(os.path.join(base, "config.json")) as f:
+            written = json.load(f)
+        if quant:
+            written["quantization_config"] = quant
+        with open(os.path.join(target, "config.json"), "w") as f:
+            json.dump(written, f)
+    return path
+
+
+@pytest.fixture(scope="module")
+def bases(tmp_path_factory):
+    root = tmp_path_factory.mktemp("quantized")
+    return {arch: write_random_checkpoint(str(root / arch), dict(TINY[arch], **SHAPE),
+                                          initializer_range=0.1) for arch in ("qwen3", "llama")}
+
+
+def prompts():
+    return random_prompts([5, 17, 40], seed=3)
+
+
+def greedy(llm: LLM) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(prompts(), GREEDY, use_tqdm=False)]
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_greedy_tokens_equal_transformers_on_the_weights_the_format_defines(
+        fmt, arch, bases, tmp_path):
+    path = write_quantized(bases[arch], str(tmp_path / fmt), fmt)
+    expected = transformers_greedy(path, fmt)
+    with LLM(path, max_model_len=256) as llm:
+        assert greedy(llm) == expected
+
+
+@pytest.mark.parametrize("fmt", ["fp8-block", "compressed-tensors", "awq", "gptq"])
+def test_two_ranks_split_the_quantized_tensors_as_one(fmt, bases, tmp_path, hf_greedy):
+    path = write_quantized(bases["qwen3"], str(tmp_path / fmt), fmt)
+    with LLM(path, max_model_len=256, tensor_parallel_size=2) as llm:
+        assert greedy(llm) == hf_greedy(path + "-float", prompts(), GREEDY.max_tokens)
+
+
+def edit_quantization(path: str, **changes) -> None:
+    with open(os.path.join(path, "config.json")) as f:
+        config = json.load(f)
+    config["quantization_config"] = dict(config.get("quantization_config", {}), **changes)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f)
+
+
+def drop(suffix: str):
+    return lambda tensors: tensors.pop(next(n for n in tensors if n.endswith(suffix)))
+
+
+def halve(suffix: str):
+    def edit(tensors):
+        name = next(n for n in tensors if n.endswith(suffix))
+        tensors[name] = tensors[name][: tensors[name].shape[0] // 2].contiguous()
+    return edit
+
+
+@pytest.mark.parametrize("fmt, edit, message", [
+    ("fp8-block", drop("k_proj.weight_scale_inv"),
+     r"missing weights: model\.layers\.\d\.self_attn\.qkv_proj\.weight_scale_inv \(part k\)"),
+    ("awq", halve("down_proj.scales"),
+     r"weight 'model\.layers\.\d\.mlp\.down_proj\.scales'.*does not fit"),
+    ("gptq", halve("o_proj.qzeros"),
+     r"'model\.layers\.\d\.self_attn\.o_proj\.qzeros'.*does not fit"),
+])
+def test_a_malformed_checkpoint_names_the_tensor(fmt, edit, message, bases, tmp_path):
+    path = write_quantized(bases["qwen3"], str(tmp_path / fmt), fmt, edit)
+    with pytest.raises(ValueError, match=message):
+        LLM(path, max_model_len=256)
+
+
+@pytest.mark.parametrize("fmt, change, message", [
+    ("awq", {"bits": 8}, r"awq quantization_config has bits=8"),
+    ("awq", {"version": "gemv"}, r"version='gemv'"),
+    ("gptq", {"desc_act": True}, r"desc_act=True"),
+    ("gptq", {"checkpoint_format": "marlin"}, r"checkpoint_format='marlin'"),
+    ("fp8-block", {"weight_block_size": [64]}, r"weight_block_size must be"),
+    ("fp8-block", {"ignored_layers": ["model.layers.0.mlp.down_proj"]},
+     r"leaves 'model.layers.0.mlp.down_proj' unquantized"),
+    ("awq", {"group_size": 48}, r"group_size=48"),
+    ("awq", {"quant_method": "exl2"}, r"quant_method='exl2'"),
+])
+def test_what_is_not_implemented_is_refused_by_name(fmt, change, message, bases, tmp_path):
+    path = write_quantized(bases["qwen3"], str(tmp_path / fmt), fmt)
+    edit_quantization(path, **change)
+    with pytest.raises(ValueError, match=message):
+        LLM(path, max_model_len=256)
+
+
+def test_a_group_size_that_does_not_divide_the_inputs_is_refused(bases, tmp_path):
+    path = write_quantized(bases["qwen3"], str(tmp_path / "g"), "gptq")
+    edit_quantization(path, group_size=48)
+    with pytest.raises(ValueError, match=r"group_size=48 does not divide a projection's 128 in"):
+        LLM(path, max_model_len=256)
+
+
+def test_quantized_experts_are_refused(tmp_path):
+    path = write_random_checkpoint(str(tmp_path / "moe"), TINY["qwen3-moe"])
+    edit_quantization(path, **FORMATS["fp8-block"][0])
+    with pytest.raises(ValueError, match=r"quantized experts\)='fp8'"):
+        LLM(path, max_model_len=256)
