@@ -22,8 +22,9 @@ OPTIONS = {
     "device": (str | None, None, "cuda or cpu (default: cuda if available)"),
     "dtype": (str | None, None, "auto (the checkpoint's on GPU, float32 on CPU), float32/float, "
                                 "float16/half, bfloat16"),
-    "max_num_batched_tokens": (int, 16384, "token budget of one step; longer prompts are "
-                                           "prefilled in chunks"),
+    "max_num_batched_tokens": (int | None, None, "token budget of one step (default: 16384 on "
+                                                 "a GPU, 4096 on a CPU); longer prompts are "
+                                                 "prefilled in chunks"),
     "max_num_seqs": (int, 512, "sequences running at once"),
     "max_model_len": (int | None, None, "longest prompt + completion (default: the model's)"),
     "gpu_memory_utilization": (float, 0.9, "share of GPU memory the engine may use"),

@@ -1,5 +1,6 @@
 """The CPU backend (nanopaged/cpu.py) against the plain-PyTorch reference: its attention, its
 packed linear layers, and the process settings it makes."""
+import math
 import os
 
 import pytest
@@ -9,6 +10,7 @@ import torch.nn.functional as F
 from nanopaged import LLM, SamplingParams
 from nanopaged import cpu
 from nanopaged.core.attention import decode_torch, prefill_torch, store_kvcache_torch
+from nanopaged.core import sampler
 from nanopaged.core.layers import LinearMethod
 from conftest import HEAD_DIM, metadata, paged_cache, random_prompts, relative_error
 
@@ -31,22 +33,26 @@ def test_decode_matches_the_reference(block_size, num_heads, num_kv_heads, windo
     meta = metadata(CONTEXT_LENS, tables)
     out = cpu.decode(q, k_cache, v_cache, meta, 0.25, window)
     assert relative_error(out, decode_torch(q, k_cache, v_cache, meta, 0.25, window)) < 1e-6
-    groups = meta.plans[("cpu decode", window)]
-    assert groups != "one" and (len(groups) > 1 or window == 5)  # 5: two blocks a sequence
+    order, groups = meta.plans[("cpu decode", window)]
+    assert len(groups) > 1 or window == 5  # 5: two blocks a sequence
 
 
 def test_decode_groups_sequences_of_similar_length_within_the_byte_budget(small_groups):
     """Shortest first; no group's padded K and V pass GROUP_BYTES, but a sequence longer alone."""
     lens = [900, 3, 40, 41, 700, 2]
     k_cache, _, tables = paged_cache(16, lens, 2, seed=1)
-    groups = cpu.decode_groups(metadata(lens, tables), None, k_cache)
-    rows = [group[0].tolist() for group in groups]
-    assert sum(rows, []) == sorted(range(len(lens)), key=lambda i: lens[i])
+    order, groups = cpu.decode_plan(metadata(lens, tables), None, k_cache)
+    assert order.tolist() == sorted(range(len(lens)), key=lambda i: lens[i])
     token_bytes = 2 * 2 * HEAD_DIM * 4
-    for (members, group_tables, mask) in groups:
-        padded = len(members) * group_tables.shape[1] * 16 * token_bytes
-        assert padded <= cpu.GROUP_BYTES or len(members) == 1
-        assert mask.sum(dim=-1).flatten().tolist() == [lens[i] for i in members.tolist()]
+    start = 0
+    for blocks, mask in groups:
+        members = order[start:start + len(mask)].tolist()
+        start += len(mask)
+        assert len(blocks) == len(members) * mask.shape[-1] // 16
+        assert len(blocks) * 16 * token_bytes <= cpu.GROUP_BYTES or len(members) == 1
+        seen = (mask == 0).sum(dim=-1).flatten().tolist()
+        assert seen == [lens[i] for i in members] and mask.max() == 0
+    assert start == len(lens)
 
 
 def test_a_batch_that_fits_one_group_is_the_plain_decode():
@@ -55,7 +61,7 @@ def test_a_batch_that_fits_one_group_is_the_plain_decode():
     q = torch.randn(2, 4, HEAD_DIM)
     assert torch.equal(cpu.decode(q, k_cache, v_cache, meta, 0.25),
                        decode_torch(q, k_cache, v_cache, meta, 0.25))
-    assert meta.plans[("cpu decode", None)] == "one"
+    assert meta.plans[("cpu decode", None)] is None
 
 
 @pytest.mark.parametrize("window", [None, 3, 32])
@@ -109,9 +115,49 @@ def test_half_weights_keep_f_linear():
 
 
 def test_auto_picks_the_cpu_backend_on_a_cpu_and_torch_stays_the_reference(qwen3_path):
-    assert LLM(qwen3_path).config.attention_backend == "cpu"
-    model = LLM(qwen3_path, attention_backend="torch").engine.runner.model
-    assert all(type(m.method) is LinearMethod for m in model.modules() if hasattr(m, "method"))
+    llm = LLM(qwen3_path)
+    assert llm.config.attention_backend == "cpu" and llm.engine.runner.sampler.sample is cpu.sample
+    runner = LLM(qwen3_path, attention_backend="torch").engine.runner
+    assert runner.sampler.sample is sampler.sample
+    assert all(type(m.method) is LinearMethod for m in runner.model.modules()
+               if hasattr(m, "method"))
+
+
+def cdf_bounds(logits, temperatures, tokens):
+    """The cumulative probability before and after each row's token, in float64."""
+    probs = torch.softmax(logits.double() / temperatures.double()[:, None], dim=-1)
+    cdf = probs.cumsum(dim=-1)
+    after = cdf.gather(1, tokens[:, None]).squeeze(1)
+    return after - probs.gather(1, tokens[:, None]).squeeze(1), after
+
+
+@pytest.mark.parametrize("vocab_size", [4096, 1000])  # 1000: no whole chunks, so one
+def test_sample_inverts_the_cumulative_distribution_as_the_sampler_does(vocab_size):
+    g = torch.Generator().manual_seed(vocab_size)
+    logits = torch.randn(256, vocab_size, generator=g) * 4
+    temperatures = torch.rand(256, generator=g) + 0.05
+    uniform = torch.rand(256, generator=g)
+    tokens = cpu.sample(logits, temperatures, uniform)
+    before, after = cdf_bounds(logits, temperatures, tokens)
+    # the token's interval of the distribution holds the uniform number, up to float32 rounding
+    assert ((before <= uniform + 1e-5) & (uniform <= after + 1e-5)).all()
+    agree = tokens == sampler.sample(logits, temperatures, uniform)
+    assert agree.float().mean() > 0.99
+
+
+def test_sample_never_picks_a_token_of_probability_zero():
+    """Targets at and next to every chunk's boundary, and uniform numbers next to 1, over rows
+    whose allowed tokens sit at the ends of chunks."""
+    allowed = [0, 127, 128, 255, 300, 383, 511]
+    logits = torch.full((1, 512), float("-inf"))
+    logits[0, allowed] = torch.randn(len(allowed))
+    probs = torch.softmax(logits, dim=-1)
+    cuts = probs.cumsum(dim=-1)[0, allowed].tolist()
+    targets = [0.0, 1 - 2 ** -24] + [math.nextafter(c, d) for c in cuts for d in (0, 1)] + cuts
+    uniform = torch.tensor([t for t in targets if t < 1])
+    rows = len(uniform)
+    tokens = cpu.sample(logits.expand(rows, -1), torch.ones(rows), uniform)
+    assert set(tokens.tolist()) <= set(allowed)
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "llama"])

@@ -7,8 +7,10 @@ import sys
 from dataclasses import MISSING, fields
 
 import pytest
+import torch
 
 from nanopaged import LLM, EngineArgs, SamplingParams
+from nanopaged.core.config import Config
 from nanopaged.engine_args import ALIASES, HINTS, OPTIONS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -41,6 +43,13 @@ def test_the_defaults_the_readme_describes_on_a_cpu(qwen3_path):
     assert config.kvcache_block_size == 16  # without flash-attn
     assert config.max_model_len == config.hf_config.max_position_embeddings
     assert llm.tokenizer.name_or_path == config.model
+
+
+def test_a_steps_token_budget_is_16384_on_a_gpu_and_4096_on_a_cpu(qwen3_path, monkeypatch):
+    assert Config(qwen3_path).max_num_batched_tokens == 4096
+    assert Config(qwen3_path, max_num_batched_tokens=100).max_num_batched_tokens == 100
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert Config(qwen3_path, attention_backend="torch").max_num_batched_tokens == 16384
 
 
 def test_default_sampling_samples_16_tokens_from_the_whole_distribution(qwen3_path):

@@ -112,12 +112,13 @@ def decode_flash(q, k_cache, v_cache, meta: AttentionMetadata, scale: float,
 class Backend:
     """An attention backend: `load()` gives its (store_kvcache, prefill, decode) functions (its
     module imported only then); `missing(on_gpu, dtype)` names what it needs and lacks here (None:
-    usable); "auto" may pick it on the device types `auto_on`; its model's linear layers take
-    the method `linear()` gives (None: `layers.LinearMethod`, `F.linear`)."""
+    usable); "auto" may pick it on the device types `auto_on`; `linear()` gives its model's
+    linear method, `sample` its sampler's function (None: `LinearMethod`, `sampler.sample`)."""
     load: Callable[[], tuple]
     missing: Callable[[bool, torch.dtype], str | None]
     auto_on: tuple[str, ...] = ("cuda", "cpu")
     linear: Callable[[], object] | None = None
+    sample: Callable | None = None
 
 
 def _triton():

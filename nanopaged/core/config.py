@@ -46,13 +46,14 @@ class Config:
     """The checkpoint directory `model` and the core's options. `None` means "choose for me":
     `device` cuda when available, `dtype` the checkpoint's on GPU and float32 on CPU,
     `max_model_len` the model's, `kvcache_block_size` 256 with flash-attn and 16 otherwise;
+    `max_num_batched_tokens` 16384 on a GPU, 4096 on a CPU (whose caches then hold a step);
     `attention_backend` "auto" picks the first usable of `attention.BACKENDS` for the device.
     `num_kvcache_blocks` forces the pool's size; `scheduling`: see `Scheduler`; `seed` seeds
     the samples of sequences with no seed of their own."""
     model: str
     device: str | None = None
     dtype: str | torch.dtype | None = None
-    max_num_batched_tokens: int = 16384
+    max_num_batched_tokens: int | None = None
     max_num_seqs: int = 512
     max_model_len: int | None = None
     gpu_memory_utilization: float = 0.9
@@ -74,11 +75,13 @@ class Config:
         self.hf_config = read_checkpoint_config(self.model)
         longest = self.hf_config.max_position_embeddings
         self.max_model_len = min(self.max_model_len or longest, longest)
+        self._resolve_device_and_dtype()
+        if self.max_num_batched_tokens is None:
+            self.max_num_batched_tokens = 16384 if self.device == "cuda" else 4096
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens} is smaller "
                              f"than max_model_len={self.max_model_len}: without chunked prefill "
                              f"longer prompts could never run; raise it or lower max_model_len")
-        self._resolve_device_and_dtype()
         self._resolve_attention_backend()
 
     def _resolve_device_and_dtype(self) -> None:

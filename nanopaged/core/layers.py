@@ -16,15 +16,11 @@ from torch import nn
 def cuda_compiled(fn):
     """`fn`, fused by torch.compile (once used) on a GPU, where tiny kernels' launches are most
     of a small decode step's time; on CPU as written: compiling costs more than it saves."""
-    compiled = []
+    compiled = functools.cache(lambda: torch.compile(fn, dynamic=True))
 
     @functools.wraps(fn)
     def dispatch(x: torch.Tensor, *args):
-        if not x.is_cuda:
-            return fn(x, *args)
-        if not compiled:
-            compiled.append(torch.compile(fn, dynamic=True))
-        return compiled[0](x, *args)
+        return (compiled() if x.is_cuda else fn)(x, *args)
     return dispatch
 
 

@@ -7,7 +7,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from nanopaged.core.attention import AttentionMetadata
+from nanopaged.core.attention import BACKENDS, AttentionMetadata
 from nanopaged.core.config import Config
 from nanopaged.core.cuda_graphs import DecodeGraphs
 from nanopaged.core.layers import to_device
@@ -34,7 +34,7 @@ class ModelRunner:
         self.device = torch.device(config.device)
         self.model = load_model(config.model, config.hf_config, config.dtype, self.device,
                                 config.attention_backend)
-        self.sampler = Sampler(self.device, config.seed)
+        self.sampler = Sampler(self.device, config.seed, BACKENDS[config.attention_backend].sample)
         self.max_blocks_per_seq = cdiv(config.max_model_len, self.block_size)
         self.graphs: DecodeGraphs | None = None
         self.num_kvcache_blocks = self._allocate_kv_cache()
@@ -182,11 +182,9 @@ class ModelRunner:
     def prompt_logits(logits: torch.Tensor | None, first: int, inputs: StepInputs
                       ) -> dict[int, torch.Tensor]:
         """The rows of `logits` from `first` on, by the sequences that asked for them."""
-        found = {}
-        for i, count in inputs.prompt_rows:
-            found[i] = logits[first:first + count]
-            first += count
-        return found
+        rows = inputs.prompt_rows
+        starts = itertools.accumulate((count for _, count in rows), initial=first)
+        return {i: logits[start:start + count] for (i, count), start in zip(rows, starts)}
 
     @torch.inference_mode()
     def execute(self, inputs: StepInputs) -> torch.Tensor | None:

@@ -1,5 +1,7 @@
 """Turns the logits of the sampling rows into next tokens: greedy, or sampled at a temperature
 from the top-k, top-p and min-p tokens."""
+from collections.abc import Callable
+
 import torch
 import xxhash
 
@@ -36,8 +38,9 @@ class Sampler:
     how many tokens a step gives it; the other rows draw from the engine's generator, seeded once
     (`seed`), so that a run repeats."""
 
-    def __init__(self, device: torch.device, seed: int = 0):
+    def __init__(self, device: torch.device, seed: int = 0, sample_fn: Callable | None = None):
         self.device = device
+        self.sample = sample_fn or sample  # or a backend's own (see `attention.Backend`)
         self.generator = torch.Generator().manual_seed(seed)
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence],
@@ -59,7 +62,7 @@ class Sampler:
         for r, seq in enumerate(seqs):
             if seq.seed is not None:
                 uniform[r] = seeded_uniform(seq.seed, len(seq) + (offsets[r] if offsets else 0))
-        sampled = sample(logits, temperatures, to_device(self.device, uniform))
+        sampled = self.sample(logits, temperatures, to_device(self.device, uniform))
         if any(greedy):
             sampled = torch.where(to_device(self.device, greedy), logits.argmax(dim=-1), sampled)
         return sampled
