@@ -1,7 +1,7 @@
 """The CPU backend: what makes the engine fast on a CPU, each part measured (docs/cpu.md).
 
 `attention_backend="cpu"`, which "auto" picks on a CPU, computes what the plain "torch"
-backend computes (the reference), with three changes:
+backend computes (the reference), with these changes:
 
 - Decode attention reads the cache in groups of sequences of about the same length, each
   group's blocks small enough to stay in the CPU's cache while attention reads them: the
@@ -11,6 +11,7 @@ backend computes (the reference), with three changes:
 - Linear layers multiply with oneDNN's prepacked weights (`torch.ops.mkldnn`), 1.2x to 3x
   faster than `F.linear` here (most on the LM head of a large vocabulary); the plain weights
   of the projections are then freed.
+- Sampling searches the cumulative distribution in two levels, chunks first (`sample`).
 - The process keeps freed memory for reuse (glibc's mmap and trim thresholds raised): a
   step's activations are tens of MB, which glibc would otherwise return to the OS after each
   use and fault in again, page by page; and torch's threads are as many as the cores this
