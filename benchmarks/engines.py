@@ -1,4 +1,4 @@
-"""The engines compared, each run in its own (spawned) process on the same workload, after a
+"""The engines compared, each run in a fresh process of its own on the same workload, after a
 warm-up outside the timed region: nanopaged, transformers (continuous batching, and static
 batched `generate`), nano-vllm and vLLM when importable."""
 import importlib.util
@@ -153,11 +153,21 @@ def _child(engine: str, model: str, work: Workload, args, queue) -> None:
         queue.put({"error": f"{type(error).__name__}: {error}"})
 
 
+def _context() -> multiprocessing.context.BaseContext:
+    """A fresh process per engine, forked from a server that has imported torch and
+    transformers once (seconds a child would spend again); spawned where fork is missing."""
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return multiprocessing.get_context("spawn")
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "transformers", "nanopaged.llm"])
+    return ctx
+
+
 def run_engine(engine: str, model: str, work: Workload, args) -> dict:
     module = MODULES.get(engine)
     if module and importlib.util.find_spec(module) is None:
         return {"skipped": f"{module} is not importable"}
-    ctx = multiprocessing.get_context("spawn")
+    ctx = _context()
     queue = ctx.Queue()
     process = ctx.Process(target=_child, args=(engine, model, work, args, queue))
     process.start()

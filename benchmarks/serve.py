@@ -55,11 +55,12 @@ class NanopagedServer:
             except httpx.HTTPError:
                 if self.process.poll() is not None:
                     raise RuntimeError(f"the server exited with code {self.process.returncode}")
-                time.sleep(0.5)
+                time.sleep(0.1)
 
     def __exit__(self, *exc_info) -> None:
         self.process.send_signal(signal.SIGTERM)
         self.process.wait(timeout=120)
+
 
 async def send_workload(url: str, work: Workload, rate: float, args) -> dict:
     """Streams every request of the workload, started at Poisson arrival times of `rate` a

@@ -22,7 +22,7 @@ from collections import OrderedDict
 
 import llguidance
 import llguidance.hf
-import llguidance.torch
+import llguidance.numpy
 import torch
 from transformers import PreTrainedTokenizerBase
 
@@ -159,12 +159,13 @@ class Grammars:
         a million states): such a request would end at once with empty text, or fail midway."""
         matcher = llguidance.LLMatcher(self.tokenizer, grammar)
         for _ in range(SIMULATED_TOKENS):
-            bitmask = llguidance.torch.allocate_token_bitmask(1, self.vocab_size)
-            llguidance.torch.fill_next_token_bitmask(matcher, bitmask)
+            bitmask = llguidance.numpy.allocate_token_bitmask(1, self.vocab_size)
+            llguidance.numpy.fill_next_token_bitmask(matcher, bitmask)
             if matcher.is_error():
                 break
-            allowed = _allowed(bitmask[0], self.vocab_size)
-            token = next((t for t in allowed if t not in self.eos_token_ids), None)
+            allowed = torch.nonzero(_unpack(torch.from_numpy(bitmask), self.vocab_size)[0])
+            token = next((t for t in allowed.flatten().tolist() if t not in self.eos_token_ids),
+                         None)
             if token is None:
                 return  # the text may end here
             matcher.consume_token(token)
@@ -201,18 +202,21 @@ class Matcher:
               ) -> torch.Tensor:
         """logits (R, V) float32, a row per matcher -> each row keeps only the tokens its
         grammar allows next."""
-        bitmask = llguidance.torch.allocate_token_bitmask(len(matchers), logits.shape[1])
+        bitmask = llguidance.numpy.allocate_token_bitmask(len(matchers), logits.shape[1])
         # on all cores; on a GPU this runs while the forward that made `logits` still does
-        llguidance.torch.fill_next_token_bitmask_par(
+        llguidance.numpy.fill_next_token_bitmask_par(
             _executor(), [(m.matcher, r) for r, m in enumerate(matchers)], bitmask)
-        llguidance.torch.apply_token_bitmask_inplace(logits, bitmask.to(logits.device))
-        return logits
+        allowed = _unpack(torch.from_numpy(bitmask).to(logits.device), logits.shape[1])
+        return logits.masked_fill_(~allowed, float("-inf"))
 
 
-def _allowed(bitmask: torch.Tensor, vocab_size: int) -> list[int]:
-    """The token ids a packed bitmask (int32 words, bit i of word w: token 32w + i) allows."""
-    bits = (bitmask.view(-1, 1) >> torch.arange(32, dtype=torch.int32)) & 1
-    return torch.nonzero(bits.flatten()[:vocab_size]).flatten().tolist()
+def _unpack(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """(R, W) int32 words, bit i of word w for token 32w + i -> (R, vocab_size) bool, the
+    tokens allowed. Plain torch, not llguidance.torch's kernel: that one imports and runs
+    torch.compile, seconds on a server's first structured request."""
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    bits = (bitmask.unsqueeze(-1) >> shifts) & 1
+    return bits.flatten(1)[:, :vocab_size].bool()
 
 
 @functools.cache

@@ -2,9 +2,13 @@
 reference."""
 
 import functools
+import multiprocessing.forkserver
 import os
 
 import pytest
+
+if "PYTEST_XDIST_WORKER" in os.environ:  # `-n auto`: a worker per core, one torch thread each
+    os.environ["OMP_NUM_THREADS"] = "1"
 import torch
 
 if (
@@ -44,6 +48,22 @@ TINY.update(FAMILIES)
 def checkpoint(arch: str, root: str) -> str:
     # a wide initialisation spreads the logits, so greedy argmax has no near-ties
     return write_random_checkpoint(f"{root}/{arch}", TINY[arch], seed=0, initializer_range=0.1)
+
+
+def pytest_xdist_auto_num_workers(config) -> int:
+    """`-n auto`: the cores this process may use, as the engine counts them (affinity and
+    cgroup quota), not the machine's."""
+    from nanopaged.cpu import usable_cores
+    return usable_cores()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def no_fork_server_left():
+    """bench runs each engine in a child of multiprocessing's fork server (started on its first
+    run); stopped after each module, so that tests counting an engine's processes see only
+    theirs. `_stop` is the method CPython's own tests stop it with."""
+    yield
+    multiprocessing.forkserver._forkserver._stop()
 
 
 @pytest.fixture(scope="session")
