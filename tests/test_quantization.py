@@ -180,6 +180,22 @@ def test_greedy_tokens_equal_transformers_on_the_weights_the_format_defines(
         assert greedy(llm) == expected
 
 
+@pytest.mark.parametrize("fmt", ["awq", "gptq"])
+def test_the_4bit_kernel_gives_the_tokens_of_the_dequantized_weight(fmt, bases, tmp_path,
+                                                                     monkeypatch):
+    """The GPU's path, the weight kept 4-bit and multiplied by int4_triton's kernel (here
+    interpreted on CPU tensors): transformers' tokens, and no float weight left behind."""
+    pytest.importorskip("triton")
+    from nanopaged.quantization import dequantize, int4_triton
+    monkeypatch.setattr(dequantize, "use_kernel", lambda qweight: True)
+    path = write_quantized(bases["qwen3"], str(tmp_path / fmt), fmt)
+    with LLM(path, max_model_len=256) as llm:
+        assert greedy(llm) == transformers_greedy(path, fmt)
+        projection = llm.engine.runner.model.model.layers[0].mlp.down_proj
+        assert isinstance(projection.method, int4_triton.Int4Kernel)
+        assert projection.packed.dtype == torch.int32 and not hasattr(projection, "weight")
+
+
 @pytest.mark.parametrize("fmt", ["fp8-block", "compressed-tensors", "awq", "gptq"])
 def test_two_ranks_split_the_quantized_tensors_as_one(fmt, bases, tmp_path, hf_greedy):
     path = write_quantized(bases["qwen3"], str(tmp_path / fmt), fmt)

@@ -135,3 +135,24 @@ def test_align_by_expert_gives_each_tile_one_expert_and_each_pair_one_row():
     for row in range(rows_in_use.item()):
         if real[row]:
             assert pairs[sorted_ids[row]] == tile_experts[row // 2]
+
+
+@pytest.mark.parametrize("rows, in_features, out_features, group", [
+    (1, 128, 96, 32), (5, 256, 64, 128), (40, 72, 80, 72)])  # 72: one group, a part-filled tile
+def test_int4_matmul_equals_the_dequantized_weight(rows, in_features, out_features, group):
+    """AWQ's and GPTQ's 4-bit GEMM: x @ ((value - zero) x scale), each input taking its group's
+    zero and scale, against the float weight they define."""
+    from nanopaged.quantization.dequantize import unpack_int4
+    from nanopaged.quantization.int4_triton import int4_matmul, pack_inputs
+    g = torch.Generator().manual_seed(rows)
+    values = torch.randint(0, 16, (in_features, out_features), generator=g)
+    zeros = torch.randint(0, 16, (in_features // group, out_features), generator=g)
+    scales = (torch.rand(in_features // group, out_features, generator=g) / 16).half()
+    packed = pack_inputs(values)
+    assert torch.equal(unpack_int4(packed, 0), values)  # the layout the kernel reads
+    weight = (values - zeros.repeat_interleave(group, 0)) * scales.float().repeat_interleave(
+        group, 0)
+    x = torch.randn(rows, in_features, generator=g)
+    out = int4_matmul(x.to(DEVICE), packed.to(DEVICE), zeros.to(torch.uint8).to(DEVICE),
+                      scales.to(DEVICE), group)
+    assert relative_error(out, (x @ weight).to(DEVICE)) < 1e-5

@@ -5,14 +5,14 @@ A projection of `in` inputs and `out` outputs stores, in groups of `group_size` 
   its eight);
 - `qzeros`, int32 (in / group_size, out / 8): each group's zero points, packed the same way;
 - `scales`, float16 (in / group_size, out).
-The weight is (value - zero) x scale, each input taking its group's zero and scale; here it is
-dequantized once loaded (vLLM and AutoAWQ multiply with a kernel that does it on the fly)."""
+The weight is (value - zero) x scale, each input taking its group's zero and scale: on a GPU
+multiplied 4-bit by a kernel, elsewhere dequantized once loaded (see `Int4Linear`)."""
 import torch
 from torch import nn
 
 from nanopaged.core.layers import QUANTIZATIONS, LinearMethod, parameter
 from nanopaged.quantization.dequantize import (
-    DequantizedLinear,
+    Int4Linear,
     check_group,
     check_keys,
     check_skipped,
@@ -22,7 +22,7 @@ from nanopaged.quantization.dequantize import (
 AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]
 
 
-class AwqLinear(DequantizedLinear):
+class AwqLinear(Int4Linear):
     def __init__(self, dense: LinearMethod, group_size: int):
         super().__init__(dense)
         self.group_size = group_size
@@ -38,12 +38,9 @@ class AwqLinear(DequantizedLinear):
             "scales": parameter(torch.empty(groups, out_features, dtype=torch.float16), 1, 0,
                                 input_pack=self.group_size)}
 
-    def dequantize(self, layer: nn.Module) -> torch.Tensor:
-        values = unpack_int4(layer.qweight, 1, AWQ_ORDER)             # (in, out)
-        zeros = unpack_int4(layer.qzeros, 1, AWQ_ORDER)               # (groups, out)
-        zeros = zeros.repeat_interleave(self.group_size, 0)
-        scales = layer.scales.float().repeat_interleave(self.group_size, 0)
-        return ((values - zeros).float() * scales).t()
+    def int4(self, layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+        return (unpack_int4(layer.qweight, 1, AWQ_ORDER), unpack_int4(layer.qzeros, 1, AWQ_ORDER),
+                layer.scales, self.group_size)
 
 
 def awq_method(config: dict, dense: LinearMethod) -> AwqLinear:

@@ -39,6 +39,37 @@ class DequantizedLinear(LinearMethod):
         self.dense.process_weights(layer)
 
 
+class Int4Linear(DequantizedLinear):
+    """A 4-bit format (AWQ, GPTQ): `int4(layer)` reads its tensors as values (in, out), zero
+    points and scales (groups, out) and the group size; the weight is (value - zero) x scale.
+    On a GPU the layer keeps them 4-bit and multiplies with int4_triton.py's kernel (a quarter
+    of the float weight's bytes); elsewhere they are dequantized once loaded."""
+
+    def int4(self, layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+        raise NotImplementedError
+
+    def dequantize(self, layer: nn.Module) -> torch.Tensor:
+        values, zeros, scales, group = self.int4(layer)
+        zeros = zeros.repeat_interleave(group, 0)
+        scales = scales.float().repeat_interleave(group, 0)
+        return ((values - zeros).float() * scales).t()
+
+    def process_weights(self, layer: nn.Module) -> None:
+        if not use_kernel(layer.qweight):
+            return super().process_weights(layer)
+        from nanopaged.quantization.int4_triton import Int4Kernel
+        parts = self.int4(layer)
+        for name in layer.quantized:
+            delattr(layer, name)
+        del layer.quantized
+        Int4Kernel.keep(layer, *parts)
+
+
+def use_kernel(qweight: torch.Tensor) -> bool:
+    """The 4-bit kernel runs where Triton compiles: on a GPU."""
+    return qweight.is_cuda
+
+
 def unpack_int4(words: torch.Tensor, dim: int, order: list[int] | None = None) -> torch.Tensor:
     """The 4-bit values of int32 `words`, eight per word along `dim` (the lowest bits first),
     placed in `order` (value i of a word is feature order[i] of its eight; None: in turn)."""

@@ -8,20 +8,21 @@ group):
   (AutoGPTQ's long-kept off-by-one), "gptq_v2" the zero itself;
 - `scales`, float16 (groups, out); `g_idx`, int32 (in,): each input's group.
 The weight is (value - zero) x scale. With `desc_act` the inputs are quantized in another order
-and `g_idx` is not monotonic: not implemented. Here the weight is dequantized once loaded."""
+and `g_idx` is not monotonic: not implemented. On a GPU the weight is multiplied 4-bit by a
+kernel, elsewhere dequantized once loaded (see `Int4Linear`)."""
 import torch
 from torch import nn
 
 from nanopaged.core.layers import QUANTIZATIONS, LinearMethod, parameter
 from nanopaged.quantization.dequantize import (
-    DequantizedLinear,
+    Int4Linear,
     check_group,
     check_keys,
     unpack_int4,
 )
 
 
-class GptqLinear(DequantizedLinear):
+class GptqLinear(Int4Linear):
     def __init__(self, dense: LinearMethod, group_size: int, zero_offset: int):
         super().__init__(dense)
         self.group_size = group_size
@@ -41,18 +42,15 @@ class GptqLinear(DequantizedLinear):
                                 input_pack=group),
             "g_idx": parameter(torch.empty(in_features, dtype=torch.int32), None, 0)}
 
-    def dequantize(self, layer: nn.Module) -> torch.Tensor:
+    def int4(self, layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
         in_features = layer.g_idx.shape[0]
         group = self.group_size if self.group_size > 0 else in_features
         g_idx = layer.g_idx.long()
         if not torch.equal(g_idx - g_idx[0], torch.arange(in_features) // group):
             raise ValueError("a GPTQ g_idx does not put the inputs in order of their groups "
                              "(a desc_act checkpoint?), which nanopaged does not implement")
-        values = unpack_int4(layer.qweight, 0)                              # (in, out)
         zeros = (unpack_int4(layer.qzeros, 1) + self.zero_offset) & 0xF    # (groups, out)
-        zeros = zeros.repeat_interleave(group, 0)
-        scales = layer.scales.float().repeat_interleave(group, 0)
-        return ((values - zeros).float() * scales).t()
+        return unpack_int4(layer.qweight, 0), zeros, layer.scales, group
 
 
 def gptq_method(config: dict, dense: LinearMethod) -> GptqLinear:
