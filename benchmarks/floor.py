@@ -29,8 +29,31 @@ def model_shape(model: str) -> dict:
     lm_head = c.vocab_size * c.hidden_size
     return dict(active_params=c.num_hidden_layers * (attention + active * mlp) + lm_head,
                 lm_head_params=lm_head, vocab_size=c.vocab_size,
+                quantization=getattr(c, "quantization_config", None),
                 kv_elements_per_token=2 * c.num_hidden_layers * c.num_key_value_heads * head_dim,
                 attention_flops_per_pair=4 * c.num_hidden_layers * c.num_attention_heads * head_dim)
+
+
+def weight_bytes(shape: dict, dtype_bytes: int, on_gpu: bool) -> float:
+    """The bytes of the weights a token runs through as nanopaged keeps them (see
+    nanopaged/quantization/): on a GPU, AWQ and GPTQ projections 4-bit (half a byte, and a
+    float16 scale and a uint8 zero point per group of inputs), FP8 ones with a scale per channel
+    or tensor and dynamic activations in a bfloat16 model one byte; all else, and everything on
+    a CPU, dequantized to the model's dtype."""
+    projections = shape["active_params"] - shape["lm_head_params"]
+    quant = shape.get("quantization") or {}
+    method = quant.get("quant_method")
+    per_weight = dtype_bytes
+    if on_gpu and method in ("awq", "gptq"):
+        per_weight = 0.5 + 3 / max(quant.get("group_size", 128), 1)  # -1: one group, ~0.5
+    elif on_gpu and dtype_bytes == 2 and method in ("fp8", "compressed-tensors"):
+        group = next(iter((quant.get("config_groups") or {"": {}}).values()))
+        blocks = quant.get("weight_block_size") or (group.get("weights") or {}).get(
+            "strategy") == "block"
+        static = quant.get("activation_scheme") == "static" or not (
+            group.get("input_activations") or {"dynamic": True}).get("dynamic", False)
+        per_weight = dtype_bytes if blocks or static else 1
+    return projections * per_weight + shape["lm_head_params"] * dtype_bytes
 
 
 def engine_dtype(model: str) -> "torch.dtype":  # noqa: F821 (torch is imported when called)
@@ -63,14 +86,14 @@ def measure_device(dtype: "torch.dtype") -> dict:  # noqa: F821
     if device == "cpu":  # the threads nanopaged's CPU backend runs with (see nanopaged/cpu.py)
         from nanopaged.cpu import usable_cores
         name += f", {min(torch.get_num_threads(), usable_cores())} threads"
-    return dict(device=name, dtype=str(dtype).removeprefix("torch."),
+    return dict(device=name, gpu=device == "cuda", dtype=str(dtype).removeprefix("torch."),
                 bandwidth=2 * src.nbytes / copy_time, flops=2 * size ** 3 / mm_time)
 
 
 def physical_floor(shape: dict, work: Workload, device: dict, dtype_bytes: int) -> dict:
     """The least time any engine needs for `work` (see the module's docstring)."""
     steps = max(work.output_lens)
-    weight_bytes = shape["active_params"] * dtype_bytes * steps
+    weights = weight_bytes(shape, dtype_bytes, device["gpu"]) * steps
     decode_pairs = sum(len(prompt) * n + n * (n - 1) // 2
                        for prompt, n in zip(work.prompts, work.output_lens))
     prefill_pairs = sum(len(p) * (len(p) + 1) // 2 for p in work.prompts)
@@ -79,8 +102,8 @@ def physical_floor(shape: dict, work: Workload, device: dict, dtype_bytes: int) 
     decoder_params = shape["active_params"] - shape["lm_head_params"]
     flops = (2 * decoder_params * tokens + 2 * shape["lm_head_params"] * sum(work.output_lens)
              + shape["attention_flops_per_pair"] * (decode_pairs + prefill_pairs))
-    seconds = max((weight_bytes + kv_bytes) / device["bandwidth"], flops / device["flops"])
-    return dict(weight_bytes=weight_bytes, kv_bytes=kv_bytes, flops=flops, seconds=seconds)
+    seconds = max((weights + kv_bytes) / device["bandwidth"], flops / device["flops"])
+    return dict(weight_bytes=weights, kv_bytes=kv_bytes, flops=flops, seconds=seconds)
 
 
 def share_of_floor(floor_seconds: float, seconds: float) -> str:

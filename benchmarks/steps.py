@@ -3,7 +3,8 @@ backend, each against its floor."""
 import importlib.util
 import statistics
 
-from benchmarks.floor import engine_dtype, measure_device, model_shape, share_of_floor
+from benchmarks.floor import (engine_dtype, measure_device, model_shape, share_of_floor,
+                              weight_bytes)
 from benchmarks.workload import best_time, timed
 
 
@@ -39,9 +40,8 @@ def step_times(model: str, args) -> list[dict]:
         dtype_bytes = llm.config.dtype.itemsize
         for batch in args.batch_sizes:
             seconds, step = _decode_step_time(llm, batch, args.context)
-            moved = (
-                shape["active_params"] + batch * args.context * shape["kv_elements_per_token"]
-            ) * dtype_bytes
+            moved = weight_bytes(shape, dtype_bytes, device["gpu"]) + (
+                batch * args.context * shape["kv_elements_per_token"] * dtype_bytes)
             rows.append(dict(backend=backend, kind=f"decode b={batch}", ms=seconds * 1e3,
                              floor_ms=moved / device["bandwidth"] * 1e3, tokens=len(step.seqs)))
         seconds, tokens = _prefill_step_time(llm, args.prefill_seqs, args.context)

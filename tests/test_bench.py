@@ -77,6 +77,25 @@ def test_a_mixture_of_experts_runs_with_its_own_floor(bench, model_path):
         c["num_hidden_layers"] * (attention + two_experts) + c["vocab_size"] * c["hidden_size"]
 
 
+def test_the_floor_counts_the_bytes_the_weights_are_kept_in():
+    """Quantized projections at their kept size where a GPU keeps them so (4-bit AWQ/GPTQ with
+    a scale and a zero point per group; FP8 per channel with dynamic activations in bfloat16),
+    dequantized otherwise; the LM head in the model's dtype always."""
+    shape = dict(active_params=1000 + 100, lm_head_params=100)
+    def kept(quant, dtype_bytes=2, on_gpu=True):
+        return floor.weight_bytes(dict(shape, quantization=quant), dtype_bytes, on_gpu)
+    awq = {"quant_method": "awq", "group_size": 128}
+    fp8 = {"quant_method": "fp8", "activation_scheme": "dynamic"}
+    assert kept(None) == kept(awq, on_gpu=False) == kept(fp8, dtype_bytes=4) / 2 == 2200
+    assert kept(awq) == 1000 * (0.5 + 3 / 128) + 200
+    assert kept(fp8) == 1000 + 200
+    assert kept(dict(fp8, weight_block_size=[128, 128])) == kept(
+        dict(fp8, activation_scheme="static")) == 2200
+    channel = {"quant_method": "compressed-tensors", "config_groups": {"group_0": {
+        "weights": {"strategy": "channel"}, "input_activations": {"dynamic": True}}}}
+    assert kept(channel) == 1200
+
+
 def test_a_preset_sets_defaults_and_flags_win(bench):
     args = bench.parse_args(["--tiny", "--num-requests", "3", "--prompt-len", "5", "6"])
     assert (args.num_requests, args.prompt_len, args.output_len) == (3, [5, 6], [8, 32])

@@ -4,7 +4,7 @@ every projection (`targets: ["Linear"]`): `weights` float, 8 bits, symmetric, wi
 `weight_scale` per output channel (out, 1), per tensor (1,), or per block (`strategy: "block"`,
 `block_structure: [bn, bk]`); `input_activations`, if any, 8-bit float per token or per tensor
 (dynamic, or static with an `input_scale`). The stored layout is fp8.py's, and so is the
-computation: the weight is dequantized once loaded."""
+computation (FP8 GEMMs on a GPU that has them, else the weight dequantized once loaded)."""
 from nanopaged.core.layers import QUANTIZATIONS, LinearMethod
 from nanopaged.quantization.dequantize import check_keys, check_skipped
 from nanopaged.quantization.fp8 import Fp8Linear

@@ -4,9 +4,12 @@ per-tensor one). Each projection's `weight` is float8 e4m3, (out, in), with
   per bn x bk block (the name says inverse: it is what the stored values are multiplied by);
 - without it: `weight_scale`, one float32 per tensor (of q, k and v each), and `input_scale`
   when `activation_scheme` is "static".
-vLLM multiplies in FP8 on GPUs that have it, quantizing activations per token group or with
-`input_scale`; here the weight is dequantized once loaded (value x its block's scale), as
-transformers does on a machine without FP8, and activations stay in the model's dtype."""
+On a GPU with FP8 (compute capability 8.9 and up: Ada, Hopper), a bfloat16 model with a scale
+per channel or per tensor and dynamic activations keeps the weight in FP8 and multiplies with
+`torch._scaled_mm`, each token's activations quantized to e4m3 by their own scale (vLLM's
+per-token dynamic scheme). Elsewhere (a CPU, blocks, static `input_scale`) the weight is
+dequantized once loaded (value x its block's scale), as transformers does on a machine without
+FP8, and activations stay in the model's dtype."""
 import torch
 from torch import nn
 
@@ -18,6 +21,8 @@ from nanopaged.quantization.dequantize import (
     check_keys,
     check_skipped,
 )
+
+FP8_MAX = torch.finfo(torch.float8_e4m3fn).max
 
 
 class Fp8Linear(DequantizedLinear):
@@ -46,6 +51,17 @@ class Fp8Linear(DequantizedLinear):
             found["input_scale"] = parameter(torch.empty(out_features, 1), 0)
         return found
 
+    def process_weights(self, layer: nn.Module) -> None:
+        if self.block or self.static_input or not use_scaled_mm(layer):
+            return super().process_weights(layer)
+        weight, scale = layer.weight, getattr(layer, self.scale_name)
+        for name in layer.quantized:
+            delattr(layer, name)
+        del layer.quantized
+        layer.weight_t = weight.data.t()   # (in, out), column-major: what _scaled_mm takes
+        layer.weight_scale = scale.data.reshape(1, -1).float().contiguous()   # (1, out)
+        layer.method = Fp8ScaledMM()
+
     def dequantize(self, layer: nn.Module) -> torch.Tensor:
         weight = layer.weight.float()
         scale = getattr(layer, self.scale_name)
@@ -54,6 +70,29 @@ class Fp8Linear(DequantizedLinear):
             scale = scale.repeat_interleave(bn, 0).repeat_interleave(bk, 1)
             scale = scale[:weight.shape[0], :weight.shape[1]]
         return weight * scale
+
+
+def use_scaled_mm(layer: nn.Module) -> bool:
+    """FP8 GEMMs where the GPU has them; bfloat16 out (what per-row scales give there); dims
+    that cuBLAS's FP8 GEMM takes (multiples of 16)."""
+    weight = layer.weight
+    return (weight.is_cuda and torch.cuda.get_device_capability(weight.device) >= (8, 9)
+            and layer.float_dtype == torch.bfloat16 and weight.shape[0] % 16 == 0
+            and weight.shape[1] % 16 == 0)
+
+
+class Fp8ScaledMM(LinearMethod):
+    """x @ W in FP8: each row of x quantized to e4m3 by its own scale (its largest magnitude
+    over e4m3's), then `torch._scaled_mm` multiplies and applies both scales."""
+
+    def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        scale = flat.abs().amax(dim=-1, keepdim=True).float().clamp(min=1e-12) / FP8_MAX
+        quantized = (flat / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+        out = torch._scaled_mm(quantized, layer.weight_t, scale_a=scale,
+                               scale_b=layer.weight_scale, out_dtype=x.dtype)
+        out = out.view(*x.shape[:-1], -1)
+        return out if layer.bias is None else out + layer.bias
 
 
 def fp8_method(config: dict, dense: LinearMethod) -> Fp8Linear:
