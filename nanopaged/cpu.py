@@ -185,7 +185,8 @@ def sample(logits: torch.Tensor, temperatures: torch.Tensor, uniform: torch.Tens
     chunk found. Each target stays under its total: rounding never picks a token of
     probability 0 (one that top-k, top-p or min-p removed)."""
     shifted = logits.float() - logits.float().amax(dim=-1, keepdim=True)  # <= 0: no overflow
-    probs = torch.softmax(shifted.div_(temperatures.unsqueeze(1)), dim=-1)  # in place: no 2nd buffer
+    # tempered in place: no second (R, V) buffer to fill
+    probs = torch.softmax(shifted.div_(temperatures.unsqueeze(1)), dim=-1)
     size = CHUNK if probs.shape[1] % CHUNK == 0 else probs.shape[1]
     chunks = probs.view(len(probs), -1, size)
     ends = chunks.sum(dim=-1).cumsum(dim=-1)  # (R, V / size): the mass up to each chunk's end
