@@ -6,7 +6,7 @@ import torch
 
 from nanopaged import LLM, SamplingParams
 from nanopaged.random_checkpoint import TINY_QWEN3, write_random_checkpoint
-from conftest import random_prompts
+from conftest import TINY, random_prompts
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -88,3 +88,35 @@ def test_bfloat16_tokens_are_transformers_argmax_when_teacher_forced(gpu_path, b
         chosen = logits.gather(1, torch.tensor(completion, device="cuda")[:, None])[:, 0]
         gap = logits.max(dim=1).values - chosen
         assert (gap <= 0.05 * logits.abs().max(dim=1).values + 0.05).all(), gap.max()
+
+
+@pytest.mark.parametrize("fmt", ["awq", "gptq"])
+def test_4bit_layers_stay_4bit_and_give_transformers_tokens(fmt, tmp_path, no_tf32):
+    """The Triton 4-bit GEMM compiled (CI runs it interpreted): float32, so the tokens are
+    transformers' on the float weights the format defines."""
+    from nanopaged.quantization.int4_triton import Int4Kernel
+    from test_quantization import SHAPE, greedy, transformers_greedy, write_quantized
+    base = write_random_checkpoint(str(tmp_path / "base"), dict(TINY["qwen3"], **SHAPE),
+                                   initializer_range=0.1)
+    path = write_quantized(base, str(tmp_path / fmt), fmt)
+    with LLM(path, dtype="float32", max_model_len=256, gpu_memory_utilization=0.3) as llm:
+        down = llm.engine.runner.model.model.layers[0].mlp.down_proj
+        assert isinstance(down.method, Int4Kernel) and down.packed.is_cuda
+        assert greedy(llm) == transformers_greedy(path, fmt)
+
+
+@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 9),
+                    reason="needs a GPU with FP8 (Ada, Hopper)")
+def test_fp8_layers_multiply_in_fp8_and_give_transformers_first_tokens(tmp_path):
+    """cuBLAS's FP8 GEMM (CI runs torch's CPU `_scaled_mm`): bfloat16, per-channel scales,
+    dynamic per-token activations."""
+    from nanopaged.quantization.fp8 import Fp8ScaledMM
+    from test_quantization import SHAPE, greedy, transformers_greedy, write_quantized
+    base = write_random_checkpoint(str(tmp_path / "base"), dict(TINY["qwen3"], **SHAPE),
+                                   initializer_range=0.1)
+    path = write_quantized(base, str(tmp_path / "ct"), "compressed-tensors")
+    with LLM(path, dtype="bfloat16", max_model_len=256, gpu_memory_utilization=0.3) as llm:
+        qkv = llm.engine.runner.model.model.layers[0].self_attn.qkv_proj
+        assert isinstance(qkv.method, Fp8ScaledMM) and qkv.weight_t.dtype == torch.float8_e4m3fn
+        got = greedy(llm)
+    assert [t[0] for t in got] == [t[0] for t in transformers_greedy(path, "compressed-tensors")]
