@@ -101,7 +101,7 @@ def prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         k, v = _gather_blocks(k_cache, blocks), _gather_blocks(v_cache, blocks)
         queries = q[start:end].transpose(0, 1)[None]  # (1, nh, Q, hs)
         if end - start == context_len and (window is None or window >= context_len):
-            k, v = k[:, :, :context_len], v[:, :, :context_len]
+            k, v = k[:, :, :context_len].to(q), v[:, :, :context_len].to(q)  # an FP8 cache
             attended = F.scaled_dot_product_attention(queries, k, v, is_causal=True, scale=scale,
                                                       enable_gqa=True)
         else:
@@ -128,7 +128,7 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     outs, start = [], 0
     for blocks, mask in groups:
         size = len(mask)
-        k, v = _rows(k_cache, blocks, size), _rows(v_cache, blocks, size)
+        k, v = _rows(k_cache, blocks, size).to(q), _rows(v_cache, blocks, size).to(q)
         outs.append(F.scaled_dot_product_attention(queries[start:start + size], k, v,
                                                    attn_mask=mask, scale=scale, enable_gqa=True))
         start += size
@@ -204,9 +204,14 @@ def _below(total: torch.Tensor) -> torch.Tensor:
 
 def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                   v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """k, v: (T, nkv, hs) written to their slots (a CPU runs no CUDA graphs: no padding)."""
-    k_cache.view(-1, *k.shape[1:]).index_copy_(0, slot_mapping, k)
-    v_cache.view(-1, *v.shape[1:]).index_copy_(0, slot_mapping, v)
+    """k, v: (T, nkv, hs) written to their slots (a CPU runs no CUDA graphs: no padding); into
+    an FP8 cache as bytes, for which index_copy_ has a kernel."""
+    for new, cache in ((k, k_cache), (v, v_cache)):
+        new = new.to(cache.dtype)
+        if cache.dtype == torch.float8_e4m3fn:
+            new = new.view(torch.uint8)
+            cache = cache.view(torch.uint8)
+        cache.view(-1, *new.shape[1:]).index_copy_(0, slot_mapping, new)
 
 
 def _load() -> tuple:

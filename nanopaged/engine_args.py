@@ -36,6 +36,8 @@ OPTIONS = {
     "attention_backend": (str, "auto", "auto, torch, triton or flash"),
     "scheduling": (str, "prefill-first", "prefill-first, or mixed: decode everyone each step, "
                                          "fill the rest with prompt chunks"),
+    "kv_cache_dtype": (str, "auto", "auto (the model's dtype), or fp8 / fp8_e4m3: K/V stored in "
+                                    "e4m3, half a bfloat16 cache's bytes (not with flash-attn)"),
     "enable_prefix_caching": (bool, True, "reuse the K/V of prompt prefixes seen before"),
     "enable_chunked_prefill": (bool, True, "split prompts longer than the token budget over "
                                            "steps"),

@@ -167,12 +167,13 @@ class DraftProposer(NgramProposer):
         self.block_size = config.kvcache_block_size
 
     def kv_bytes_per_block(self) -> int:
-        return math.prod(self.model.kv_cache_shape(1, self.block_size)) * self.config.dtype.itemsize
+        shape = self.model.kv_cache_shape(1, self.block_size)
+        return math.prod(shape) * self.config.kv_cache_dtype.itemsize
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         self.kv_cache = None  # free the old one first
         self.kv_cache = self.model.allocate_kv_cache(num_blocks, self.block_size,
-                                                     self.config.dtype, self.device)
+                                                     self.config.kv_cache_dtype, self.device)
 
     @torch.inference_mode()
     def propose(self, step: ScheduledStep, slots: dict[int, int], runner: ModelRunner

@@ -96,4 +96,5 @@ def test_every_option_has_its_groups_default_and_type():
             if f.init and f.name != "model":
                 kind, default, _ = OPTIONS[f.name]
                 assert default == f.default, f.name
-                assert kind == f.type or f.name == "dtype", f.name  # a torch.dtype is its name
+                # a torch.dtype is its name
+                assert kind == f.type or f.name in ("dtype", "kv_cache_dtype"), f.name

@@ -43,7 +43,7 @@ def write_tasks(directory) -> None:
 def evaluate(model: str, model_args: str, tasks_dir) -> dict:
     from lm_eval.tasks import TaskManager
     return lm_eval.simple_evaluate(model=model, model_args=model_args, tasks=list(TASKS),
-                                   # only these tasks: indexing lm-eval's own thousands takes seconds
+                                   # these tasks only: indexing lm-eval's thousands takes seconds
                                    task_manager=TaskManager(include_path=str(tasks_dir),
                                                             include_defaults=False),
                                    log_samples=True, device="cpu")

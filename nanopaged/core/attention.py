@@ -42,8 +42,8 @@ def store_kvcache_torch(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
     """k, v: (T, nkv, hs) written to their slots; slot -1 (padding) is skipped."""
     valid = slot_mapping >= 0
     slots = slot_mapping[valid]
-    k_cache.view(-1, *k.shape[1:])[slots] = k[valid]
-    v_cache.view(-1, *v.shape[1:])[slots] = v[valid]
+    k_cache.view(-1, *k.shape[1:])[slots] = k[valid].to(k_cache.dtype)
+    v_cache.view(-1, *v.shape[1:])[slots] = v[valid].to(v_cache.dtype)
 
 
 def _gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
@@ -58,7 +58,7 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
             scale: float) -> torch.Tensor:
     """q: (B, nh, Q, hs) for Q queries, k/v: (B, nkv, L, hs), mask: (B, 1, Q, L), True where a
     query sees a key -> (B, nh, Q, hs). Query heads share key heads in groups (GQA)."""
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    return F.scaled_dot_product_attention(q, k.to(q), v.to(q), mask, scale=scale, enable_gqa=True)
 
 
 def prefill_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -111,8 +111,8 @@ def decode_flash(q, k_cache, v_cache, meta: AttentionMetadata, scale: float,
 @dataclass
 class Backend:
     """An attention backend: `load()` gives its (store_kvcache, prefill, decode) functions (its
-    module imported only then); `missing(on_gpu, dtype)` names what it needs and lacks here (None:
-    usable); "auto" may pick it on the device types `auto_on`; `linear()` gives its model's
+    module imported only then); `missing(on_gpu, kv_dtype)` names what it needs and lacks here
+    (None: usable); "auto" may pick it on the device types `auto_on`; `linear()` its model's
     linear method, `sample` its sampler's function (None: `LinearMethod`, `sampler.sample`)."""
     load: Callable[[], tuple]
     missing: Callable[[bool, torch.dtype], str | None]
@@ -137,7 +137,7 @@ def _needs_flash(on_gpu: bool, dtype: torch.dtype) -> str | None:
         return "a CUDA GPU"
     if not importlib.util.find_spec("flash_attn"):
         return "flash_attn to be importable"
-    return None if dtype != torch.float32 else "dtype float16 or bfloat16"
+    return None if dtype in (torch.float16, torch.bfloat16) else "a float16 or bfloat16 KV cache"
 
 
 # name -> backend, in the order "auto" tries them (plain "torch" last). A backend above the core

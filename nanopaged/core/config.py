@@ -14,7 +14,7 @@ from nanopaged.core.model import check_supported
 DTYPES = {None: None, "auto": None, "half": "float16", "float16": "float16",
           "bfloat16": "bfloat16", "float": "float32", "float32": "float32"}
 CHOICES = {"device": (None, "cuda", "cpu"), "dtype": tuple(DTYPES),
-           "scheduling": ("prefill-first", "mixed")}
+           "scheduling": ("prefill-first", "mixed"), "kv_cache_dtype": ("auto", "fp8", "fp8_e4m3")}
 POSITIVE = ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "kvcache_block_size",
             "num_kvcache_blocks")
 FLASH_BLOCK_SIZE_MULTIPLE = 256  # flash-attn's paged KV needs pages of a multiple of 256 tokens
@@ -37,8 +37,7 @@ def check_fields(options, choices: dict[str, tuple] = {}, positive: tuple[str, .
         value = getattr(options, name)
         value = str(value).removeprefix("torch.") if isinstance(value, torch.dtype) else value
         if value not in named:
-            raise ValueError(f"{name} must be one of {tuple(c for c in named if c)}, "
-                             f"got {value!r}")
+            raise ValueError(f"{name} must be one of {tuple(c for c in named if c)}, got {value!r}")
 
 
 @dataclass
@@ -49,7 +48,7 @@ class Config:
     `max_num_batched_tokens` 16384 on a GPU, 4096 on a CPU (whose caches then hold a step);
     `attention_backend` "auto" picks the first usable of `attention.BACKENDS` for the device.
     `num_kvcache_blocks` forces the pool's size; `scheduling`: see `Scheduler`; `seed` seeds
-    the samples of sequences with no seed of their own."""
+    the samples of sequences with no seed of their own. `kv_cache_dtype="fp8"`: K/V in e4m3."""
     model: str
     device: str | None = None
     dtype: str | torch.dtype | None = None
@@ -62,6 +61,7 @@ class Config:
     enforce_eager: bool = False
     attention_backend: str = "auto"
     scheduling: str = "prefill-first"
+    kv_cache_dtype: str | torch.dtype = "auto"
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     seed: int = 0
@@ -94,6 +94,7 @@ class Config:
         if self.dtype is None:
             checkpoint_dtype = getattr(self.hf_config, "dtype", None) or torch.float32
             self.dtype = checkpoint_dtype if self.device == "cuda" else torch.float32
+        self.kv_cache_dtype = self.dtype if self.kv_cache_dtype == "auto" else torch.float8_e4m3fn
 
     def _resolve_attention_backend(self) -> None:
         on_gpu = self.device == "cuda"
@@ -101,11 +102,11 @@ class Config:
             self.attention_backend = next(
                 name for name in sorted(BACKENDS, key=lambda name: name == "torch")
                 if self.device in BACKENDS[name].auto_on
-                and BACKENDS[name].missing(on_gpu, self.dtype) is None)
+                and BACKENDS[name].missing(on_gpu, self.kv_cache_dtype) is None)
         if self.attention_backend not in BACKENDS:
             raise ValueError(f"attention_backend must be one of {('auto', *BACKENDS)}, "
                              f"got {self.attention_backend!r}")
-        missing = BACKENDS[self.attention_backend].missing(on_gpu, self.dtype)
+        missing = BACKENDS[self.attention_backend].missing(on_gpu, self.kv_cache_dtype)
         if missing is not None:
             raise ValueError(f"attention_backend={self.attention_backend!r} needs {missing}")
         flash = self.attention_backend == "flash"

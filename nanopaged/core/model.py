@@ -8,8 +8,7 @@ from transformers import PretrainedConfig
 from nanopaged.core.attention import Attention, AttentionMetadata
 from nanopaged.core.layers import (QUANTIZATIONS, MergedColumnParallelLinear, ParallelLMHead,
                                    QKVParallelLinear, RMSNorm, RotaryEmbedding,
-                                   RowParallelLinear, VocabParallelEmbedding, silu_and_mul,
-                                   tp_size)
+                                   RowParallelLinear, VocabParallelEmbedding, silu_and_mul, tp_size)
 
 
 def rope_parameters(config: PretrainedConfig, index: int = 0) -> dict:
@@ -31,8 +30,7 @@ def check_supported(config: PretrainedConfig) -> None:
                          f"{', '.join(ARCHITECTURES)}")
     for name, value in model.unsupported(config).items():
         shown = f"{name}={value!r}" if value not in (None, True) else name
-        raise ValueError(f"the checkpoint's config has {shown}, which nanopaged does not "
-                         f"implement")
+        raise ValueError(f"the checkpoint's config has {shown}, which nanopaged does not implement")
 
 
 ROPE_TYPES = {"default", "llama3", "linear"}

@@ -49,7 +49,8 @@ class ModelRunner:
 
     def _kv_bytes_per_block(self) -> int:
         """Bytes of one block in every layer, another model's included."""
-        own = math.prod(self.model.kv_cache_shape(1, self.block_size)) * self.config.dtype.itemsize
+        shape = self.model.kv_cache_shape(1, self.block_size)
+        own = math.prod(shape) * self.config.kv_cache_dtype.itemsize
         return own + self.extra_kv_bytes_per_block
 
     def _allocate_kv_cache(self) -> int:
@@ -71,7 +72,7 @@ class ModelRunner:
     def _make_kv_cache(self, num_blocks: int) -> None:
         self.kv_cache = None  # free the old one first
         self.kv_cache = self.model.allocate_kv_cache(num_blocks, self.block_size,
-                                                     self.config.dtype, self.device)
+                                                     self.config.kv_cache_dtype, self.device)
 
     def _kv_budget_cpu(self) -> int:
         available = _mem_available_bytes()

@@ -26,7 +26,10 @@ def _store_kvcache_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_p
 
 def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   slot_mapping: torch.Tensor) -> None:
-    """k, v: (T, nkv, hs), each token's heads contiguous; one program per token."""
+    """k, v: (T, nkv, hs), each token's heads contiguous; one program per token. Cast to the
+    cache's dtype first (an FP8 cache): torch rounds them as every backend does."""
+    k = k.to(k_cache.dtype)
+    v = v.to(v_cache.dtype)
     num_tokens, num_kv_heads, head_dim = k.shape
     row = num_kv_heads * head_dim
     assert k.stride(1) == head_dim and v.stride(1) == head_dim and k.stride(2) == 1
@@ -52,7 +55,10 @@ def _kv_tiles(k_cache_ptr, v_cache_ptr, block_table_ptr, pos, valid, kv_head,
 @triton.jit
 def _attend_tile(q, k, v, mask, m, l, acc, scale, PRECISION: tl.constexpr):
     """One step of online softmax: folds the keys k and values v (N, D) that `mask` (R, N) lets
-    each query row see into the rows' running max m, sum l and output acc (R, D)."""
+    each query row see into the rows' running max m, sum l and output acc (R, D). Keys and
+    values of an FP8 cache are read in the queries' dtype."""
+    k = k.to(q.dtype)
+    v = v.to(q.dtype)
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * (scale * 1.4426950408889634)  # log2 e
     s = tl.where(mask, s, float("-inf"))
     m_new = tl.maximum(m, tl.max(s, 1))
