@@ -71,6 +71,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--speculative-config", action="append", metavar="JSON",
                    help="a vLLM speculative_config; with --spec, repeat to compare several")
     p.add_argument("--max-num-seqs", type=int, default=512)
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
+                   help="nanopaged's KV cache (fp8: e4m3); the floor counts its bytes")
     p.add_argument("--request-rate", type=float, nargs="+", help="with --serve: requests a second")
     p.add_argument("--long-prompt", type=int, default=0,
                    help="with --serve: one more request, of this many prompt tokens, halfway")

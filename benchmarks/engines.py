@@ -18,7 +18,7 @@ def run_nanopaged(model: str, work: Workload, args, backend: str = "auto") -> di
     llm = LLM(model, max_model_len=args.max_model_len, enforce_eager=args.enforce_eager,
               attention_backend=backend, tensor_parallel_size=args.tensor_parallel_size,
               speculative_config=args.speculative_config, max_num_seqs=args.max_num_seqs,
-              trace=args.trace)
+              trace=args.trace, kv_cache_dtype=args.kv_cache_dtype)
     params = [SamplingParams(temperature=work.temperature, ignore_eos=True, max_tokens=n)
               for n in work.output_lens]
     llm.generate(warmup_prompts(work), params[:4], use_tqdm=False)

@@ -90,14 +90,16 @@ def measure_device(dtype: "torch.dtype") -> dict:  # noqa: F821
                 bandwidth=2 * src.nbytes / copy_time, flops=2 * size ** 3 / mm_time)
 
 
-def physical_floor(shape: dict, work: Workload, device: dict, dtype_bytes: int) -> dict:
-    """The least time any engine needs for `work` (see the module's docstring)."""
+def physical_floor(shape: dict, work: Workload, device: dict, dtype_bytes: int,
+                   kv_dtype_bytes: int) -> dict:
+    """The least time any engine needs for `work` (see the module's docstring), its K/V
+    `kv_dtype_bytes` an element."""
     steps = max(work.output_lens)
     weights = weight_bytes(shape, dtype_bytes, device["gpu"]) * steps
     decode_pairs = sum(len(prompt) * n + n * (n - 1) // 2
                        for prompt, n in zip(work.prompts, work.output_lens))
     prefill_pairs = sum(len(p) * (len(p) + 1) // 2 for p in work.prompts)
-    kv_bytes = decode_pairs * shape["kv_elements_per_token"] * dtype_bytes
+    kv_bytes = decode_pairs * shape["kv_elements_per_token"] * kv_dtype_bytes
     tokens = sum(len(p) for p in work.prompts) + sum(work.output_lens)
     decoder_params = shape["active_params"] - shape["lm_head_params"]
     flops = (2 * decoder_params * tokens + 2 * shape["lm_head_params"] * sum(work.output_lens)

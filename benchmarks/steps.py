@@ -36,12 +36,14 @@ def step_times(model: str, args) -> list[dict]:
             max_model_len=args.context + 64,
             enforce_eager=args.enforce_eager,
             max_num_batched_tokens=max(args.prefill_seqs * args.context, max(args.batch_sizes)),
+            kv_cache_dtype=args.kv_cache_dtype,
         )
         dtype_bytes = llm.config.dtype.itemsize
         for batch in args.batch_sizes:
             seconds, step = _decode_step_time(llm, batch, args.context)
             moved = weight_bytes(shape, dtype_bytes, device["gpu"]) + (
-                batch * args.context * shape["kv_elements_per_token"] * dtype_bytes)
+                batch * args.context * shape["kv_elements_per_token"]
+                * llm.config.kv_cache_dtype.itemsize)
             rows.append(dict(backend=backend, kind=f"decode b={batch}", ms=seconds * 1e3,
                              floor_ms=moved / device["bandwidth"] * 1e3, tokens=len(step.seqs)))
         seconds, tokens = _prefill_step_time(llm, args.prefill_seqs, args.context)

@@ -19,7 +19,8 @@ def run_throughput(model: str, args) -> dict:
     work = make_workload(args, shape["vocab_size"])
     dtype = engine_dtype(model)
     device = measure_device(dtype)
-    floor = physical_floor(shape, work, device, dtype.itemsize)
+    kv_bytes = 1 if args.kv_cache_dtype == "fp8" else dtype.itemsize
+    floor = physical_floor(shape, work, device, dtype.itemsize, kv_bytes)
     engines = args.engines.split(",")
     prompt_tokens = sum(len(p) for p in work.prompts)
     print(f"{len(work.prompts)} requests, {prompt_tokens} prompt + {sum(work.output_lens)} "

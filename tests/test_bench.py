@@ -96,6 +96,17 @@ def test_the_floor_counts_the_bytes_the_weights_are_kept_in():
     assert kept(channel) == 1200
 
 
+def test_the_floor_reads_an_fp8_kv_cache_at_a_byte_an_element(bench):
+    """`--kv-cache-dtype fp8`: nanopaged's K/V at one byte, a quarter of float32's."""
+    args = bench.parse_args(["--tiny", "--kv-cache-dtype", "fp8"])
+    work = workload.make_workload(args, 512)
+    shape = dict(active_params=1100, lm_head_params=100, kv_elements_per_token=64,
+                 attention_flops_per_pair=0)
+    device = dict(gpu=False, bandwidth=1e9, flops=1e12)
+    fp8, fp32 = (floor.physical_floor(shape, work, device, 4, kv)["kv_bytes"] for kv in (1, 4))
+    assert fp32 == 4 * fp8 > 0
+
+
 def test_a_preset_sets_defaults_and_flags_win(bench):
     args = bench.parse_args(["--tiny", "--num-requests", "3", "--prompt-len", "5", "6"])
     assert (args.num_requests, args.prompt_len, args.output_len) == (3, [5, 6], [8, 32])
