@@ -8,7 +8,7 @@ once. The arithmetic: 2 FLOPs per weight per token through the decoder layers, 2
 weight per generated token (no engine needs the logits of prompt tokens), and the attention's
 4 per (query, key) pair, head and layer.
 """
-from benchmarks.workload import Workload, best_time
+from benchmarks.workload import Workload, repeated_time
 
 MEANINGFUL_FLOOR_S = 0.01
 
@@ -73,15 +73,17 @@ def measure_device(dtype: "torch.dtype") -> dict:  # noqa: F821
     n = 1 << 28 if device == "cuda" else 1 << 24
     src = torch.randn(n, device=device)
     dst = torch.empty_like(src)
-    copy_time = best_time(lambda: dst.copy_(src))
+    # the fastest run: the machine's rates, which a slow moment here must not lower (a lower
+    # rate is a longer floor, and every engine would look closer to it)
+    copy_time = repeated_time(lambda: dst.copy_(src), pick=min)
     size = 8192 if device == "cuda" else 1024
     a = torch.randn(size, size, device=device, dtype=dtype)
     b = torch.randn(size, size, device=device, dtype=dtype)
-    mm_time = best_time(lambda: a @ b)
+    mm_time = repeated_time(lambda: a @ b, pick=min)
     if device == "cpu" and torch.backends.mkldnn.is_available():
         packed = torch.ops.mkldnn._reorder_linear_weight(b, size)
-        mm_time = min(mm_time, best_time(lambda: torch.ops.mkldnn._linear_pointwise(
-            a, packed, None, "none", [None], "")))
+        mm_time = min(mm_time, repeated_time(lambda: torch.ops.mkldnn._linear_pointwise(
+            a, packed, None, "none", [None], ""), pick=min))
     name = torch.cuda.get_device_name() if device == "cuda" else "CPU"
     if device == "cpu":  # the threads nanopaged's CPU backend runs with (see nanopaged/cpu.py)
         from nanopaged.cpu import usable_cores

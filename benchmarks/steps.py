@@ -5,7 +5,7 @@ import statistics
 
 from benchmarks.floor import (engine_dtype, measure_device, model_shape, share_of_floor,
                               weight_bytes)
-from benchmarks.workload import best_time, timed
+from benchmarks.workload import repeated_time, timed
 
 
 def step_times(model: str, args) -> list[dict]:
@@ -79,7 +79,7 @@ def _decode_step_time(llm, batch: int, context: int):
         llm.run_step()
     step = engine.scheduler.schedule()
     assert not step.ragged and len(step.seqs) == batch
-    seconds = best_time(lambda: engine.runner.run(step), repeat=20)
+    seconds = repeated_time(lambda: engine.runner.run(step), repeat=20)
     engine.block_manager.commit()  # the step ran: its K/V is written
     for request_id in request_ids:
         llm.abort(request_id)

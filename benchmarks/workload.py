@@ -112,13 +112,15 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(round(q / 100 * (len(ordered) - 1))))]
 
 
-def best_time(fn, repeat: int = 10) -> float:
+def repeated_time(fn, repeat: int = 10, pick=statistics.median) -> float:
+    """`pick` (the median: a slow moment moves it little) of `repeat` timed runs of `fn`, after
+    one to warm up."""
     fn()
     times = []
     for _ in range(repeat):
         elapsed, _ = timed(fn)
         times.append(elapsed)
-    return statistics.median(times)
+    return pick(times)
 
 
 def bar(items, desc: str, shown: bool):
