@@ -132,12 +132,12 @@ def _needs_triton(on_gpu: bool, dtype: torch.dtype) -> str | None:
     return None if importlib.util.find_spec("triton") else "triton to be importable"
 
 
-def _needs_flash(on_gpu: bool, dtype: torch.dtype) -> str | None:
+def _needs_flash(on_gpu: bool, kv_dtype: torch.dtype) -> str | None:
     if not on_gpu:
         return "a CUDA GPU"
     if not importlib.util.find_spec("flash_attn"):
         return "flash_attn to be importable"
-    return None if dtype in (torch.float16, torch.bfloat16) else "a float16 or bfloat16 KV cache"
+    return None if kv_dtype in (torch.float16, torch.bfloat16) else "a float16 or bfloat16 KV cache"
 
 
 # name -> backend, in the order "auto" tries them (plain "torch" last). A backend above the core

@@ -31,9 +31,7 @@ class DequantizedLinear(LinearMethod):
 
     def process_weights(self, layer: nn.Module) -> None:
         weight = self.dequantize(layer).to(layer.float_dtype)
-        for name in layer.quantized:
-            delattr(layer, name)
-        del layer.quantized
+        drop_stored(layer)
         layer.weight = parameter(weight, 0, 1)
         layer.method = self.dense
         self.dense.process_weights(layer)
@@ -59,10 +57,15 @@ class Int4Linear(DequantizedLinear):
             return super().process_weights(layer)
         from nanopaged.quantization.int4_triton import Int4Kernel
         parts = self.int4(layer)
-        for name in layer.quantized:
-            delattr(layer, name)
-        del layer.quantized
+        drop_stored(layer)
         Int4Kernel.keep(layer, *parts)
+
+
+def drop_stored(layer: nn.Module) -> None:
+    """Frees the tensors as the checkpoint stored them, once turned into what multiplies."""
+    for name in layer.quantized:
+        delattr(layer, name)
+    del layer.quantized
 
 
 def use_kernel(qweight: torch.Tensor) -> bool:

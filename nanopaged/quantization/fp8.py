@@ -20,6 +20,7 @@ from nanopaged.quantization.dequantize import (
     check_group,
     check_keys,
     check_skipped,
+    drop_stored,
 )
 
 FP8_MAX = torch.finfo(torch.float8_e4m3fn).max
@@ -55,9 +56,7 @@ class Fp8Linear(DequantizedLinear):
         if self.block or self.static_input or not use_scaled_mm(layer):
             return super().process_weights(layer)
         weight, scale = layer.weight, getattr(layer, self.scale_name)
-        for name in layer.quantized:
-            delattr(layer, name)
-        del layer.quantized
+        drop_stored(layer)
         layer.weight_t = weight.data.t()   # (in, out), column-major: what _scaled_mm takes
         layer.weight_scale = scale.data.reshape(1, -1).float().contiguous()   # (1, out)
         layer.method = Fp8ScaledMM()
