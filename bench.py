@@ -9,6 +9,7 @@
     python bench.py --steps                           # decode step time per batch, prefill tok/s
     python bench.py --host                            # host time per decode step (no GPU needed)
     python bench.py --spec                            # speculative decoding off and on
+    python bench.py --lora 4                          # LoRA off, on, and with 4 adapters
     python bench.py --tiny                            # a seconds-long run on CPU
     python bench.py --serve                           # the server at several request rates,
                                                       # prefill-first beside mixed scheduling
@@ -64,12 +65,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     modes.add_argument("--host", action="store_true", help="time the host's work per decode step")
     modes.add_argument("--spec", action="store_true", help="speculative decoding, off and on, on "
                        "a repetitive workload one request at a time and on the preset's as a batch")
+    modes.add_argument("--lora", type=int, metavar="N",
+                       help="nanopaged with LoRA off, on, and with N random adapters")
     modes.add_argument("--serve", action="store_true",
                        help="time a server under requests that arrive over time")
     p.add_argument("--structured", action="store_true",
                    help="with --host: requests that follow a JSON schema, beside plain ones")
     p.add_argument("--speculative-config", action="append", metavar="JSON",
                    help="a vLLM speculative_config; with --spec, repeat to compare several")
+    p.add_argument("--lora-rank", type=int, default=16, help="with --lora: the adapters' rank")
     p.add_argument("--max-num-seqs", type=int, default=512)
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
                    help="nanopaged's KV cache (fp8: e4m3); the floor counts its bytes")
@@ -101,7 +105,7 @@ def parse_args(argv=None) -> argparse.Namespace:
             setattr(args, name, value)
     if args.serve and importlib.util.find_spec("httpx") is None:
         p.error("--serve needs httpx: pip install -e \".[bench]\"")
-    if args.plot and (args.host or args.profile or args.spec):
+    if args.plot and (args.host or args.profile or args.spec or args.lora):
         p.error("--plot draws throughput, --steps or --serve results")
     if args.plot and importlib.util.find_spec("matplotlib") is None:
         p.error("--plot needs matplotlib: pip install -e \".[bench]\"")
@@ -129,6 +133,10 @@ def main(argv=None) -> dict:
         from benchmarks.spec import print_spec, spec_times
         result = dict(speculative=spec_times(model, args))
         print_spec(result["speculative"])
+    elif args.lora:
+        from benchmarks.lora import lora_times, print_lora
+        result = dict(lora=lora_times(model, args))
+        print_lora(result["lora"])
     elif args.serve:
         from benchmarks.serve import print_serving, serve_times
         result = dict(serving=serve_times(model, args))

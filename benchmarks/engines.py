@@ -14,15 +14,22 @@ ENGINES = ("nanopaged", "hf", "hf-static", "nano-vllm", "vllm")
 
 
 def run_nanopaged(model: str, work: Workload, args, backend: str = "auto") -> dict:
-    from nanopaged import LLM, SamplingParams
+    from nanopaged import LLM, LoRARequest, SamplingParams
+    paths = getattr(args, "lora_paths", None)  # benchmarks/lora.py's adapters (LoRA on), or None
+    lora = {} if paths is None else dict(enable_lora=True, max_loras=max(1, len(paths)),
+                                         max_lora_rank=args.lora_rank)
     llm = LLM(model, max_model_len=args.max_model_len, enforce_eager=args.enforce_eager,
               attention_backend=backend, tensor_parallel_size=args.tensor_parallel_size,
               speculative_config=args.speculative_config, max_num_seqs=args.max_num_seqs,
-              trace=args.trace, kv_cache_dtype=args.kv_cache_dtype)
+              trace=args.trace, kv_cache_dtype=args.kv_cache_dtype, **lora)
     params = [SamplingParams(temperature=work.temperature, ignore_eos=True, max_tokens=n)
               for n in work.output_lens]
-    llm.generate(warmup_prompts(work), params[:4], use_tqdm=False)
-    elapsed, outputs = timed(lambda: llm.generate(work.prompts, params, use_tqdm=args.progress))
+    adapters = [LoRARequest(f"adapter{i}", i + 1, path) for i, path in enumerate(paths or [])]
+    loras = [adapters[i % len(adapters)] for i in range(len(work.prompts))] if adapters else None
+    llm.generate(warmup_prompts(work), params[:4], use_tqdm=False, lora_request=loras and loras[:4])
+    elapsed, outputs = timed(lambda: llm.generate(work.prompts, params, use_tqdm=args.progress,
+                                                  lora_request=loras))
+    loaded = sorted(llm.list_loras()) if paths is not None else None  # the adapters read
     llm.close()
     stats = llm.stats()
     ttft = [o.metrics.first_token_time - o.metrics.arrival_time for o in outputs]
@@ -37,7 +44,7 @@ def run_nanopaged(model: str, work: Workload, args, backend: str = "auto") -> di
                 tpot_median=statistics.median(tpot), tpot_p99=percentile(tpot, 99),
                 prefix_hit_rate=sum(o.num_cached_tokens for o in outputs) / prompt_tokens,
                 preemptions=stats.num_preemptions, kv_blocks=stats.num_blocks,
-                backend=llm.config.attention_backend, **speculation_stats(stats))
+                backend=llm.config.attention_backend, loras=loaded, **speculation_stats(stats))
 
 
 def speculation_stats(stats) -> dict:

@@ -12,7 +12,8 @@ import importlib
 # public name -> the module that defines it
 NAMES = {"LLM": "llm", "LLMEngine": "engine.llm_engine", "EngineArgs": "engine_args",
          "SamplingParams": "sampling_params", "TextPrompt": "inputs", "TokensPrompt": "inputs",
-         "CompletionOutput": "outputs", "Logprob": "outputs", "RequestOutput": "outputs"}
+         "CompletionOutput": "outputs", "Logprob": "outputs", "RequestOutput": "outputs",
+         "LoRARequest": "lora.request"}
 __all__ = list(NAMES)
 
 

@@ -40,7 +40,7 @@ class VLLMEngineAPI:
              use_tqdm: bool = True, chat_template: str | None = None,
              add_generation_prompt: bool = True, continue_final_message: bool = False,
              tools: list[dict] | None = None, chat_template_kwargs: dict | None = None,
-             chat_template_content_format: str = "auto") -> list:
+             chat_template_content_format: str = "auto", lora_request=None) -> list:
         """`generate` for one conversation (a list of messages, see `chat.render`) or a list of
         them, each rendered by the chat template, as vLLM's `LLM.chat`; each output's `prompt`
         is the rendered text. Content parts render as a string ("auto" and "string" formats)."""
@@ -54,7 +54,7 @@ class VLLMEngineAPI:
                                           add_generation_prompt, continue_final_message, tools,
                                           chat_template_kwargs)
             prompts.append({"prompt": text, "prompt_token_ids": token_ids})
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request)
 
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None
                ) -> Iterator[str]:

@@ -72,12 +72,20 @@ def tune_process() -> None:
         pass
 
 
+@functools.cache
+def packable_dtypes() -> tuple[torch.dtype, ...]:
+    """What oneDNN packs here: float32, and bfloat16 on CPUs with its instructions (AVX-512 or
+    AVX-NE-CONVERT; elsewhere a bfloat16 weight stays plain)."""
+    bf16 = torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    return (torch.float32, torch.bfloat16) if bf16 else (torch.float32,)
+
+
 class PackedLinear(LinearMethod):
     """`F.linear` through oneDNN with the weight prepacked in its blocked layout, once loaded.
     The projections' plain weights are freed; the LM head's may be the embedding's too."""
 
     def process_weights(self, layer: nn.Module) -> None:
-        if layer.weight.dtype not in (torch.float32, torch.bfloat16):  # what oneDNN packs
+        if layer.weight.dtype not in packable_dtypes():
             layer.method = LinearMethod()
             return
         layer.packed_weight = torch.ops.mkldnn._reorder_linear_weight(layer.weight.data, 64)

@@ -19,7 +19,7 @@ from nanopaged.checkpoint import resolve_model
 from nanopaged.compat import VLLMEngineAPI
 from nanopaged.core.config import Config
 from nanopaged.engine_args import split_options
-from nanopaged.inputs import InputProcessor, as_batch
+from nanopaged.inputs import InputProcessor, as_batch, per_prompt
 from nanopaged.outputs import EngineStats, RequestMetrics, RequestOutput
 from nanopaged.parallel import ParallelConfig, start_method
 from nanopaged.sampling_params import SamplingParams
@@ -175,6 +175,16 @@ class DataParallelLLM(VLLMEngineAPI):
         """Forgets every replica's cached prefixes; False where requests run."""
         return all([replica.call("reset_prefix_cache") for replica in self.live()])
 
+    def add_lora(self, lora_request) -> bool:
+        """Reads and checks the adapter on every replica (LoRA adapters: `LLM.add_lora`)."""
+        return all([replica.call("add_lora", lora_request) for replica in self.live()])
+
+    def remove_lora(self, lora_id: int) -> bool:
+        return any([replica.call("remove_lora", lora_id) for replica in self.live()])
+
+    def list_loras(self) -> set[int]:
+        return set().union(*[replica.call("list_loras") for replica in self.live()])
+
     def _gpus(self, index: int) -> list[str] | None:
         """Replica `index`'s share of the visible GPUs: `tensor_parallel_size` of them."""
         if self.config.device != "cuda":
@@ -191,19 +201,21 @@ class DataParallelLLM(VLLMEngineAPI):
             raise ReplicaDied("every data-parallel replica died; create a new engine")
         return live
 
-    def generate(self, prompts, sampling_params=None, use_tqdm: bool = True) -> list:
+    def generate(self, prompts, sampling_params=None, use_tqdm: bool = True,
+                 lora_request=None) -> list:
         """Every request checked here first; the i-th live replica runs prompts i, i + N,
         i + 2N, ...; the outputs come back in the prompts' order."""
         self._check_idle("generate")
         prompts, sampling_params = as_batch(prompts, sampling_params)
         for prompt, params in zip(prompts, sampling_params):
             self.inputs.make_request(prompt, params, None, ())
+        adapters = per_prompt(lora_request, len(prompts))
         live = self.live()
         count = len(live)
         busy = [(i, replica) for i, replica in enumerate(live) if prompts[i::count]]
         for i, replica in busy:
             replica.send("generate", prompts[i::count], sampling_params[i::count],
-                         use_tqdm and i == 0)
+                         use_tqdm and i == 0, adapters[i::count])
         shares, error = {}, None
         for i, replica in busy:  # every answer is read, so that the pipes stay in step
             try:
@@ -214,7 +226,8 @@ class DataParallelLLM(VLLMEngineAPI):
             raise error
         return [shares[i % count][i // count] for i in range(len(prompts))]
 
-    def add_request(self, prompt, sampling_params=None, request_id: str | None = None) -> str:
+    def add_request(self, prompt, sampling_params=None, request_id: str | None = None,
+                    lora_request=None) -> str:
         """Queues a request on the least busy live replica. It is known here before the
         replica has it, so that an interrupt or a failure in between can withdraw it."""
         self._check_open()
@@ -228,7 +241,8 @@ class DataParallelLLM(VLLMEngineAPI):
             raise ValueError(f"request_id must be a string not in use, got {request_id!r}")
         self.requests[request_id] = replica
         try:
-            replica.call("add_request", prompt, sampling_params, request_id=request_id)
+            replica.call("add_request", prompt, sampling_params, request_id=request_id,
+                         lora_request=lora_request)
         except BaseException:
             self.requests.pop(request_id)
             if replica.alive:  # it may have taken the request before the interrupt

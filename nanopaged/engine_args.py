@@ -57,6 +57,12 @@ OPTIONS = {
     "speculative_config": (dict | None, None, "speculative decoding, as JSON: {\"method\": "
                                               "\"ngram\", \"num_speculative_tokens\": 4} or "
                                               "{\"model\": DRAFT, ...}"),
+    "enable_lora": (bool, False, "serve LoRA adapters: a request's lora_request (peft's "
+                                 "format) adapts the model for it alone"),
+    "max_loras": (int, 1, "LoRA adapters in one step (their device slots)"),
+    "max_lora_rank": (int, 16, "the highest rank of a LoRA adapter"),
+    "max_cpu_loras": (int | None, None, "LoRA adapters kept read on the host (default: "
+                                        "max_loras)"),
     "trace": (str | None, None, "write a trace of every step here (JSON lines); `python -m "
                                 "nanopaged.trace PATH` makes the page that plays it back"),
     "config_format": (str, "auto", "auto or hf: the checkpoint's config.json (mistral's "
@@ -78,7 +84,8 @@ HINTS = ("trust_remote_code", "disable_log_stats", "swap_space")
 FORMATS = {"config_format": ("auto", "hf"), "load_format": ("auto", "safetensors")}
 ALIASES = {"block_size": "kvcache_block_size"}
 SURFACE = ("tokenizer", "tokenizer_mode", "generation_config", "structured_outputs_config",
-           "speculative_config", "trace")
+           "speculative_config", "enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras",
+           "trace")
 
 
 def split_options(model: str, options: dict) -> tuple[dict, dict, dict]:

@@ -3,7 +3,8 @@ import os
 
 ENVIRONMENT = {"VLLM_TORCH_PROFILER_DIR": None, "VLLM_WORKER_MULTIPROC_METHOD": "fork",
                "VLLM_USE_V1": "1", "VLLM_LOGGING_LEVEL": "INFO", "VLLM_HOST_IP": "",
-               "VLLM_PORT": None}
+               "VLLM_PORT": None, "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "0"}
+FLAGS = ("VLLM_USE_V1", "VLLM_ALLOW_RUNTIME_LORA_UPDATING")  # "1" or "true": True
 
 
 def __getattr__(name: str):
@@ -11,4 +12,4 @@ def __getattr__(name: str):
         raise AttributeError(f"nanopaged.envs has no {name!r}; it reads "
                              f"{', '.join(ENVIRONMENT)}")
     value = os.environ.get(name, ENVIRONMENT[name])
-    return value == "1" if name == "VLLM_USE_V1" else value
+    return value.lower() in ("1", "true") if name in FLAGS else value

@@ -168,6 +168,15 @@ def as_batch(prompts, sampling_params) -> tuple[list, list]:
     return list(prompts), list(sampling_params)
 
 
+def per_prompt(value, num_prompts: int) -> list:
+    """An argument given once for a batch or as a list of one per prompt, as that list."""
+    if not isinstance(value, (list, tuple)):
+        return [value] * num_prompts
+    if len(value) != num_prompts:
+        raise ValueError(f"got {num_prompts} prompts but {len(value)} lora requests")
+    return list(value)
+
+
 def _token_id(value) -> int:
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
         raise ValueError(f"token ids must be integers, got {value!r} ({type(value).__name__})")

@@ -17,7 +17,7 @@ from nanopaged.core.llm_engine import LLMEngine as CoreEngine
 from nanopaged.core.sequence import Sequence
 from nanopaged.core.step import SamplerOutput, ScheduledStep
 from nanopaged.engine_args import split_options
-from nanopaged.inputs import InputProcessor, Prompt, as_batch
+from nanopaged.inputs import InputProcessor, Prompt, as_batch, per_prompt
 import nanopaged.cpu  # noqa: F401 (enters the CPU backend in the core's registry)
 import nanopaged.quantization  # noqa: F401 (enters the quantized formats in the core)
 import nanopaged.models  # noqa: F401 (enters the model families in the core's registry)
@@ -63,7 +63,15 @@ class LLM(VLLMEngineAPI):
                                                            self.parallel.tensor_parallel_size)
             proposer = speculative.make_proposer(spec, config)
         self.inputs = InputProcessor.for_checkpoint(config, surface)
-        runner = make_runner(config, self.parallel, proposer.kv_bytes_per_block() if spec else 0)
+        lora = {}
+        if surface["enable_lora"]:
+            from nanopaged.lora.admission import LoRAAdmission
+            from nanopaged.lora.runner import LoRAConfig, LoRARunner
+            lora = dict(mixin=LoRARunner, lora=LoRAConfig(
+                surface["max_loras"], surface["max_lora_rank"], surface["max_cpu_loras"]))
+        runner = make_runner(config, self.parallel, proposer.kv_bytes_per_block() if spec else 0,
+                             **lora)
+        self.lora = LoRAAdmission(runner, surface["max_loras"]) if lora else None
         self.requests: dict[str, Request] = {}  # the unfinished ones
         self.owners: dict[Sequence, tuple[Request, int]] = {}  # a sequence's request, sample
         self.tracer = None
@@ -82,29 +90,62 @@ class LLM(VLLMEngineAPI):
     # ---- requests in ----
 
     def add_request(self, prompt: Prompt, sampling_params: SamplingParams | None = None,
-                    request_id: str | None = None) -> str:
+                    request_id: str | None = None, lora_request=None) -> str:
         """Queues one request (after checking it); returns its id. vLLM's order of arguments,
-        `add_request(request_id, prompt, params)`, works too."""
+        `add_request(request_id, prompt, params)`, works too. `lora_request`: a LoRARequest
+        (the engine made with `enable_lora`), or None for the base model."""
         self._check_open()
         if not isinstance(sampling_params, (SamplingParams, type(None))):  # vLLM's order
             request_id, prompt, sampling_params = prompt, sampling_params, request_id
-        return self._enqueue(self._make_request(prompt, sampling_params, request_id))
+        return self._enqueue(self._make_request(prompt, sampling_params, request_id,
+                                                lora_request))
 
     def _make_request(self, prompt: Prompt, params: SamplingParams | None,
-                      request_id: str | None = None) -> Request:
-        return self.inputs.make_request(prompt, params, request_id, self.requests)
+                      request_id: str | None = None, lora_request=None) -> Request:
+        request = self.inputs.make_request(prompt, params, request_id, self.requests)
+        if lora_request is not None:
+            self._lora().prepare(request, lora_request)
+        return request
+
+    # ---- LoRA adapters (vLLM's LLMEngine methods) ----
+
+    def add_lora(self, lora_request) -> bool:
+        """Reads and checks an adapter now, before a request brings it."""
+        self._lora().add(lora_request)
+        return True
+
+    def remove_lora(self, lora_id: int) -> bool:
+        """Forgets the adapter and its cached blocks; False if none had that id."""
+        return self._lora().remove(lora_id)
+
+    def list_loras(self) -> set[int]:
+        return self._lora().ids()
+
+    def _lora(self):
+        if self.lora is None:
+            raise ValueError("a lora_request needs LoRA enabled: create the engine with "
+                             "enable_lora=True (--enable-lora)")
+        return self.lora
 
     def _enqueue(self, request: Request) -> str:
         self.requests[request.request_id] = request
+        if self.lora is not None and not self.lora.admits(request, self.engine):
+            self.lora.held.append(request)  # until one of the engine's adapters is done
+            return request.request_id
+        self._add_to_engine(request)
+        return request.request_id
+
+    def _add_to_engine(self, request: Request) -> None:
         for index, seq in enumerate(request.seqs):
             self.owners[seq] = request, index
             self.engine.add(seq)
-        return request.request_id
 
     def abort(self, request_id: str) -> None:
         """Drops a request and frees its blocks; an unknown or finished id is ignored."""
         request = self.requests.pop(request_id, None)
         if request is not None:
+            if self.lora is not None and request in self.lora.held:
+                self.lora.held.remove(request)
             self.engine.finish(request.seqs)
             self._forget(request)
 
@@ -132,6 +173,8 @@ class LLM(VLLMEngineAPI):
         if self.tracer:
             self.tracer.begin()
         try:
+            if self.lora is not None:  # the held requests whose adapter fits now
+                self.lora.release(self.engine, self._add_to_engine)
             step, sampled = self.engine.step()
             requests = self._take(step, sampled)
         except BaseException as error:
@@ -213,9 +256,11 @@ class LLM(VLLMEngineAPI):
         self.engine.abort_all()
         self.requests.clear()
         self.owners.clear()
+        if self.lora is not None:
+            self.lora.held.clear()
 
     def is_finished(self) -> bool:
-        return self.engine.is_finished()
+        return self.engine.is_finished() and not (self.lora and self.lora.held)
 
     def stats(self) -> EngineStats:
         engine = self.engine
@@ -235,11 +280,14 @@ class LLM(VLLMEngineAPI):
 
     def generate(self, prompts: Prompt | list[Prompt],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
-        """Generates the completions of every prompt; returns one output per prompt, in order."""
+                 use_tqdm: bool = True, lora_request=None) -> list[RequestOutput]:
+        """Generates the completions of every prompt; returns one output per prompt, in order.
+        `lora_request`: one LoRARequest for every prompt, or a list of one (or None) each."""
         self._check_idle("generate")
         prompts, sampling_params = as_batch(prompts, sampling_params)
-        requests = [self._make_request(p, sp) for p, sp in zip(prompts, sampling_params)]
+        adapters = per_prompt(lora_request, len(prompts))
+        requests = [self._make_request(p, sp, lora_request=lr)
+                    for p, sp, lr in zip(prompts, sampling_params, adapters)]
         try:
             for request in requests:
                 self._enqueue(request)

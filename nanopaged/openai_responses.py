@@ -21,9 +21,10 @@ class Response:
     what is unfinished when the client goes away or anything fails."""
 
     def __init__(self, request: Request, engine, parsed: ParsedRequest, chat: bool,
-                 model_name: str):
+                 model_name: str, lora_request=None):
         self.request, self.engine, self.parsed = request, engine, parsed
         self.chat, self.model_name, self.num_admitted = chat, model_name, 0
+        self.lora_request = lora_request  # the adapter `model_name` names, or None
         self.decode = engine.llm.tokenizer.decode
         self.outbox: asyncio.Queue = asyncio.Queue()
         self.latest: dict[str, RequestOutput] = {}
@@ -41,7 +42,8 @@ class Response:
 
     async def submit(self) -> None:
         """Hands every prompt to the engine; on a failure, withdraws them all."""
-        futures = [self.engine.submit(request_id, prompt, self.parsed.params, self.outbox)
+        futures = [self.engine.submit(request_id, prompt, self.parsed.params, self.outbox,
+                                      self.lora_request)
                    for request_id, prompt in zip(self.index, self.parsed.prompts)]
         try:
             for future in futures:

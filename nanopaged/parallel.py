@@ -20,6 +20,7 @@ The core sees none of this: the model's layers shard themselves over the ranks o
 process group, and `make_runner` hands the engine a `ModelRunner` whose steps run on every rank.
 """
 import datetime
+import functools
 import gc
 import multiprocessing as mp
 import multiprocessing.connection
@@ -124,15 +125,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def make_runner(config: Config, parallel: ParallelConfig, extra_kv_bytes_per_block: int = 0
-                ) -> ModelRunner:
+def make_runner(config: Config, parallel: ParallelConfig, extra_kv_bytes_per_block: int = 0,
+                mixin: type | None = None, **options) -> ModelRunner:
     """The engine's model runner: in this process alone, on every rank torchrun started, or on
-    this process (rank 0) and the worker processes it starts."""
+    this process (rank 0) and the worker processes it starts. A feature's `mixin`, a ModelRunner
+    subclass taking `options` (LoRA's), is mixed into every rank's runner."""
     if parallel.tensor_parallel_size == 1:
-        return ModelRunner(config, extra_kv_bytes_per_block)
+        return mixed(ModelRunner, mixin)(config, extra_kv_bytes_per_block, **options)
     if parallel.external_launcher:
-        return TorchrunRunner(config, extra_kv_bytes_per_block)
-    return MultiprocRunner(config, parallel, extra_kv_bytes_per_block)
+        return mixed(TorchrunRunner, mixin)(config, extra_kv_bytes_per_block, **options)
+    worker = run_worker if mixin is None else functools.partial(run_worker, mixin=mixin,
+                                                                **options)
+    return mixed(MultiprocRunner, mixin)(config, parallel, extra_kv_bytes_per_block,
+                                         worker=worker, **options)
+
+
+def mixed(base: type, mixin: type | None) -> type:
+    """`base` with `mixin`'s methods before its own."""
+    return base if mixin is None else type(f"{mixin.__name__}{base.__name__}", (mixin, base), {})
 
 
 class TorchrunRunner(ModelRunner):
@@ -152,8 +162,8 @@ class MultiprocRunner(ModelRunner):
     and, every step, sends them the step's inputs before running its own shard."""
 
     def __init__(self, config: Config, parallel: ParallelConfig,
-                 extra_kv_bytes_per_block: int = 0):
-        self.workers, workers = [], start_workers(config, parallel, run_worker)
+                 extra_kv_bytes_per_block: int = 0, worker: Callable | None = None):
+        self.workers, workers = [], start_workers(config, parallel, worker or run_worker)
         try:
             with in_lockstep(workers):
                 self.group = join_ranks(config, parallel, 0, workers)
@@ -183,10 +193,11 @@ class MultiprocRunner(ModelRunner):
         stop_workers(workers, self.group)
 
 
-def run_worker(config: Config, parallel: ParallelConfig, rank: int) -> None:
+def run_worker(config: Config, parallel: ParallelConfig, rank: int, mixin: type | None = None,
+               **options) -> None:
     """The life of a tensor-parallel worker process: run every step rank 0 sends, until `None`."""
     group = join_ranks(config, parallel, rank, [])
-    runner = ModelRunner(config)
+    runner = mixed(ModelRunner, mixin)(config, **options)
     while (inputs := receive(group)) is not None:
         runner.execute(inputs)
     dist.destroy_process_group()

@@ -3,6 +3,7 @@ from collections import OrderedDict
 
 from nanopaged.core.block_manager import hash_block
 from nanopaged.data_parallel import DataParallelLLM
+from nanopaged.lora.admission import cache_salt
 
 MAX_REMEMBERED_BLOCKS = 100_000  # per replica
 
@@ -25,8 +26,9 @@ class Router:
         self.prefixes = [OrderedDict() for _ in loops]
         self.routed = [{"prefix": 0, "least_busy": 0} for _ in loops]
 
-    def submit(self, request_id: str, prompt: dict, params, outbox):
-        hashes = self._block_hashes(prompt["prompt_token_ids"])
+    def submit(self, request_id: str, prompt: dict, params, outbox, lora_request=None):
+        salt = None if lora_request is None else cache_salt(lora_request)
+        hashes = self._block_hashes(prompt["prompt_token_ids"], salt)
         index, reason = self.choose(hashes)
         prefixes = self.prefixes[index]
         for h in hashes:
@@ -35,7 +37,7 @@ class Router:
         while len(prefixes) > MAX_REMEMBERED_BLOCKS:
             prefixes.popitem(last=False)
         self.routed[index][reason] += 1
-        return self.loops[index].submit(request_id, prompt, params, outbox)
+        return self.loops[index].submit(request_id, prompt, params, outbox, lora_request)
 
     def choose(self, hashes: list[int]) -> tuple[int, str]:
         """Among the replicas whose engine loop runs (a dead replica's stops)."""
@@ -50,9 +52,10 @@ class Router:
                 return best, "prefix"
         return least, "least_busy"
 
-    def _block_hashes(self, token_ids: list[int]) -> list[int]:
-        """A hash per whole block of the prompt, each of the block and all before it."""
-        hashes, h = [], None
+    def _block_hashes(self, token_ids: list[int], salt: int | None = None) -> list[int]:
+        """A hash per whole block of the prompt, each of the block and all before it (and of
+        the LoRA adapter that computes them, as the block manager's)."""
+        hashes, h = [], salt
         for start in range(0, len(token_ids) - self.block_size + 1, self.block_size):
             h = hash_block(h, token_ids[start:start + self.block_size])
             hashes.append(h)

@@ -12,6 +12,7 @@ Needs the `serve` extra: pip install -e ".[serve]".
 import argparse
 import asyncio
 import dataclasses
+import itertools
 import queue
 import re
 import sys
@@ -26,9 +27,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from nanopaged import LLM, chat, openai_api
+from nanopaged import LLM, chat, envs, openai_api
 from nanopaged.data_parallel import ReplicaDied, sum_stats
 from nanopaged.engine_args import EngineArgs
+from nanopaged.lora.request import LoRARequest
 from nanopaged.openai_responses import Response
 from nanopaged.outputs import EngineStats
 from nanopaged.router import Router
@@ -48,13 +50,22 @@ class EngineLoop:
         self.thread = threading.Thread(target=self._run, name="nanopaged-engine", daemon=True)
         self.thread.start()
 
-    def submit(self, request_id: str, prompt: dict, params, outbox: asyncio.Queue) -> Future:
+    def submit(self, request_id: str, prompt: dict, params, outbox: asyncio.Queue,
+               lora_request=None) -> Future:
         """Queues a request; the future is done once the engine took it, or holds the error
         (a ValueError: the client's fault) that rejected it. Its outputs, and an exception if a
         step fails, will be put in `outbox`."""
         future: Future = Future()
         loop = asyncio.get_running_loop()
-        self.inbox.put((self._add, (request_id, prompt, params, loop, outbox, future)))
+        self.inbox.put((self._add, (request_id, prompt, params, lora_request, loop, outbox,
+                                    future)))
+        return future
+
+    def call(self, method: str, *args) -> Future:
+        """Runs the engine's `method` on the loop (the engine's only caller); the future holds
+        what it returns or raises."""
+        future: Future = Future()
+        self.inbox.put((self._call, (getattr(self.llm, method), args, future)))
         return future
 
     def abort(self, request_id: str) -> None:
@@ -72,14 +83,19 @@ class EngineLoop:
     def is_alive(self) -> bool:
         return self.thread.is_alive()
 
-    def _add(self, request_id: str, prompt, params, loop, outbox, future: Future) -> None:
+    def _add(self, request_id: str, prompt, params, lora_request, loop, outbox,
+             future: Future) -> None:
+        if self._call(self.llm.add_request, (prompt, params, request_id, lora_request), future):
+            self.outboxes[request_id] = (loop, outbox)
+
+    @staticmethod
+    def _call(function, args: tuple, future: Future) -> bool:
         try:
-            self.llm.add_request(prompt, params, request_id=request_id)
+            future.set_result(function(*args))
         except Exception as error:  # a ValueError is the client's fault; the loop goes on
             future.set_exception(error)
-            return
-        self.outboxes[request_id] = (loop, outbox)
-        future.set_result(None)
+            return False
+        return True
 
     def _abort(self, request_id: str) -> None:
         self.llm.abort(request_id)
@@ -142,10 +158,15 @@ def bad_request(error: ValueError) -> JSONResponse:
     return error_response(400, message, param)
 
 
-def create_app(llm: LLM, model_name: str, max_waiting: int, router: str = "prefix") -> FastAPI:
+def create_app(llm: LLM, model_name: str, max_waiting: int, router: str = "prefix",
+               lora_modules: list[LoRARequest] = ()) -> FastAPI:
+    """The app serving `llm` as `model_name`, and each of `lora_modules` (added to the engine
+    already) as a model of its adapter's name."""
     replicas = getattr(llm, "replicas", None)  # data parallelism: an engine loop per replica
     engine = EngineLoop(llm, max_waiting) if replicas is None else Router(
         llm, [EngineLoop(replica, max_waiting) for replica in replicas], max_waiting, router)
+    adapters = {lora.lora_name: lora for lora in lora_modules}
+    lora_ids = itertools.count(max((lora.lora_int_id for lora in lora_modules), default=0) + 1)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -158,6 +179,22 @@ def create_app(llm: LLM, model_name: str, max_waiting: int, router: str = "prefi
     model_card = {"id": model_name, "object": "model", "created": int(time.time()),
                   "owned_by": "nanopaged", "root": llm.config.model, "parent": None,
                   "max_model_len": llm.config.max_model_len}
+
+    def card(name: str) -> dict:
+        if name == model_name:
+            return model_card
+        lora = adapters[name]
+        return {**model_card, "id": name, "root": lora.lora_path,
+                "parent": lora.base_model_name or model_name}
+
+    def not_found(name) -> JSONResponse:
+        return error_response(404, f"the model {name!r} does not exist; this server serves "
+                              f"{', '.join(map(repr, [model_name, *adapters]))}", "model",
+                              "model_not_found")
+
+    async def on_every_engine(method: str, *args) -> None:
+        for loop in getattr(engine, "loops", [engine]):  # each replica's engine
+            await asyncio.wrap_future(loop.call(method, *args))
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, error: HTTPException):
@@ -188,14 +225,48 @@ def create_app(llm: LLM, model_name: str, max_waiting: int, router: str = "prefi
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [model_card]}
+        return {"object": "list", "data": [card(name) for name in [model_name, *adapters]]}
 
     @app.get("/v1/models/{model:path}")
     async def model(model: str):
-        if model != model_name:
-            return error_response(404, f"the model {model!r} does not exist", "model",
-                                  "model_not_found")
-        return model_card
+        return card(model) if model == model_name or model in adapters else not_found(model)
+
+    if envs.VLLM_ALLOW_RUNTIME_LORA_UPDATING:  # vLLM's endpoints, behind vLLM's variable
+        @app.post("/v1/load_lora_adapter")
+        async def load_lora_adapter(request: Request):
+            body = await _body(request)
+            if isinstance(body, JSONResponse):
+                return body
+            name, path = body.get("lora_name"), body.get("lora_path")
+            if not (isinstance(name, str) and name and isinstance(path, str) and path):
+                return error_response(400, "Both 'lora_name' and 'lora_path' must be "
+                                      "provided.", "lora_name")
+            if name == model_name or name in adapters:
+                return error_response(400, f"The lora adapter '{name}' has already been "
+                                      f"loaded.", "lora_name")
+            lora = LoRARequest(name, next(lora_ids), path)
+            try:  # read and checked now: a bad adapter is refused here, not by its requests
+                await on_every_engine("add_lora", lora)
+            except ValueError as error:
+                return bad_request(error)
+            if name in adapters:  # loaded by another call meanwhile
+                return error_response(400, f"The lora adapter '{name}' has already been "
+                                      f"loaded.", "lora_name")
+            adapters[name] = lora
+            return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
+
+        @app.post("/v1/unload_lora_adapter")
+        async def unload_lora_adapter(request: Request):
+            body = await _body(request)
+            if isinstance(body, JSONResponse):
+                return body
+            name = body.get("lora_name")
+            lora = adapters.pop(name, None) if isinstance(name, str) else None
+            if lora is None:
+                return error_response(404, f"The lora adapter '{name}' cannot be found.",
+                                      "lora_name")
+            await on_every_engine("remove_lora", lora.lora_int_id)
+            return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
 
     @app.get("/tokenizer_info")
     async def tokenizer_info():
@@ -225,14 +296,15 @@ def create_app(llm: LLM, model_name: str, max_waiting: int, router: str = "prefi
         body = await _body(request)
         if isinstance(body, JSONResponse):
             return body
-        if body.get("model", model_name) != model_name:
-            return error_response(404, f"the model {body['model']!r} does not exist; this server "
-                                  f"serves {model_name!r}", "model", "model_not_found")
+        requested = body.get("model", model_name)
+        if requested != model_name and not (isinstance(requested, str) and requested in adapters):
+            return not_found(requested)
         try:  # in a worker thread: a grammar or a long prompt never holds up the others
             parsed = await asyncio.to_thread(openai_api.parse_request, body, chat_request, llm)
         except ValueError as error:
             return bad_request(error)
-        return await respond(Response(request, engine, parsed, chat_request, model_name))
+        return await respond(Response(request, engine, parsed, chat_request, requested,
+                                      adapters.get(requested)))
 
     return app
 
@@ -306,11 +378,16 @@ class Server(uvicorn.Server):
 
 def serve(args: argparse.Namespace) -> None:
     """Runs the server the command line (`server_args.py`) asked for, until SIGTERM or Ctrl-C."""
+    loras = [LoRARequest(name, i + 1, path, base)
+             for i, (name, path, base) in enumerate(args.lora_modules or [])]
     try:
         llm = LLM(**dataclasses.asdict(EngineArgs.from_cli_args(args)))
-    except ValueError as error:  # a wrong option or model: one line, not a traceback
+        for lora in loras:
+            llm.add_lora(lora)
+    except ValueError as error:  # a wrong option, model or adapter: one line, no traceback
         sys.exit(f"nanopaged serve: error: {error}")
-    app = create_app(llm, args.served_model_name or args.model, args.max_waiting, args.router)
+    app = create_app(llm, args.served_model_name or args.model, args.max_waiting, args.router,
+                     loras)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=3)
     Server(config).run()

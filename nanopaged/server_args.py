@@ -3,6 +3,7 @@ and a wrong flag answer at once): `nanopaged serve MODEL [options]` (`cli.py`), 
 nanopaged.server MODEL [options]` and vLLM's `python -m nanopaged.entrypoints.openai.api_server
 --model MODEL [options]` all take these arguments."""
 import argparse
+import json
 
 from nanopaged.engine_args import EngineArgs, FlexibleArgumentParser
 
@@ -27,9 +28,32 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--served-model-name",
                         help="the model's name in the API, which requests must give as `model` "
                              "(default: MODEL)")
+    parser.add_argument("--lora-modules", nargs="+", type=lora_module, metavar="NAME=PATH",
+                        help="with --enable-lora: LoRA adapters (peft's format) served as models "
+                             'of their names: NAME=PATH, or JSON {"name": ..., "path": ..., '
+                             '"base_model_name": ...}')
     parser.add_argument("--log-level", default="info",
                         help="uvicorn's; warning hides each request (default: info)")
     EngineArgs.add_cli_args(parser.add_argument_group("engine options"))
     args = parser.parse_args(argv)
     args.model = args.model_tag or args.model
+    if args.lora_modules and not args.enable_lora:
+        parser.error("--lora-modules needs --enable-lora")
     return args
+
+
+def lora_module(text: str) -> tuple[str, str, str | None]:
+    """vLLM's --lora-modules item: NAME=PATH or a JSON object -> (name, path, base model)."""
+    if text.lstrip().startswith("{"):
+        try:
+            item = json.loads(text)
+        except json.JSONDecodeError as error:
+            raise argparse.ArgumentTypeError(f"not valid JSON: {error}") from None
+        if not (isinstance(item, dict) and isinstance(item.get("name"), str)
+                and isinstance(item.get("path"), str)):
+            raise argparse.ArgumentTypeError(f'{text!r}: a JSON item needs "name" and "path"')
+        return item["name"], item["path"], item.get("base_model_name")
+    name, equals, path = text.partition("=")
+    if not (name and equals and path):
+        raise argparse.ArgumentTypeError(f"{text!r} is not NAME=PATH")
+    return name, path, None

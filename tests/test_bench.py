@@ -197,6 +197,15 @@ def test_host_times(bench, qwen3_path):
     assert [row["tokens_per_step"] for row in result["host"]] == [1, 1, 4, 4]
 
 
+def test_lora_off_on_and_with_adapters(bench, qwen3_path):
+    result = bench.main(["--tiny", "--model", qwen3_path, "--lora", "2", "--lora-rank", "4",
+                         "--no-progress"])
+    rows = result["lora"]
+    assert [r["lora"] for r in rows] == ["off", "on, base model", "2 adapters"]
+    assert [r["loras"] for r in rows] == [None, [], [1, 2]]  # the adapters did run
+    assert len({r["output_tokens"] for r in rows}) == 1 and rows[0]["vs_off"] == 1
+
+
 def test_serving_compares_both_policies(bench, qwen3_path, tmp_path):
     result = bench.main(["--tiny", "--model", qwen3_path, "--serve", "--num-requests", "6",
                          "--request-rate", "8", "--long-prompt", "300",

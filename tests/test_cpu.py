@@ -114,6 +114,20 @@ def test_half_weights_keep_f_linear():
     assert type(layer.method) is LinearMethod and layer.weight is not None
 
 
+@pytest.mark.parametrize("bf16", [True, False])
+def test_bfloat16_weights_are_packed_only_where_the_cpu_has_its_instructions(bf16, monkeypatch):
+    """oneDNN's bfloat16 path needs AVX-512 (or AVX-NE-CONVERT): without, it raises."""
+    from nanopaged.core.layers import RowParallelLinear, linear_methods
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: bf16)
+    cpu.packable_dtypes.cache_clear()
+    monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", lambda w, _: w.clone())
+    with linear_methods(cpu.PackedLinear(), cpu.PackedLinear()):
+        layer = RowParallelLinear(8, 4).bfloat16()
+    layer.method.process_weights(layer)
+    assert (type(layer.method) is cpu.PackedLinear) == bf16
+    cpu.packable_dtypes.cache_clear()
+
+
 def test_auto_picks_the_cpu_backend_on_a_cpu_and_torch_stays_the_reference(qwen3_path):
     llm = LLM(qwen3_path)
     assert llm.config.attention_backend == "cpu" and llm.engine.runner.sampler.sample is cpu.sample

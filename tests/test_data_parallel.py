@@ -5,7 +5,7 @@ import types
 import psutil
 import pytest
 
-from nanopaged import LLM, SamplingParams
+from nanopaged import LLM, LoRARequest, SamplingParams
 from nanopaged.data_parallel import DataParallelLLM, Replica
 from nanopaged.router import Router
 from conftest import random_prompts
@@ -84,7 +84,7 @@ class FakeLoop:
         self.outboxes = dict.fromkeys(range(in_flight))
         self.submitted = []
 
-    def submit(self, request_id, prompt, params, outbox):
+    def submit(self, request_id, prompt, params, outbox, lora_request=None):
         self.submitted.append(request_id)
 
     def is_alive(self) -> bool:
@@ -112,8 +112,12 @@ def test_the_router_follows_the_longest_prefix_within_the_balance():
     router.submit("d", {"prompt_token_ids": shared + [53]}, None, None)
     assert router.loops[0].submitted[-1] == "d"
     router.loops[0].outboxes = router.loops[1].outboxes = {0: None}
+    adapter = LoRARequest("a", 1, "/a")  # its blocks are not the base model's: no prefix
+    router.submit("g", {"prompt_token_ids": shared + [53]}, None, None, adapter)
+    assert router.loops[2].submitted == ["g"] and router.routed[2]["least_busy"] == 1
+    router.loops[2].outboxes = {}
     router.submit("e", {"prompt_token_ids": [7, 7, 7]}, None, None)  # no whole block
-    assert router.loops[2].submitted == ["e"]
+    assert router.loops[2].submitted == ["g", "e"]
     router.loops[0].is_alive = lambda: False  # its engine loop ended: never chosen
     router.loops[0].outboxes = {}
     router.submit("f", {"prompt_token_ids": shared + [54]}, None, None)

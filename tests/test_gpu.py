@@ -120,3 +120,40 @@ def test_fp8_layers_multiply_in_fp8_and_give_transformers_first_tokens(tmp_path)
         assert isinstance(qkv.method, Fp8ScaledMM) and qkv.weight_t.dtype == torch.float8_e4m3fn
         got = greedy(llm)
     assert [t[0] for t in got] == [t[0] for t in transformers_greedy(path, "compressed-tensors")]
+
+
+@pytest.mark.parametrize("enforce_eager", [True, False])
+def test_base_and_two_adapters_in_one_batch_give_peft_merged_tokens(gpu_path, tmp_path,
+                                                                     enforce_eager, no_tf32):
+    """LoRA on a GPU: the Triton kernels, and the rows' slots as an input of the decode graphs
+    (one batch mixing the base model and two adapters, replayed)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+    from nanopaged import LoRARequest
+    from nanopaged.lora.punica import lora_delta_triton
+    from test_lora import EVERY, write_adapter
+    loras = [None, LoRARequest("a", 1, write_adapter(gpu_path, str(tmp_path / "a"), 8,
+                                                     ["q_proj", "v_proj", "down_proj"], 1)),
+             LoRARequest("b", 2, write_adapter(gpu_path, str(tmp_path / "b"), 4, EVERY, 2,
+                                               use_rslora=True))]
+    prompts = [p for p in PROMPTS[:4] for _ in loras]
+    requests = loras * 4
+    with LLM(gpu_path, dtype="float32", attention_backend="triton", enforce_eager=enforce_eager,
+             max_model_len=1024, gpu_memory_utilization=0.3, enable_lora=True, max_loras=2,
+             max_lora_rank=8) as llm:
+        layer = next(m.method for m in llm.engine.runner.model.modules()
+                     if hasattr(getattr(m, "method", None), "delta"))
+        assert layer.delta is lora_delta_triton
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False,
+                                                            lora_request=requests)]
+    for lora in loras:
+        model = AutoModelForCausalLM.from_pretrained(gpu_path, dtype=torch.float32)
+        if lora is not None:
+            model = PeftModel.from_pretrained(model, lora.lora_path).merge_and_unload()
+        model = model.cuda().eval()
+        model.generation_config.eos_token_id = None
+        for i, prompt in enumerate(prompts):
+            if requests[i] == lora:
+                out = model.generate(torch.tensor([prompt]).cuda(), max_new_tokens=32,
+                                     do_sample=False)
+                assert got[i] == out[0, len(prompt):].tolist(), (lora, i)

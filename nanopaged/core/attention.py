@@ -5,8 +5,7 @@ head_dim). Token `p` of a sequence lives in block `block_table[p // block_size]`
 `p % block_size`; its flat *slot* is `block * block_size + offset`. Three backends compute the
 same function: plain PyTorch (the CPU path and the reference), Triton, and flash-attn; with a
 `window`, a query sees the last `window` positions only. Shapes: T tokens of the step, B
-sequences, L context length, nh query heads, nkv key/value heads, hs head size.
-"""
+sequences, L context length, nh query heads, nkv key/value heads, hs head size."""
 import importlib.util
 import os
 from collections.abc import Callable
@@ -24,8 +23,7 @@ class AttentionMetadata:
     """What attention needs to know about one step's batch. In a ragged step sequence i runs the
     queries `cu_seqlens_q[i]:cu_seqlens_q[i+1]`, its last tokens among `context_lens[i]`;
     otherwise each runs one (a decode). Padding rows (CUDA graphs) have slot -1 and no context.
-    `plans` keeps what a backend works out once a step for all its layers.
-    """
+    `plans` keeps what a backend works out once a step for all its layers."""
     ragged: bool
     slot_mapping: torch.Tensor            # (num_tokens,) int64 cache slot of each new token
     context_lens: torch.Tensor            # (num_seqs,) int32 tokens in the cache after this step
@@ -62,8 +60,7 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
 
 
 def prefill_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                  meta: AttentionMetadata, scale: float, window: int | None = None
-                  ) -> torch.Tensor:
+                  meta: AttentionMetadata, scale: float, window: int | None = None) -> torch.Tensor:
     """Causal attention of each sequence's new queries over its whole cached context."""
     out = torch.empty_like(q)
     bounds, block_size = meta.cu_seqlens_q.tolist(), k_cache.shape[1]
@@ -80,8 +77,7 @@ def prefill_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 
 
 def decode_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 meta: AttentionMetadata, scale: float, window: int | None = None
-                 ) -> torch.Tensor:
+                 meta: AttentionMetadata, scale: float, window: int | None = None) -> torch.Tensor:
     """One query per sequence over its cached context, the batch padded to the longest."""
     k, v = _gather_blocks(k_cache, meta.block_tables), _gather_blocks(v_cache, meta.block_tables)
     key_pos, lens = torch.arange(k.shape[2], device=q.device)[None, :], meta.context_lens[:, None]

@@ -8,8 +8,9 @@ from nanopaged.core.sequence import Sequence, cdiv
 
 
 def hash_block(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
-    """Hash of a full block, chained to the hash of the block before it: the hash names the
-    whole prefix up to this block, not only its own tokens."""
+    """Hash of a full block, chained to the hash of the block before it (of a sequence's first
+    block: its `cache_salt`): the hash names the whole prefix up to this block, and what computed
+    its K/V (the base model or a LoRA adapter), not only its own tokens."""
     h = xxhash.xxh64()
     if parent_hash is not None:
         h.update(parent_hash.to_bytes(8, "little"))
@@ -22,19 +23,19 @@ class BlockManager:
 
     Block `b` holds `block_size` token slots. `ref_counts[b]` counts the sequences holding it. A
     block with a hash (`hashes[b]`) holds a full block of tokens (`block_tokens[b]`), computed or
-    being computed by the current step, and can be shared by every sequence with the same
-    prefix. (Plain lists, not an object per block: a pool of many thousand blocks is made in a
-    moment.) Free blocks wait in `free_block_ids`, least recently freed first: that order is the
-    eviction policy. A freed block keeps its hash, so a later request with the same prefix can
-    take it back until it is handed out again. Only full blocks are shared; a full block is
-    never written again. A block's hash is entered when the step that fills it is scheduled (later
-    sequences of the step may share it: the n samples of a prompt) and *committed* once the
+    being computed by the current step, and can be shared by every sequence with the same prefix and
+    `cache_salt` (the chain starts at it: a block a LoRA adapter computed is never served to another
+    adapter, nor to the base model). (Plain lists, not an object per block: a pool of many thousand
+    blocks is made in a moment.) Free blocks wait in `free_block_ids`, least recently freed first:
+    that order is the eviction policy. A freed block keeps its hash, so a later request with the
+    same prefix can take it back until it is handed out again. Only full blocks are shared; a full
+    block is never written again. A block's hash is entered when the step that fills it is scheduled
+    (later sequences of the step may share it: the n samples of a prompt) and *committed* once the
     step has run: after a failed step, `rollback` forgets it. Nothing is looked up without
     `enable_prefix_caching`, nor for a sequence that asks for its prompt's logits. With a
     `sliding_window` on every layer, a decoding sequence gives back each block wholly before the
-    window (its entry becomes -1) but the one before its last, whose hash the next full block
-    chains to: it holds at most window / block_size + 1 blocks.
-    """
+    window (its entry becomes -1) but the one before its last, whose hash the next full block chains
+    to: it holds at most window / block_size + 1 blocks."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
                  sliding_window: int | None = None):
@@ -62,7 +63,7 @@ class BlockManager:
     def _cached_prefix(self, seq: Sequence) -> list[int]:
         """Block ids that already hold the leading full blocks of `seq`, but the block of its
         last token, which the model must run for the next token's logits."""
-        hits, parent = [], None
+        hits, parent = [], seq.cache_salt
         if not self.enable_prefix_caching or seq.prompt_logits:
             return hits
         for i in range((len(seq) - 1) // self.block_size):
@@ -183,7 +184,7 @@ class BlockManager:
             return
         # journalled before the hash exists, so that no interrupt can leave a hash unjournalled
         self.uncommitted.append(block_id)
-        parent = self.hashes[seq.block_table[i - 1]] if i > 0 else None
+        parent = self.hashes[seq.block_table[i - 1]] if i > 0 else seq.cache_salt
         self.block_tokens[block_id] = self._block_tokens(seq, i)
         self.hashes[block_id] = hash_block(parent, self.block_tokens[block_id])
         self.hash_to_block.setdefault(self.hashes[block_id], block_id)  # the first copy stays

@@ -66,7 +66,7 @@ class LinearMethod:
     which nanopaged/quantization/ enters in `QUANTIZATIONS[quant_method](quantization_config,
     float method)`: `create_weights(layer, in_features, out_features)` registers the layer's
     parameters (see `parameter`), `process_weights(layer)` runs once the checkpoint is loaded
-    (to repack or dequantize them), `apply(layer, x)` multiplies."""
+    (to repack or dequantize them), `apply(layer, x)` multiplies (LoRA adds its delta)."""
 
     def create_weights(self, layer: nn.Module, in_features: int, out_features: int) -> None:
         layer.weight = parameter(torch.empty(out_features, in_features), 0, 1)
@@ -102,6 +102,8 @@ class LinearBase(nn.Module):
         super().__init__()
         self.tp_rank = tp_rank()
         self.tp_size = tp_size()
+        self.in_features = in_features  # this rank's, whatever format the method keeps
+        self.out_features = out_features
         self.method = _building[0] if projection else _building[1]
         self.method.create_weights(self, in_features, out_features)
         self.bias = parameter(torch.empty(out_features), 0) if bias else None

@@ -18,8 +18,7 @@ class LLMEngine:
     Seam: a subclass may extend the two ends of a step, `schedule()` (what it runs) and
     `apply()` (what it sampled). Speculative decoding (`nanopaged/speculative.py`) adds
     proposals to the scheduled step, in slots `BlockManager.reserve` makes, and applies only
-    those the model agrees with, giving the rest back with `BlockManager.trim`.
-    """
+    those the model agrees with, giving the rest back with `BlockManager.trim`."""
 
     def __init__(self, config: Config, runner: ModelRunner | None = None):
         self.config = config

@@ -167,8 +167,7 @@ class CausalLM(nn.Module):
     # checkpoint name fragment -> (packed parameter fragment, shard id)
     packed_modules = {
         "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
-        "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
-    }
+        "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 
     def __init__(self, config: PretrainedConfig, backend: str):
         super().__init__()

@@ -24,8 +24,9 @@ class ModelRunner:
     """Turns a scheduled step into model inputs, runs the model, and samples. Prefill steps run
     eagerly over a ragged batch; decode steps replay a CUDA graph captured for the next larger batch
     size, when graphs are on. Seam: a subclass may run `execute` on several processes (tensor
-    parallelism). `extra_kv_bytes_per_block` are left free, per block, for another model's
-    cache in the same blocks (a speculative draft's)."""
+    parallelism), or extend `_allocate_kv_cache` (to add weights before the pool is sized),
+    `prepare_inputs` and `execute` (LoRA: `nanopaged/lora/`). `extra_kv_bytes_per_block` are left
+    free, per block, for another model's cache in the same blocks (a speculative draft's)."""
 
     def __init__(self, config: Config, extra_kv_bytes_per_block: int = 0):
         self.config = config

@@ -10,21 +10,19 @@ from nanopaged.core.step import ScheduledStep
 class Scheduler:
     """Two queues: `waiting` (not yet prefilled, or preempted) and `running` (decoding).
 
-    Prefill admits waiting sequences in order while the token budget
-    (`max_num_batched_tokens`), `max_num_seqs` and free blocks allow; only a step's last prompt
-    can overflow the budget, and is then prefilled in chunks over several steps (without
-    `enable_chunked_prefill`, it waits for a step with room for all of it). Decode gives each
-    running sequence one token, oldest first, up to the budget; when the pool has no block for
-    one, the newest running sequence is preempted: its blocks are freed, to be recomputed later
-    (its prefix often still cached), and it goes back to the front of `waiting` (behind a
-    prompt being prefilled in chunks).
+    Prefill admits waiting sequences in order while the token budget (`max_num_batched_tokens`),
+    `max_num_seqs` and free blocks allow; only a step's last prompt can overflow the budget, and is
+    then prefilled in chunks over several steps (without `enable_chunked_prefill`, it waits for a
+    step with room for all of it). Decode gives each running sequence one token, oldest first, up to
+    the budget; when the pool has no block for one, the newest running sequence is preempted: its
+    blocks are freed, to be recomputed later (its prefix often still cached), and it goes back to
+    the front of `waiting` (behind a prompt being prefilled in chunks).
 
     `prefill-first` runs a prefill step whenever a prompt can be admitted, else a decode step,
     but decodes between two chunks of a prompt: a long prompt stalls the running sequences for
     one step of `max_num_batched_tokens` tokens at a time. `mixed` (as vLLM V1, Sarathi-Serve)
     decodes every running sequence in each step and spends the rest of the budget on prefill
-    chunks. A step is booked at once: `num_computed_tokens` counts the tokens it computes.
-    """
+    chunks. A step is booked at once: `num_computed_tokens` counts the tokens it computes."""
 
     def __init__(self, config: Config, block_manager: BlockManager):
         self.config = config

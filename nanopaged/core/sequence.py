@@ -29,7 +29,8 @@ class Sequence:
     tokens the prefix cache served. Seams, all off by default: `stop_token_ids` end the completion
     (EOS); `logits_processors` change its row's logits (see `Sampler`); `seed` makes its samples
     independent of its batch; `prompt_logits` asks for the logits of the prompt tokens it runs (for
-    their logprobs)."""
+    their logprobs); `cache_salt` starts the hash chain of its blocks (see `hash_block`), so that
+    sequences with other salts share none (a LoRA adapter's K/V differs from the base model's)."""
     _ids = count()
 
     def __init__(self, token_ids: list[int], sampling_params: SamplingOptions,
@@ -46,6 +47,7 @@ class Sequence:
         self.block_table: list[int] = []
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0
+        self.cache_salt: int | None = None
         self.finish_reason: str | None = None  # "stop", "length" or "abort"
 
     def __len__(self) -> int:

@@ -56,7 +56,8 @@ class StepInputs:
     """One step's model inputs as host arrays (what tensor parallelism sends to other ranks).
     `logits_indices` picks the rows whose logits are computed: the sampling rows, then the rows
     of prompt tokens whose logits a sequence asks for, (its index in the step, number of rows)
-    in `prompt_rows`. Ragged steps (prompt chunks) fill the `cu_seqlens`."""
+    in `prompt_rows`. Ragged steps (prompt chunks) fill the `cu_seqlens`. A runner subclass may
+    add attributes (LoRA's adapter slots): they travel to every rank with the rest."""
     ragged: bool
     input_ids: np.ndarray
     positions: np.ndarray
@@ -72,13 +73,12 @@ class StepInputs:
 
 @dataclass
 class SamplerOutput:
-    """What a step sampled, one entry per sampling row (the step's `samplers`, in order): its
-    new tokens (one, and one after each of its proposals; once applied, the proposals the
-    model agreed with and one more). `logits`
-    holds the model's logits (before any processor or temperature) that the tokens came from:
-    row `first_rows[i] + j` for token j of sampling row i. `prompt_logits` maps a sequence that
-    asks for them (by index in the step) to the logits of the prompt tokens it ran, row j
-    predicting the token after position `step.starts[i] + j`."""
+    """What a step sampled, one entry per sampling row (the step's `samplers`, in order): its new
+    tokens (one, and one after each of its proposals; once applied, the proposals the model agreed
+    with and one more). `logits` holds the model's logits (before any processor or temperature) that
+    the tokens came from: row `first_rows[i] + j` for token j of sampling row i. `prompt_logits`
+    maps a sequence that asks for them (by index in the step) to the logits of the prompt tokens it
+    ran, row j predicting the token after position `step.starts[i] + j`."""
     token_ids: list[list[int]]
     logits: torch.Tensor | None = None
     first_rows: list[int] | range = ()

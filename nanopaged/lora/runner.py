@@ -1,0 +1,177 @@
+"""LoRA on every rank: the projections' methods wrapped to add each row's adapter delta
+(punica.py), `max_loras` device slots filled least recently used first, and the slots of a
+step's rows sent with its inputs."""
+import weakref
+from collections import OrderedDict
+
+import numpy as np
+import torch
+from torch import nn
+
+from nanopaged.core.layers import LinearMethod, to_device
+from nanopaged.core.model_runner import ModelRunner
+from nanopaged.core.sequence import Sequence
+from nanopaged.core.step import ScheduledStep, StepInputs
+from nanopaged.lora.adapter import LoRAConfig, adaptable, empty_slot, stage
+from nanopaged.lora.punica import lora_delta_torch, lora_delta_triton
+from nanopaged.lora.request import LoRARequest
+
+
+def adapter_key(request: LoRARequest) -> tuple[str, int, str]:
+    """What names an adapter's weights: a name loaded again from another path is another."""
+    return request.lora_name, request.lora_int_id, request.lora_path
+
+
+class RowSlots:
+    """The adapter slot of each row of the running step (-1: the base model), in a tensor that
+    CUDA graphs read in place. `active`: whether any row has an adapter (on a GPU always: a
+    graph captured without the delta could not add it)."""
+
+    def __init__(self, capacity: int, device: torch.device):
+        self.buffer = torch.full((capacity,), -1, dtype=torch.int64, device=device)
+        self.slots = self.buffer
+        self.active = device.type == "cuda"
+
+    def set(self, slots: np.ndarray) -> None:
+        n = len(slots)
+        # a longer (eager) step gets a buffer of its own: the graphs keep reading `buffer`
+        self.slots = self.buffer if n <= len(self.buffer) else self.buffer.new_empty(n)
+        self.slots[n:].fill_(-1)  # a graph's padding rows
+        self.slots[:n] = to_device(self.slots.device, slots, torch.int64)
+        self.active = self.slots.is_cuda or bool((slots >= 0).any())
+
+
+class LoRALinear(LinearMethod):
+    """A projection's own method, then each row's delta from the stacked slots: `a` (L, P*R,
+    in) and `b` (out, L, P*R) (see punica.py)."""
+
+    def __init__(self, base: LinearMethod, a: torch.Tensor, b: torch.Tensor, rows: RowSlots):
+        self.base, self.a, self.b, self.rows = base, a, b, rows
+        use_kernel = a.is_cuda and _has_triton()
+        self.delta = lora_delta_triton if use_kernel else lora_delta_torch
+
+    def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        y = self.base.apply(layer, x)
+        if self.rows.active:
+            flat = x.reshape(-1, x.shape[-1])
+            self.delta(y.view(-1, y.shape[-1]), flat, self.a, self.b,
+                       self.rows.slots[:flat.shape[0]])
+        return y
+
+
+class LoRARunner(ModelRunner):
+    """A model runner with LoRA, mixed into each rank's runner class (`parallel.make_runner`).
+    Its projections are wrapped before the KV pool is sized (the slots take memory). On rank 0,
+    `adapters` maps each sequence to its adapter and `prepare_inputs` decides which adapters
+    the step loads into which slots (least recently used first, never one the step needs); the
+    inputs carry that plan and each token's slot to every rank, where `execute` loads and
+    runs. An adapter is read, checked and staged by `check` on rank 0 when a request brings it
+    (the `max_cpu_loras` most recent stay staged on the host); other ranks read their shards
+    when told to load it."""
+
+    def __init__(self, *args, lora: LoRAConfig, **kwargs):
+        self.lora_config = lora
+        self.adapters: weakref.WeakKeyDictionary[Sequence, LoRARequest] = \
+            weakref.WeakKeyDictionary()
+        self.staged: OrderedDict[tuple, dict] = OrderedDict()
+        self.generations: dict[tuple, int] = {}  # times each adapter was forgotten
+        self.slots: list[tuple | None] = [None] * lora.max_loras  # the adapter in each slot
+        self.last_used = [0] * lora.max_loras
+        self.num_steps = 0
+        super().__init__(*args, **kwargs)
+
+    def _allocate_kv_cache(self) -> int:
+        self._wrap_projections()
+        return super()._allocate_kv_cache()
+
+    def _wrap_projections(self) -> None:
+        config, lora = self.config, self.lora_config
+        self.rows = RowSlots(max(config.max_num_batched_tokens, config.max_num_seqs), self.device)
+        self.layers: dict[str, LoRALinear] = {}
+        for name, module in self.model.named_modules():
+            if adaptable(module):
+                parts = len(self.model.param_parts(name + ".weight"))
+                a, b = empty_slot(module, parts, lora.max_lora_rank, config.dtype, self.device)
+                a = a.unsqueeze(0).repeat(lora.max_loras, 1, 1)
+                b = b.unsqueeze(1).repeat(1, lora.max_loras, 1)
+                module.method = self.layers[name] = LoRALinear(module.method, a, b, self.rows)
+
+    def check(self, request: LoRARequest) -> None:
+        """Reads and stages `request`'s adapter (a ValueError names what is wrong with it)."""
+        self._staged(request)
+
+    def forget(self, key: tuple) -> None:
+        """Drops the staged and loaded copies of the adapter `adapter_key` gave `key` (it is
+        read again if asked for)."""
+        self.staged.pop(key, None)
+        self.generations[key] = self.generations.get(key, 0) + 1
+        self.slots = [None if slot == key else slot for slot in self.slots]
+
+    def _staged(self, request: LoRARequest) -> dict:
+        key = adapter_key(request)
+        if key not in self.staged:
+            self.staged[key] = stage(request, self.model, self.lora_config.max_lora_rank,
+                                     self.config.dtype)
+            while len(self.staged) > self.lora_config.max_cpu_loras:
+                self.staged.popitem(last=False)
+        self.staged.move_to_end(key)
+        return self.staged[key]
+
+    def prepare_inputs(self, step: ScheduledStep) -> StepInputs:
+        inputs = super().prepare_inputs(step)
+        wanted = [self.adapters.get(seq) for seq in step.seqs]
+        needed = {adapter_key(r): r for r in wanted if r is not None}
+        if len(needed) > len(self.slots):
+            raise RuntimeError(f"a step with {len(needed)} adapters, over max_loras="
+                               f"{len(self.slots)}")  # the admission above must prevent it
+        slot_of = {key: i for i, key in enumerate(self.slots) if key in needed}
+        # the free slots first, then the least recently used
+        spare = sorted((i for i in range(len(self.slots)) if i not in slot_of.values()),
+                       key=lambda i: (self.slots[i] is not None, self.last_used[i]))
+        inputs.lora_loads = []
+        for key, request in needed.items():
+            if key not in slot_of:
+                slot_of[key] = spare.pop(0)
+                inputs.lora_loads.append((slot_of[key], request, self.generations.get(key, 0)))
+        row_slots = [-1 if r is None else slot_of[adapter_key(r)] for r in wanted]
+        counts = np.diff(inputs.cu_seqlens_q) if inputs.ragged else 1
+        inputs.lora_slots = np.repeat(np.array(row_slots, np.int64), counts)
+        return inputs
+
+    @torch.inference_mode()
+    def execute(self, inputs: StepInputs) -> torch.Tensor | None:
+        for slot, request, generation in getattr(inputs, "lora_loads", ()):
+            key = adapter_key(request)
+            if self.generations.get(key, 0) != generation:  # forgotten on rank 0: read anew
+                self.staged.pop(key, None)
+                self.generations[key] = generation
+            self._load(slot, request)
+        slots = getattr(inputs, "lora_slots", None)
+        if slots is None:  # a step not prepared here (none of its rows has an adapter)
+            slots = np.full(len(inputs.input_ids), -1, np.int64)
+        self.num_steps += 1
+        for slot in np.unique(slots[slots >= 0]):
+            self.last_used[slot] = self.num_steps
+        self.rows.set(slots)
+        return super().execute(inputs)
+
+    def _load(self, slot: int, request: LoRARequest) -> None:
+        """Copies the adapter into `slot`; until it is all there, the slot holds no adapter."""
+        self.slots[slot] = None
+        staged = self._staged(request)
+        for name, layer in self.layers.items():
+            if name in staged:
+                layer.a[slot].copy_(staged[name][0])
+                layer.b[:, slot].copy_(staged[name][1])
+            else:
+                layer.a[slot].zero_()
+                layer.b[:, slot].zero_()
+        self.slots[slot] = adapter_key(request)
+
+
+def _has_triton() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
