@@ -121,6 +121,18 @@ def test_preemption_chunked_prefill_and_n_samples(adapters):
     assert [[c.token_ids for c in o.outputs] for o in outputs] == [[e, e] for e in expected]
 
 
+def test_speculative_decoding_verifies_under_each_rows_adapter(adapters):
+    """n-gram drafts verified in one step per sequence: each of its tokens under its adapter."""
+    base, requests = adapters("qwen3")
+    prompts, loras = mixed_batch(requests, [p * 3 for p in random_prompts([10, 12], seed=18)])
+    llm = LLM(base, enable_lora=True, max_loras=2, max_lora_rank=8, max_model_len=256,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                  "prompt_lookup_min": 2, "prompt_lookup_max": 4})
+    outputs = llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=loras)
+    assert token_ids(outputs) == peft_greedy(base, loras, prompts)
+    assert llm.stats().num_drafts > 0
+
+
 def test_two_tensor_parallel_ranks_give_peft_merged_tokens(adapters):
     base, requests = adapters("qwen3")
     prompts, loras = mixed_batch(requests, random_prompts([40, 19], seed=13))
