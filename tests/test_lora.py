@@ -161,6 +161,22 @@ def test_one_slot_serves_two_adapters_in_turn(adapters):
     assert max(map(len, steps)) == 1 and set().union(*steps) == set(requests)
 
 
+def test_a_request_waiting_for_a_slot_can_be_aborted(adapters):
+    base, (first, second) = adapters("qwen3")
+    llm = LLM(base, enable_lora=True, max_loras=1, max_lora_rank=8, max_model_len=256)
+    prompt = random_prompts([12], seed=19)[0]
+    running = llm.add_request(prompt, GREEDY, lora_request=first)
+    waiting = llm.add_request(prompt, GREEDY, lora_request=second)
+    assert [r.request_id for r in llm.lora.held] == [waiting]
+    llm.abort(waiting)
+    assert not llm.lora.held
+    outputs = {}
+    while not llm.is_finished():
+        outputs.update((o.request_id, o) for o in llm.step() if o.finished)
+    assert list(outputs) == [running]
+    assert token_ids(outputs.values()) == peft_greedy(base, [first], [prompt])
+
+
 def test_slots_are_refilled_least_recently_used_first(adapters, tmp_path):
     base, (first, second) = adapters("qwen3")
     third = LoRARequest("third", 3, write_adapter(base, str(tmp_path / "c"), 2, ["o_proj"], 3))
