@@ -210,7 +210,7 @@ def test_speculation_reaches_the_core_through_one_seam(qwen3_path, hf_greedy):
 
 
 @pytest.mark.parametrize("feature", ["speculative", "trace", "data_parallel",
-                                     "structured_outputs"])
+                                     "structured_outputs", "lora"])
 def test_a_feature_deleted_leaves_a_plain_generate_working(feature, tmp_path, qwen3_path,
                                                            hf_greedy):
     import shutil
@@ -218,7 +218,10 @@ def test_a_feature_deleted_leaves_a_plain_generate_working(feature, tmp_path, qw
     import sys
     copy = tmp_path / "nanopaged"
     shutil.copytree(PACKAGE, copy, ignore=shutil.ignore_patterns("__pycache__"))
-    (copy / f"{feature}.py").unlink()
+    if (copy / feature).is_dir():  # a subpackage
+        shutil.rmtree(copy / feature)
+    else:
+        (copy / f"{feature}.py").unlink()
     script = ("from nanopaged import LLM, SamplingParams\n"
               f"llm = LLM({qwen3_path!r}, max_model_len=128)\n"
               "params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)\n"
