@@ -1,12 +1,14 @@
 """OpenAI's responses for the server: the engine requests of one HTTP request (one per prompt)
 and their outputs as they come, turned into OpenAI's JSON, whole or as server-sent events; chat
-completions carry tool calls (see `tool_calls.py`)."""
+completions carry tool calls (see `tool_calls.py`); and the errors, in OpenAI's shape."""
 import asyncio
 import json
+import re
 import time
 import uuid
 
 from fastapi import Request
+from fastapi.responses import JSONResponse
 
 from nanopaged import tool_calls
 from nanopaged.openai_api import ParsedRequest
@@ -242,3 +244,28 @@ def chat_logprobs(completion: CompletionOutput, start: int, top: int) -> dict:
     pairs = zip(completion.token_ids[start:], completion.logprobs[start:])
     return {"content": [dict(item(entry[t]), top_logprobs=[
         item(lp) for lp in entry.values() if lp.rank <= top][:top]) for t, entry in pairs]}
+
+
+def error_response(status: int, message: str, param: str | None = None,
+                   code: str | None = None) -> JSONResponse:
+    kind = ("invalid_request_error" if status < 500 else "server_error") if status != 404 \
+        else "NotFoundError"
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}},
+                        status_code=status)
+
+
+def bad_request(error: ValueError) -> JSONResponse:
+    message = str(error)
+    field = re.match(r"(\w+)(:| must| is not supported)", message)  # messages name the field
+    param = "messages" if message.startswith("message ") else field and field.group(1)
+    return error_response(400, message, param)
+
+
+async def read_body(request: Request) -> dict | JSONResponse:
+    try:
+        body = await request.json()
+    except (ValueError, RecursionError):
+        return error_response(400, "the request body is not valid JSON (or nests too deep)")
+    if not isinstance(body, dict):
+        return error_response(400, "the request body must be a JSON object")
+    return body

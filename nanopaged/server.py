@@ -12,9 +12,7 @@ Needs the `serve` extra: pip install -e ".[serve]".
 import argparse
 import asyncio
 import dataclasses
-import itertools
 import queue
-import re
 import sys
 import threading
 import time
@@ -31,9 +29,10 @@ from nanopaged import LLM, chat, envs, openai_api
 from nanopaged.data_parallel import ReplicaDied, sum_stats
 from nanopaged.engine_args import EngineArgs
 from nanopaged.lora.request import LoRARequest
-from nanopaged.openai_responses import Response
+from nanopaged.openai_responses import Response, bad_request, error_response, read_body
 from nanopaged.outputs import EngineStats
 from nanopaged.router import Router
+from nanopaged.served_models import ServedModels
 from nanopaged.server_args import parse_args
 
 
@@ -143,21 +142,6 @@ def metric_lines(stats: EngineStats, labels: str) -> list[str]:
         ("spec_decode_num_accepted_tokens_total", stats.num_accepted_tokens))]
 
 
-def error_response(status: int, message: str, param: str | None = None,
-                   code: str | None = None) -> JSONResponse:
-    kind = ("invalid_request_error" if status < 500 else "server_error") if status != 404 \
-        else "NotFoundError"
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}},
-                        status_code=status)
-
-
-def bad_request(error: ValueError) -> JSONResponse:
-    message = str(error)
-    field = re.match(r"(\w+)(:| must| is not supported)", message)  # messages name the field
-    param = "messages" if message.startswith("message ") else field and field.group(1)
-    return error_response(400, message, param)
-
-
 def create_app(llm: LLM, model_name: str, max_waiting: int, router: str = "prefix",
                lora_modules: list[LoRARequest] = ()) -> FastAPI:
     """The app serving `llm` as `model_name`, and each of `lora_modules` (added to the engine
@@ -165,8 +149,6 @@ def create_app(llm: LLM, model_name: str, max_waiting: int, router: str = "prefi
     replicas = getattr(llm, "replicas", None)  # data parallelism: an engine loop per replica
     engine = EngineLoop(llm, max_waiting) if replicas is None else Router(
         llm, [EngineLoop(replica, max_waiting) for replica in replicas], max_waiting, router)
-    adapters = {lora.lora_name: lora for lora in lora_modules}
-    lora_ids = itertools.count(max((lora.lora_int_id for lora in lora_modules), default=0) + 1)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -179,22 +161,9 @@ def create_app(llm: LLM, model_name: str, max_waiting: int, router: str = "prefi
     model_card = {"id": model_name, "object": "model", "created": int(time.time()),
                   "owned_by": "nanopaged", "root": llm.config.model, "parent": None,
                   "max_model_len": llm.config.max_model_len}
-
-    def card(name: str) -> dict:
-        if name == model_name:
-            return model_card
-        lora = adapters[name]
-        return {**model_card, "id": name, "root": lora.lora_path,
-                "parent": lora.base_model_name or model_name}
-
-    def not_found(name) -> JSONResponse:
-        return error_response(404, f"the model {name!r} does not exist; this server serves "
-                              f"{', '.join(map(repr, [model_name, *adapters]))}", "model",
-                              "model_not_found")
-
-    async def on_every_engine(method: str, *args) -> None:
-        for loop in getattr(engine, "loops", [engine]):  # each replica's engine
-            await asyncio.wrap_future(loop.call(method, *args))
+    models = ServedModels(engine, model_card, lora_modules)
+    if envs.VLLM_ALLOW_RUNTIME_LORA_UPDATING:  # vLLM's endpoints, behind vLLM's variable
+        models.add_lora_routes(app)
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, error: HTTPException):
@@ -224,49 +193,12 @@ def create_app(llm: LLM, model_name: str, max_waiting: int, router: str = "prefi
         return PlainTextResponse("".join(lines))
 
     @app.get("/v1/models")
-    async def models():
-        return {"object": "list", "data": [card(name) for name in [model_name, *adapters]]}
+    async def list_models():
+        return {"object": "list", "data": [models.card(name) for name in models.names()]}
 
     @app.get("/v1/models/{model:path}")
     async def model(model: str):
-        return card(model) if model == model_name or model in adapters else not_found(model)
-
-    if envs.VLLM_ALLOW_RUNTIME_LORA_UPDATING:  # vLLM's endpoints, behind vLLM's variable
-        @app.post("/v1/load_lora_adapter")
-        async def load_lora_adapter(request: Request):
-            body = await _body(request)
-            if isinstance(body, JSONResponse):
-                return body
-            name, path = body.get("lora_name"), body.get("lora_path")
-            if not (isinstance(name, str) and name and isinstance(path, str) and path):
-                return error_response(400, "Both 'lora_name' and 'lora_path' must be "
-                                      "provided.", "lora_name")
-            if name == model_name or name in adapters:
-                return error_response(400, f"The lora adapter '{name}' has already been "
-                                      f"loaded.", "lora_name")
-            lora = LoRARequest(name, next(lora_ids), path)
-            try:  # read and checked now: a bad adapter is refused here, not by its requests
-                await on_every_engine("add_lora", lora)
-            except ValueError as error:
-                return bad_request(error)
-            if name in adapters:  # loaded by another call meanwhile
-                return error_response(400, f"The lora adapter '{name}' has already been "
-                                      f"loaded.", "lora_name")
-            adapters[name] = lora
-            return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
-
-        @app.post("/v1/unload_lora_adapter")
-        async def unload_lora_adapter(request: Request):
-            body = await _body(request)
-            if isinstance(body, JSONResponse):
-                return body
-            name = body.get("lora_name")
-            lora = adapters.pop(name, None) if isinstance(name, str) else None
-            if lora is None:
-                return error_response(404, f"The lora adapter '{name}' cannot be found.",
-                                      "lora_name")
-            await on_every_engine("remove_lora", lora.lora_int_id)
-            return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
+        return models.card(model) if model in models else models.not_found(model)
 
     @app.get("/tokenizer_info")
     async def tokenizer_info():
@@ -279,7 +211,7 @@ def create_app(llm: LLM, model_name: str, max_waiting: int, router: str = "prefi
     @app.post("/tokenize")
     @app.post("/detokenize")
     async def tokenize(request: Request):
-        body = await _body(request)
+        body = await read_body(request)
         if isinstance(body, JSONResponse):
             return body
         try:
@@ -293,18 +225,18 @@ def create_app(llm: LLM, model_name: str, max_waiting: int, router: str = "prefi
     @app.post("/v1/chat/completions")
     async def serve(request: Request):
         chat_request = request.url.path.endswith("/chat/completions")
-        body = await _body(request)
+        body = await read_body(request)
         if isinstance(body, JSONResponse):
             return body
         requested = body.get("model", model_name)
-        if requested != model_name and not (isinstance(requested, str) and requested in adapters):
-            return not_found(requested)
+        if requested not in models:
+            return models.not_found(requested)
         try:  # in a worker thread: a grammar or a long prompt never holds up the others
             parsed = await asyncio.to_thread(openai_api.parse_request, body, chat_request, llm)
         except ValueError as error:
             return bad_request(error)
         return await respond(Response(request, engine, parsed, chat_request, requested,
-                                      adapters.get(requested)))
+                                      models.adapters.get(requested)))
 
     return app
 
@@ -325,16 +257,6 @@ async def respond(response: Response):
         return await response.whole()
     except RuntimeError as error:
         return error_response(500, str(error))
-
-
-async def _body(request: Request) -> dict | JSONResponse:
-    try:
-        body = await request.json()
-    except (ValueError, RecursionError):
-        return error_response(400, "the request body is not valid JSON (or nests too deep)")
-    if not isinstance(body, dict):
-        return error_response(400, "the request body must be a JSON object")
-    return body
 
 
 def tokenize_body(llm: LLM, body: dict) -> dict:

@@ -32,8 +32,8 @@ LAYERS = [
     "compat", "speculative", "data_parallel", "router", "trace", "llm", "engine.arg_utils",
     "engine.llm_engine", "engine", "entrypoints.llm", "entrypoints", "distributed",
     "distributed.parallel_state", "envs", "profiler", "", "openai_api", "openai_responses",
-    "server_args", "server", "cli", "entrypoints.openai.api_server", "entrypoints.openai",
-    "__main__",
+    "served_models", "server_args", "server", "cli", "entrypoints.openai.api_server",
+    "entrypoints.openai", "__main__",
 ]
 CORE_BUDGET = 1600  # non-blank lines of the core, its Triton kernels apart
 CORE_FILE_LIMIT = 250
