@@ -1,6 +1,7 @@
 """LoRA on every rank: the projections' methods wrapped to add each row's adapter delta
 (punica.py), `max_loras` device slots filled least recently used first, and the slots of a
 step's rows sent with its inputs."""
+import importlib.util
 import weakref
 from collections import OrderedDict
 
@@ -47,7 +48,7 @@ class LoRALinear(LinearMethod):
 
     def __init__(self, base: LinearMethod, a: torch.Tensor, b: torch.Tensor, rows: RowSlots):
         self.base, self.a, self.b, self.rows = base, a, b, rows
-        use_kernel = a.is_cuda and _has_triton()
+        use_kernel = a.is_cuda and importlib.util.find_spec("triton") is not None
         self.delta = lora_delta_triton if use_kernel else lora_delta_torch
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -167,11 +168,3 @@ class LoRARunner(ModelRunner):
                 layer.a[slot].zero_()
                 layer.b[:, slot].zero_()
         self.slots[slot] = adapter_key(request)
-
-
-def _has_triton() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
