@@ -26,15 +26,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nanopaged import cpu_kernels
+from nanopaged.core import layers, sampler
 from nanopaged.core.attention import (BACKENDS, AttentionMetadata, Backend, _attend,
                                       _gather_blocks, decode_torch)
 from nanopaged.core.layers import LinearBase, LinearMethod
 from nanopaged.core.sequence import cdiv
 
-# Padded K and V bytes of one group of decoding sequences: about what an L2 cache holds
-GROUP_BYTES = 4 << 20
-# Tokens in a chunk of the vocabulary, whose sums a sample searches first
-CHUNK = 128
+# Queries a sequence, at most, for which a prefill step runs the C kernel (a speculative
+# verification, a small chunk): more, and PyTorch's matrix products are faster
+KERNEL_QUERIES = 16
 # glibc's mallopt parameters, and the size under which freed memory is kept
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, KEEP_BYTES = -1, -3, 2 ** 31 - 1
 
@@ -99,8 +100,14 @@ class PackedLinear(LinearMethod):
 
 def prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             meta: AttentionMetadata, scale: float, window: int | None = None) -> torch.Tensor:
-    """Causal attention of each sequence's new queries over its cached context; a prompt
-    with no cached prefix and no window needs no mask."""
+    """Causal attention of each sequence's new queries over its cached context: by the C kernel
+    in a step of at most KERNEL_QUERIES a sequence; else a prompt with no cached prefix and no
+    window needs no mask, and PyTorch's matrix products are faster on many queries."""
+    if meta.max_seqlen_q <= KERNEL_QUERIES:
+        out = cpu_kernels.paged_attention(q, k_cache, v_cache, meta.block_tables,
+                                          meta.context_lens, meta.cu_seqlens_q, scale, window)
+        if out is not None:
+            return out
     out = torch.empty_like(q)
     bounds, block_size = meta.cu_seqlens_q.tolist(), k_cache.shape[1]
     for i, context_len in enumerate(meta.context_lens.tolist()):
@@ -123,91 +130,19 @@ def prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 
 def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
            meta: AttentionMetadata, scale: float, window: int | None = None) -> torch.Tensor:
-    """One query per sequence over its cached context (or its last `window` tokens), the
-    sequences in groups of about the same length (see `decode_plan`). A batch that fits one
-    group is the plain backend's decode."""
-    key = ("cpu decode", window)
-    if key not in meta.plans:
-        meta.plans[key] = decode_plan(meta, window, k_cache)
-    if meta.plans[key] is None:
-        return decode_torch(q, k_cache, v_cache, meta, scale, window)
-    order, groups = meta.plans[key]
-    queries = q.index_select(0, order).unsqueeze(2)  # (B, nh, 1, hs), shortest context first
-    outs, start = [], 0
-    for blocks, mask in groups:
-        size = len(mask)
-        k, v = _rows(k_cache, blocks, size).to(q), _rows(v_cache, blocks, size).to(q)
-        outs.append(F.scaled_dot_product_attention(queries[start:start + size], k, v,
-                                                   attn_mask=mask, scale=scale, enable_gqa=True))
-        start += size
-    return torch.empty_like(q).index_copy_(0, order, torch.cat(outs).squeeze(2))
-
-
-def _rows(cache: torch.Tensor, blocks: torch.Tensor, num_seqs: int) -> torch.Tensor:
-    """The cache blocks of `num_seqs` sequences, `blocks` (num_seqs * nb,) -> (num_seqs, nkv,
-    nb * block_size, hs)."""
-    rows = cache.index_select(0, blocks)
-    return rows.view(num_seqs, -1, *cache.shape[2:]).transpose(1, 2)
-
-
-def decode_plan(meta: AttentionMetadata, window: int | None, k_cache: torch.Tensor):
-    """None when the batch's padded K and V fit GROUP_BYTES; otherwise the sequences sorted by
-    the keys they see (`order`), cut into groups of at most GROUP_BYTES of K and V each, padded
-    to their longest (a sequence longer than that alone is a group). Per group: the cache
-    blocks its keys are in, row after row (G * nb,), and the additive mask of the keys each
-    row sees (G, 1, 1, nb * block_size). Worked out once a step: every layer has the same."""
-    block_size = k_cache.shape[1]
-    token_bytes = 2 * k_cache[0, 0].numel() * k_cache.element_size()  # its K and V, all heads
-    lens = meta.context_lens.tolist()
-    if window is None and len(lens) * max(lens) * token_bytes <= GROUP_BYTES:
-        return None
-    # the first key each sequence sees, rounded down to its block
-    firsts = [max(0, n - window) // block_size * block_size if window else 0 for n in lens]
-    order = sorted(range(len(lens)), key=lambda i: lens[i] - firsts[i])
-    groups, start = [], 0
-    while start < len(order):
-        end = start + 1
-        while end < len(order) and (end + 1 - start) * token_bytes * (
-                lens[order[end]] - firsts[order[end]]) <= GROUP_BYTES:
-            end += 1
-        rows = torch.tensor(order[start:end])
-        first_blocks = torch.tensor([firsts[i] // block_size for i in order[start:end]])
-        num_blocks = cdiv(lens[order[end - 1]] - firsts[order[end - 1]], block_size)
-        columns = first_blocks[:, None] + torch.arange(num_blocks)[None, :]
-        blocks = meta.block_tables[rows].gather(
-            1, columns.clamp(max=meta.block_tables.shape[1] - 1))
-        key_pos = first_blocks[:, None] * block_size + torch.arange(num_blocks * block_size)
-        seq_lens = meta.context_lens[rows][:, None]
-        seen = (key_pos < seq_lens) & (key_pos >= seq_lens - (window or key_pos.shape[1]))
-        mask = torch.zeros(seen.shape).masked_fill_(~seen, float("-inf"))
-        groups.append((blocks.flatten().clamp(min=0).long(), mask[:, None, None, :]))
-        start = end
-    return torch.tensor(order), groups
+    """One query per sequence over its cached context, read in place by the C kernel (the
+    plain backend's decode where it does not apply)."""
+    out = cpu_kernels.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens,
+                                      None, scale, window)
+    return decode_torch(q, k_cache, v_cache, meta, scale, window) if out is None else out
 
 
 def sample(logits: torch.Tensor, temperatures: torch.Tensor, uniform: torch.Tensor
            ) -> torch.Tensor:
-    """`sampler.sample` (the first token whose cumulative probability under softmax(logits / T)
-    exceeds `uniform`) in two levels: a cumulative sum is sequential, 2.3x slower here than
-    summing CHUNK tokens at a time, so the sums of the chunks are searched first, then the one
-    chunk found. Each target stays under its total: rounding never picks a token of
-    probability 0 (one that top-k, top-p or min-p removed)."""
-    shifted = logits.float() - logits.float().amax(dim=-1, keepdim=True)  # <= 0: no overflow
-    # tempered in place: no second (R, V) buffer to fill
-    probs = torch.softmax(shifted.div_(temperatures.unsqueeze(1)), dim=-1)
-    size = CHUNK if probs.shape[1] % CHUNK == 0 else probs.shape[1]
-    chunks = probs.view(len(probs), -1, size)
-    ends = chunks.sum(dim=-1).cumsum(dim=-1)  # (R, V / size): the mass up to each chunk's end
-    target = torch.minimum(uniform.unsqueeze(1) * ends[:, -1:], _below(ends[:, -1:]))
-    chunk = torch.searchsorted(ends, target, right=True)
-    inner = chunks.gather(1, chunk.unsqueeze(2).expand(-1, 1, size)).squeeze(1).cumsum(dim=-1)
-    target = (target - ends.gather(1, chunk) + inner[:, -1:]).clamp(min=0)  # into the chunk
-    token = torch.searchsorted(inner, torch.minimum(target, _below(inner[:, -1:])), right=True)
-    return (chunk * size + token).squeeze(1)
-
-
-def _below(total: torch.Tensor) -> torch.Tensor:
-    return total.nextafter(torch.zeros_like(total))  # the largest float under the total
+    """`sampler.sample` by the C kernel: in two levels, chunks first, and never a token of
+    probability 0 (one that top-k, top-p or min-p removed), whatever the rounding."""
+    tokens = cpu_kernels.sample(logits, temperatures, uniform)
+    return sampler.sample(logits, temperatures, uniform) if tokens is None else tokens
 
 
 def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
@@ -224,6 +159,8 @@ def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
 
 def _load() -> tuple:
     tune_process()
+    if cpu_kernels.library() is not None:
+        layers.CPU_KERNELS.update(cpu_kernels.fused())
     return store_kvcache, prefill, decode
 
 

@@ -1,5 +1,6 @@
-"""The CPU backend (nanopaged/cpu.py) against the plain-PyTorch reference: its attention, its
-packed linear layers, and the process settings it makes."""
+"""The CPU backend (nanopaged/cpu.py, its C kernels in cpu_kernels.c) against the plain-PyTorch
+reference: its attention, fused element-wise functions and sampling, its packed linear layers,
+how the kernels are built, and the process settings it makes."""
 import math
 import os
 
@@ -8,74 +9,161 @@ import torch
 import torch.nn.functional as F
 
 from nanopaged import LLM, SamplingParams
-from nanopaged import cpu
-from nanopaged.core.attention import decode_torch, prefill_torch, store_kvcache_torch
-from nanopaged.core import sampler
+from nanopaged import cpu, cpu_kernels
+from nanopaged.core.attention import BACKENDS, decode_torch, prefill_torch, store_kvcache_torch
+from nanopaged.core import layers, sampler
 from nanopaged.core.layers import LinearMethod
 from conftest import HEAD_DIM, metadata, paged_cache, random_prompts, relative_error
 
 CONTEXT_LENS = [1, 17, 300, 64, 129, 130, 31]
+KV_DTYPES = [torch.float32, torch.bfloat16, torch.float8_e4m3fn]
 
 
 @pytest.fixture
-def small_groups(monkeypatch):
-    """Groups of 16 KB of K and V (128 padded tokens of 1 KV head of 16 floats): the batches
-    below span several groups."""
-    monkeypatch.setattr(cpu, "GROUP_BYTES", 16384)
+def no_library(monkeypatch):
+    """The process as on a machine without a C compiler."""
+    monkeypatch.setattr(cpu_kernels, "library", lambda: None)
 
 
+def test_the_kernels_build_here():
+    """CI has a C compiler: every kernel test below runs the C code, not the fallback."""
+    assert cpu_kernels.library() is not None
+
+
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
 @pytest.mark.parametrize("block_size", [16, 8])
 @pytest.mark.parametrize("num_heads, num_kv_heads", [(4, 4), (4, 2), (8, 1)])
 @pytest.mark.parametrize("window", [None, 5, 100])
-def test_decode_matches_the_reference(block_size, num_heads, num_kv_heads, window, small_groups):
+def test_decode_matches_the_reference(kv_dtype, block_size, num_heads, num_kv_heads, window):
     k_cache, v_cache, tables = paged_cache(block_size, CONTEXT_LENS, num_kv_heads, seed=block_size)
+    k_cache, v_cache = k_cache.to(kv_dtype), v_cache.to(kv_dtype)
     q = torch.randn(len(CONTEXT_LENS), num_heads, HEAD_DIM)
     meta = metadata(CONTEXT_LENS, tables)
-    out = cpu.decode(q, k_cache, v_cache, meta, 0.25, window)
+    out = cpu_kernels.paged_attention(q, k_cache, v_cache, tables, meta.context_lens, None, 0.25,
+                                      window)
     assert relative_error(out, decode_torch(q, k_cache, v_cache, meta, 0.25, window)) < 1e-6
-    order, groups = meta.plans[("cpu decode", window)]
-    assert len(groups) > 1 or window == 5  # 5: two blocks a sequence
+    assert torch.equal(cpu.decode(q, k_cache, v_cache, meta, 0.25, window), out)
 
 
-def test_decode_groups_sequences_of_similar_length_within_the_byte_budget(small_groups):
-    """Shortest first; no group's padded K and V pass GROUP_BYTES, but a sequence longer alone."""
-    lens = [900, 3, 40, 41, 700, 2]
-    k_cache, _, tables = paged_cache(16, lens, 2, seed=1)
-    order, groups = cpu.decode_plan(metadata(lens, tables), None, k_cache)
-    assert order.tolist() == sorted(range(len(lens)), key=lambda i: lens[i])
-    token_bytes = 2 * 2 * HEAD_DIM * 4
-    start = 0
-    for blocks, mask in groups:
-        members = order[start:start + len(mask)].tolist()
-        start += len(mask)
-        assert len(blocks) == len(members) * mask.shape[-1] // 16
-        assert len(blocks) * 16 * token_bytes <= cpu.GROUP_BYTES or len(members) == 1
-        seen = (mask == 0).sum(dim=-1).flatten().tolist()
-        assert seen == [lens[i] for i in members] and mask.max() == 0
-    assert start == len(lens)
+def test_bfloat16_queries_come_back_in_bfloat16():
+    k_cache, v_cache, tables = paged_cache(16, CONTEXT_LENS, 2, seed=5)
+    k_cache, v_cache = k_cache.bfloat16(), v_cache.bfloat16()
+    q = torch.randn(len(CONTEXT_LENS), 4, HEAD_DIM).bfloat16()
+    meta = metadata(CONTEXT_LENS, tables)
+    out = cpu.decode(q, k_cache, v_cache, meta, 0.25)
+    assert out.dtype == torch.bfloat16
+    assert relative_error(out, decode_torch(q, k_cache, v_cache, meta, 0.25)) < 1e-2
 
 
-def test_a_batch_that_fits_one_group_is_the_plain_decode():
-    k_cache, v_cache, tables = paged_cache(16, [5, 9], 2, seed=2)
-    meta = metadata([5, 9], tables)
-    q = torch.randn(2, 4, HEAD_DIM)
+def test_shapes_over_the_kernels_limits_take_the_reference(monkeypatch):
+    """65 query heads (the C file's MAX_HEADS is 64): the kernel declines, decode still answers."""
+    k_cache, v_cache, tables = paged_cache(16, [20, 3], 1, seed=6)
+    q = torch.randn(2, 65, HEAD_DIM)
+    meta = metadata([20, 3], tables)
+    assert cpu_kernels.paged_attention(q, k_cache, v_cache, tables, meta.context_lens, None,
+                                       0.25, None) is None
     assert torch.equal(cpu.decode(q, k_cache, v_cache, meta, 0.25),
                        decode_torch(q, k_cache, v_cache, meta, 0.25))
-    assert meta.plans[("cpu decode", None)] is None
 
 
+def test_without_a_compiler_decode_is_the_reference(no_library):
+    k_cache, v_cache, tables = paged_cache(16, CONTEXT_LENS, 2, seed=2)
+    meta = metadata(CONTEXT_LENS, tables)
+    q = torch.randn(len(CONTEXT_LENS), 4, HEAD_DIM)
+    assert torch.equal(cpu.decode(q, k_cache, v_cache, meta, 0.25),
+                       decode_torch(q, k_cache, v_cache, meta, 0.25))
+
+
+# (new query tokens, whole context): fresh prompts, prefix hits, a chunk, one token
+PREFILLS = {"many": [(40, 40), (7, 39), (33, 290), (1, 18), (16, 16)],
+            "few": [(16, 16), (7, 39), (3, 290), (1, 18), (16, 100)]}
+
+
+@pytest.mark.parametrize("queries", ["many", "few"])
 @pytest.mark.parametrize("window", [None, 3, 32])
-def test_prefill_matches_the_reference_with_cached_prefixes(window):
-    # (new query tokens, whole context): fresh prompts, prefix hits, a chunk, one token
-    shapes = [(40, 40), (7, 39), (33, 290), (1, 18), (16, 16)]
+def test_prefill_matches_the_reference_with_cached_prefixes(queries, window, monkeypatch):
+    """At most KERNEL_QUERIES a sequence: the C kernel (which `few` must reach); more: the
+    per-sequence PyTorch loop."""
+    shapes = PREFILLS[queries]
     context_lens = [c for _, c in shapes]
     k_cache, v_cache, tables = paged_cache(16, context_lens, 2, seed=7)
     q_lens = [n for n, _ in shapes]
     cu = torch.tensor([0] + q_lens).cumsum(0).to(torch.int32)
     q = torch.randn(sum(q_lens), 4, HEAD_DIM)
     meta = metadata(context_lens, tables, cu_seqlens_q=cu, max_seqlen_q=max(q_lens))
+    calls = []
+    kernel = cpu_kernels.paged_attention
+    monkeypatch.setattr(cpu_kernels, "paged_attention", lambda *a: calls.append(1) or kernel(*a))
     out = cpu.prefill(q, k_cache, v_cache, meta, 0.25, window)
     assert relative_error(out, prefill_torch(q, k_cache, v_cache, meta, 0.25, window)) < 1e-6
+    assert bool(calls) == (max(q_lens) <= cpu.KERNEL_QUERIES) == (queries == "few")
+
+
+def test_fused_kernels_match_the_functions_they_replace():
+    g = torch.Generator().manual_seed(0)
+    x, residual = torch.randn(2, 7, 96, generator=g), torch.randn(2, 7, 96, generator=g)
+    weight = torch.rand(96, generator=g) + 0.5
+    qkv = torch.randn(7, 8 * 16, generator=g) * 3
+    q, k = qkv[:, :64].view(7, 4, 16), qkv[:, 64:96].view(7, 2, 16)  # views, as in the model
+    positions, cos_sin = torch.tensor([0, 5, 9, 100, 3, 3, 511]), torch.randn(512, 16)
+    gate_up = torch.linspace(-120, 120, 7 * 2 * 40).view(7, 80)  # far into exp's tails
+    cases = [(cpu_kernels.rms_norm, layers.rms_norm, (x, weight, 1e-6)),
+             (cpu_kernels.rms_norm, layers.rms_norm, (q, weight[:16], 1e-6)),
+             (cpu_kernels.add_rms_norm, layers.add_rms_norm, (x, residual, weight, 1e-6)),
+             (cpu_kernels.apply_rotary, layers.apply_rotary, (q, k, positions, cos_sin)),
+             (cpu_kernels.silu_and_mul, layers.silu_and_mul, (gate_up,))]
+    for kernel, function, args in cases:
+        got, expected = kernel(*args), function.__wrapped__(*args)
+        for a, b in zip(*(v if isinstance(v, tuple) else (v,) for v in (got, expected))):
+            assert a.shape == b.shape and relative_error(a, b) < 1e-6, function.__name__
+    for kernel, function, args in cases:  # other dtypes: the function as written
+        args = tuple(a.bfloat16() if torch.is_tensor(a) and a.is_floating_point() else a
+                     for a in args)
+        got, expected = kernel(*args), function.__wrapped__(*args)
+        for a, b in zip(*(v if isinstance(v, tuple) else (v,) for v in (got, expected))):
+            assert torch.equal(a, b)
+
+
+def test_a_fused_function_runs_its_cpu_kernel_where_one_is_registered(monkeypatch):
+    x, weight = torch.randn(3, 8), torch.ones(8)
+    monkeypatch.setattr(layers, "CPU_KERNELS", {})
+    assert torch.equal(layers.rms_norm(x, weight, 1e-6), layers.rms_norm.__wrapped__(x, weight,
+                                                                                     1e-6))
+    layers.CPU_KERNELS[layers.rms_norm.__wrapped__] = lambda *args: "the kernel"
+    assert layers.rms_norm(x, weight, 1e-6) == "the kernel"
+
+
+def test_loading_the_backend_registers_its_kernels(monkeypatch):
+    monkeypatch.setattr(layers, "CPU_KERNELS", {})
+    BACKENDS["cpu"].load()
+    assert layers.CPU_KERNELS == cpu_kernels.fused()
+
+
+def test_without_a_compiler_nothing_is_registered(monkeypatch, no_library):
+    monkeypatch.setattr(layers, "CPU_KERNELS", {})
+    BACKENDS["cpu"].load()
+    assert layers.CPU_KERNELS == {}
+
+
+def test_the_library_is_built_once_per_compiler_and_reused(monkeypatch, tmp_path, caplog):
+    monkeypatch.setattr(cpu_kernels, "CACHE_DIR", str(tmp_path))
+    cpu_kernels.library.cache_clear()
+    try:
+        assert cpu_kernels.library() is not None
+        built = list(tmp_path.iterdir())
+        assert len(built) == 1 and built[0].name.startswith("cpu_kernels-")
+        cpu_kernels.library.cache_clear()
+        monkeypatch.setattr(cpu_kernels, "_compile", lambda *args: pytest.fail("built again"))
+        assert cpu_kernels.library() is not None
+        cpu_kernels.library.cache_clear()
+        monkeypatch.undo()
+        monkeypatch.setattr(cpu_kernels, "CACHE_DIR", str(tmp_path))
+        monkeypatch.setenv("CC", "false")  # another compiler (one that fails): another key
+        assert cpu_kernels.library() is None
+        assert "C kernels did not build" in caplog.text
+        assert list(tmp_path.iterdir()) == built  # nothing half-written left behind
+    finally:
+        cpu_kernels.library.cache_clear()
 
 
 def test_store_writes_each_token_to_its_slot():
@@ -179,6 +267,13 @@ def test_greedy_matches_transformers_with_chunks_preemption_and_prefix_hits(arch
                                                                            hf_greedy):
     from test_models import mixed_run
     mixed_run(model_path(arch), hf_greedy, attention_backend="cpu")
+
+
+def test_without_a_compiler_the_backend_still_gives_transformers_tokens(qwen3_path, hf_greedy,
+                                                                        no_library, monkeypatch):
+    from test_models import mixed_run
+    monkeypatch.setattr(layers, "CPU_KERNELS", {})
+    mixed_run(qwen3_path, hf_greedy, attention_backend="cpu")
 
 
 def test_seeded_samples_equal_the_reference_backends(qwen3_path):

@@ -21,7 +21,7 @@ LAYERS = [
     "core.sequence", "core.block_manager", "core.triton_attention",
     "core.attention", "core.layers", "core.model", "core.config", "core.loader", "core.step",
     "core.scheduler", "core.cuda_graphs", "core.sampler", "core.model_runner",
-    "core.llm_engine", "core", "cpu", "quantization.int4_triton", "quantization.dequantize",
+    "core.llm_engine", "core", "cpu_kernels", "cpu", "quantization.int4_triton", "quantization.dequantize",
     "quantization.fp8", "quantization.compressed_tensors", "quantization.awq", "quantization.gptq",
     "quantization",
     "models.moe_triton", "models.moe", "models.gemma3", "models",

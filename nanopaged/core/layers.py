@@ -13,14 +13,18 @@ import torch.nn.functional as F
 from torch import nn
 
 
-def cuda_compiled(fn):
-    """`fn`, fused by torch.compile (once used) on a GPU, where tiny kernels' launches are most
-    of a small decode step's time; on CPU as written: compiling costs more than it saves."""
+# Seam: a plain function of `fused` -> its kernel on a CPU, process-wide (the CPU backend's)
+CPU_KERNELS: dict[Callable, Callable] = {}
+
+
+def fused(fn):
+    """`fn`, fused: by torch.compile (once used) on a GPU, where tiny kernels' launches are most
+    of a small decode step's time; on a CPU by its kernel in CPU_KERNELS, else as written."""
     compiled = functools.cache(lambda: torch.compile(fn, dynamic=True))
 
     @functools.wraps(fn)
     def dispatch(x: torch.Tensor, *args):
-        return (compiled() if x.is_cuda else fn)(x, *args)
+        return (compiled() if x.is_cuda else CPU_KERNELS.get(fn, fn))(x, *args)
     return dispatch
 
 
@@ -236,10 +240,10 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     return weight * x32.to(x.dtype)
 
 
-rms_norm = cuda_compiled(_rms_norm)
+rms_norm = fused(_rms_norm)
 
 
-@cuda_compiled
+@fused
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
     """(norm(x + residual), x + residual): the residual add fused with the next norm."""
     x = x + residual
@@ -258,7 +262,7 @@ class RMSNorm(nn.Module):
         return add_rms_norm(x, residual, self.weight, self.eps)
 
 
-@cuda_compiled
+@fused
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
@@ -292,7 +296,7 @@ class RotaryEmbedding(nn.Module):
         return apply_rotary(q, k, positions, self.cos_sin)
 
 
-@cuda_compiled
+@fused
 def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor):
     # q: (T, nh, hs), k: (T, nkv, hs); cos, sin: (T, 1, hs/2) in the model's dtype, as transformers
     cos, sin = cos_sin[positions].unsqueeze(1).to(q.dtype).chunk(2, dim=-1)

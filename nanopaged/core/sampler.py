@@ -5,11 +5,11 @@ from collections.abc import Callable
 import torch
 import xxhash
 
-from nanopaged.core.layers import cuda_compiled, to_device
+from nanopaged.core.layers import fused, to_device
 from nanopaged.core.sequence import Sequence
 
 
-@cuda_compiled
+@fused
 def sample(logits: torch.Tensor, temperatures: torch.Tensor, uniform: torch.Tensor
            ) -> torch.Tensor:
     """Per row, the first token whose cumulative probability under softmax(logits / T) exceeds

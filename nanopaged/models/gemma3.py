@@ -14,12 +14,12 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from nanopaged.core.attention import AttentionMetadata
-from nanopaged.core.layers import RMSNorm, cuda_compiled
+from nanopaged.core.layers import RMSNorm, fused
 from nanopaged.core.model import (ARCHITECTURES, MLP, CausalLM, DecoderAttention, DecoderLayer,
                                   unsupported_fields)
 
 
-@cuda_compiled
+@fused
 def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
@@ -36,7 +36,7 @@ class GemmaRMSNorm(RMSNorm):
         return gemma_rms_norm(x, self.weight, self.eps), x
 
 
-@cuda_compiled
+@fused
 def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     gate, up = gate_up.chunk(2, dim=-1)
     return F.gelu(gate, approximate="tanh") * up

@@ -1,0 +1,259 @@
+/* The CPU backend's kernels (see cpu_kernels.py, which builds and calls them).
+
+   paged_attention is the algorithm of the Triton kernels (core/triton_attention.py) in a loop
+   nest: one task per query token holds all its heads, walks the sequence's blocks through its
+   block table in order (each key and value read once, where it lies in the cache) and folds
+   each block into every head's running max m, sum l and output acc (online softmax). No
+   gathered copy of the context and no mask exist. The others fuse what PyTorch runs as a chain
+   of small operators (each with microseconds of dispatch: most of their time at decode sizes):
+   RMSNorm with its residual add, rotary embedding, SiLU-and-multiply, and sampling.
+
+   All tensors are float32 but the KV cache (float32, bfloat16 or FP8, `kv_kind`). Tasks run on
+   `threads` of the OpenMP threads torch already uses. Shapes as in core/attention.py. */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+enum { MAX_HEADS = 64, MAX_HEAD_DIM = 256, MAX_BLOCK = 256, LANES = 8, CHUNK = 128 };
+enum { KV_FLOAT32, KV_BFLOAT16, KV_FP8 };
+/* elements under which a fused element-wise kernel runs on one thread (waking more costs more) */
+#define PARALLEL_MIN 65536
+
+/* a . b, n a multiple of LANES: LANES partial sums, one vector register that the compiler keeps
+   (a single running sum would be a serial chain of scalar adds). */
+static inline float dot(const float *a, const float *b, int n) {
+    float part[LANES] = {0.0f}, sum = 0.0f;
+    for (int i = 0; i < n; i += LANES)
+        for (int j = 0; j < LANES; j++) part[j] += a[i + j] * b[i + j];
+    for (int j = 0; j < LANES; j++) sum += part[j];
+    return sum;
+}
+
+/* e^x for x <= 0, vectorizable: 2^(x log2 e) as 2^n (the exponent bits) times 2^f, |f| <= 1/2,
+   by its Taylor polynomial (relative error under 2e-7: float's own). 0 under -126 log 2 (where
+   float32 turns subnormal) and for -inf: a masked token's weight is exactly 0. */
+static inline float exp_nonpositive(float x) {
+    float y = x * 1.44269504088896341f;
+    int underflow = y < -126.0f;
+    y = underflow ? -126.0f : y;
+    float n = __builtin_floorf(y + 0.5f), f = y - n;
+    float p = 1.5252733e-5f;
+    p = p * f + 1.5403530e-4f;
+    p = p * f + 1.3333558e-3f;
+    p = p * f + 9.6181291e-3f;
+    p = p * f + 5.5504109e-2f;
+    p = p * f + 2.4022651e-1f;
+    p = p * f + 6.9314718e-1f;
+    p = p * f + 1.0f;
+    int32_t bits = ((int32_t)n + 127) << 23;
+    float two_n;
+    memcpy(&two_n, &bits, sizeof two_n);
+    return underflow ? 0.0f : p * two_n;
+}
+
+/* Row `index` of a cache as float32: in place for a float32 cache, else converted into
+   `buffer` (bfloat16: the high half of a float's bits; FP8: through torch's own table). */
+static const float *cache_row(const void *cache, int kv_kind, const float *fp8_table,
+                              long index, int n, float *buffer) {
+    if (kv_kind == KV_FLOAT32) return (const float *)cache + index;
+    for (int i = 0; i < n; i++) {
+        if (kv_kind == KV_FP8) {
+            buffer[i] = fp8_table[((const uint8_t *)cache)[index + i]];
+        } else {
+            uint32_t bits = (uint32_t)((const uint16_t *)cache)[index + i] << 16;
+            memcpy(buffer + i, &bits, sizeof bits);
+        }
+    }
+    return buffer;
+}
+
+/* The sequence whose queries include `token`: cu_seqlens_q is sorted. */
+static int sequence_of(const int32_t *cu_seqlens_q, int num_seqs, int token) {
+    int lo = 0, hi = num_seqs - 1;
+    while (lo < hi) {
+        int mid = (lo + hi + 1) / 2;
+        if (cu_seqlens_q[mid] <= token) lo = mid;
+        else hi = mid - 1;
+    }
+    return lo;
+}
+
+/* One query token, all its heads, over the keys first..last of its sequence. */
+static void attend(const float *q, const void *k_cache, const void *v_cache, int kv_kind,
+                   const float *fp8_table, const int32_t *block_table, int first, int last,
+                   int num_heads, int num_kv_heads, int head_dim, int block_size, float scale,
+                   float *out) {
+    float m[MAX_HEADS], l[MAX_HEADS], acc[MAX_HEADS * MAX_HEAD_DIM], s[MAX_HEADS][MAX_BLOCK];
+    float buffer[MAX_HEADS * MAX_HEAD_DIM];
+    int group = num_heads / num_kv_heads, row = num_kv_heads * head_dim;  /* a token's K or V */
+    for (int h = 0; h < num_heads; h++) {
+        m[h] = -INFINITY;
+        l[h] = 0.0f;
+    }
+    for (int i = 0; i < num_heads * head_dim; i++) acc[i] = 0.0f;
+    for (int b = first / block_size; last >= 0 && b <= last / block_size; b++) {
+        long base = (long)block_table[b] * block_size * row;
+        int t0 = b == first / block_size ? first % block_size : 0;
+        int t1 = b == last / block_size ? last % block_size + 1 : block_size;
+        for (int t = t0; t < t1; t++) {  /* the block in order, each key read once */
+            const float *k = cache_row(k_cache, kv_kind, fp8_table, base + t * row, row, buffer);
+            for (int h = 0; h < num_heads; h++)
+                s[h][t] = dot(q + h * head_dim, k + h / group * head_dim, head_dim);
+        }
+        for (int h = 0; h < num_heads; h++) {
+            float m_new = m[h], sum = 0.0f;
+#pragma omp simd reduction(max : m_new)
+            for (int t = t0; t < t1; t++) {
+                s[h][t] *= scale;
+                m_new = s[h][t] > m_new ? s[h][t] : m_new;
+            }
+#pragma omp simd reduction(+ : sum)
+            for (int t = t0; t < t1; t++) {
+                s[h][t] = exp_nonpositive(s[h][t] - m_new);  /* now the weight p */
+                sum += s[h][t];
+            }
+            float alpha = exp_nonpositive(m[h] - m_new);  /* 0 for the first block */
+            l[h] = l[h] * alpha + sum;
+            m[h] = m_new;
+            for (int d = 0; d < head_dim; d++) acc[h * head_dim + d] *= alpha;
+        }
+        for (int t = t0; t < t1; t++) {
+            const float *v = cache_row(v_cache, kv_kind, fp8_table, base + t * row, row, buffer);
+            for (int h = 0; h < num_heads; h++) {
+                const float *v_h = v + h / group * head_dim;
+                float p = s[h][t], *acc_h = acc + h * head_dim;
+                for (int d = 0; d < head_dim; d++) acc_h[d] += p * v_h[d];
+            }
+        }
+    }
+    for (int h = 0; h < num_heads; h++)
+        for (int d = 0; d < head_dim; d++)
+            out[h * head_dim + d] = l[h] > 0.0f ? acc[h * head_dim + d] / l[h] : 0.0f;
+}
+
+/* q, out (T, nh, hs), q's tokens q_stride apart; caches (num_blocks, block_size, nkv, hs);
+   block_tables (B, max_blocks); context_lens (B,); cu_seqlens_q (B + 1,): sequence i runs the
+   queries cu_seqlens_q[i]:cu_seqlens_q[i + 1], its last tokens; NULL: one each (a decode).
+   window 0: every key up to the query; else its last `window` positions.
+   Returns 0, or 1 for a shape over this file's limits (the caller computes it otherwise). */
+int paged_attention(const float *q, long q_stride, const void *k_cache, const void *v_cache,
+                    int kv_kind, const float *fp8_table, const int32_t *block_tables,
+                    long block_table_stride, const int32_t *cu_seqlens_q,
+                    const int32_t *context_lens, int num_seqs, int num_heads, int num_kv_heads,
+                    int head_dim, int block_size, float scale, int window, float *out,
+                    int threads) {
+    if (num_heads > MAX_HEADS || head_dim > MAX_HEAD_DIM || head_dim % LANES
+        || block_size > MAX_BLOCK || num_heads % num_kv_heads) return 1;
+    int num_tokens = cu_seqlens_q ? cu_seqlens_q[num_seqs] : num_seqs;
+#pragma omp parallel for schedule(dynamic) num_threads(threads)
+    for (int token = 0; token < num_tokens; token++) {
+        int seq = cu_seqlens_q ? sequence_of(cu_seqlens_q, num_seqs, token) : token;
+        int start = cu_seqlens_q ? cu_seqlens_q[seq] : seq;
+        int queries = cu_seqlens_q ? cu_seqlens_q[seq + 1] - start : 1;
+        int last = context_lens[seq] - queries + (token - start);  /* the query's position */
+        int first = window > 0 && last + 1 > window ? last + 1 - window : 0;
+        attend(q + token * q_stride, k_cache, v_cache, kv_kind, fp8_table,
+               block_tables + seq * block_table_stride, first, last, num_heads, num_kv_heads,
+               head_dim, block_size, scale, out + (long)token * num_heads * head_dim);
+    }
+    return 0;
+}
+
+/* RMSNorm of `rows` rows of n: row r at x + (r / inner) * outer_stride + (r % inner) * n (a
+   (T, heads, n) view of a fused projection's output, or plain rows: inner 1). With a residual
+   (rows, n): x + residual is normalised and written to `sum` first (the residual stream). */
+void rms_norm(const float *x, long outer_stride, int inner, const float *residual,
+              const float *weight, long rows, int n, float eps, float *out, float *sum,
+              int threads) {
+#pragma omp parallel for if (rows * n >= PARALLEL_MIN) num_threads(threads)
+    for (long r = 0; r < rows; r++) {
+        const float *x_r = x + r / inner * outer_stride + r % inner * n;
+        float *o = out + r * n, squares = 0.0f;
+        if (residual) {
+            for (int i = 0; i < n; i++) sum[r * n + i] = x_r[i] + residual[r * n + i];
+            x_r = sum + r * n;
+        }
+#pragma omp simd reduction(+ : squares)
+        for (int i = 0; i < n; i++) squares += x_r[i] * x_r[i];
+        float inv = 1.0f / sqrtf(squares / n + eps);
+        for (int i = 0; i < n; i++) o[i] = weight[i] * (x_r[i] * inv);
+    }
+}
+
+/* Rotary embedding, rotate-half layout, of `heads` heads of dim n per token (token t's at
+   x + t * stride, its heads n apart) -> out (T, heads, n); cos_sin (positions, n): cos | sin. */
+void rotary(const float *x, long stride, int tokens, int heads, int n, const int64_t *positions,
+            const float *cos_sin, float *out, int threads) {
+    int half = n / 2;
+#pragma omp parallel for if ((long)tokens * heads * n >= PARALLEL_MIN) num_threads(threads)
+    for (int t = 0; t < tokens; t++) {
+        const float *cos = cos_sin + positions[t] * n, *sin = cos + half;
+        for (int h = 0; h < heads; h++) {
+            const float *x1 = x + t * stride + h * n, *x2 = x1 + half;
+            float *o = out + ((long)t * heads + h) * n;
+            for (int i = 0; i < half; i++) {
+                o[i] = x1[i] * cos[i] - x2[i] * sin[i];
+                o[half + i] = x2[i] * cos[i] + x1[i] * sin[i];
+            }
+        }
+    }
+}
+
+/* gate_up (T, 2n): out (T, n) = silu(gate) * up, silu(x) = x sigmoid(x), the sigmoid from
+   e^-|x| (never overflows). */
+void silu_and_mul(const float *gate_up, long tokens, int n, float *out, int threads) {
+#pragma omp parallel for if (tokens * n >= PARALLEL_MIN) num_threads(threads)
+    for (long t = 0; t < tokens; t++) {
+        const float *gate = gate_up + t * 2 * n, *up = gate + n;
+#pragma omp simd
+        for (int i = 0; i < n; i++) {
+            float e = exp_nonpositive(gate[i] > 0.0f ? -gate[i] : gate[i]);
+            float sigmoid = gate[i] > 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e);
+            out[t * n + i] = gate[i] * sigmoid * up[i];
+        }
+    }
+}
+
+/* Per row of logits (rows, n): the first token whose cumulative weight under
+   exp((logit - max) / T) exceeds uniform * total, in two levels: the weights' sums by chunks of
+   CHUNK first (vectorized), then a scan of the one chunk found. The target stays under its
+   chunk's mass, so a token of weight 0 (a logit of -inf) is never picked. */
+void sample(const float *logits, const float *temperatures, const float *uniform, long rows,
+            int n, int64_t *tokens, int threads) {
+#pragma omp parallel for if (rows * n >= PARALLEL_MIN) num_threads(threads)
+    for (long r = 0; r < rows; r++) {
+        const float *x = logits + r * n;
+        float max = -INFINITY, inv_t = 1.0f / temperatures[r];
+#pragma omp simd reduction(max : max)
+        for (int i = 0; i < n; i++) max = x[i] > max ? x[i] : max;
+        double total = 0.0, target;
+        float chunks[(n + CHUNK - 1) / CHUNK];
+        for (int c = 0; c * CHUNK < n; c++) {
+            int end = (c + 1) * CHUNK < n ? (c + 1) * CHUNK : n;
+            float mass = 0.0f;
+#pragma omp simd reduction(+ : mass)
+            for (int i = c * CHUNK; i < end; i++) mass += exp_nonpositive((x[i] - max) * inv_t);
+            chunks[c] = mass;
+            total += mass;
+        }
+        target = uniform[r] * total;
+        int c = 0, found = -1;
+        for (; c * CHUNK < n; c++) {
+            found = chunks[c] > 0.0f ? c : found;
+            if (chunks[c] > 0.0f && target < chunks[c]) break;
+            target -= chunks[c];
+        }
+        if (c * CHUNK >= n) {  /* rounding ran past the end: the last token of positive weight */
+            c = found < 0 ? 0 : found;
+            target = chunks[c];
+        }
+        int end = (c + 1) * CHUNK < n ? (c + 1) * CHUNK : n, token = -1;
+        double seen = 0.0;
+        for (int i = c * CHUNK; i < end && (token < 0 || seen <= target); i++) {
+            float w = exp_nonpositive((x[i] - max) * inv_t);
+            if (w > 0.0f) token = i;  /* the last positive one, should rounding run out */
+            seen += w;
+        }
+        tokens[r] = token;
+    }
+}
