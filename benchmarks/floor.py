@@ -8,9 +8,15 @@ once. The arithmetic: 2 FLOPs per weight per token through the decoder layers, 2
 weight per generated token (no engine needs the logits of prompt tokens), and the attention's
 4 per (query, key) pair, head and layer.
 """
-from benchmarks.workload import Workload, repeated_time
+import json
+import os
+import platform
+
+from benchmarks.workload import CACHE_DIR, Workload, repeated_time
 
 MEANINGFUL_FLOOR_S = 0.01
+# the fastest rates measured on each machine (see `fastest_seen`)
+RATES_FILE = os.path.join(CACHE_DIR, "device-rates.json")
 
 
 def model_shape(model: str) -> dict:
@@ -66,8 +72,9 @@ def engine_dtype(model: str) -> "torch.dtype":  # noqa: F821 (torch is imported 
 
 
 def measure_device(dtype: "torch.dtype") -> dict:  # noqa: F821
-    """Copy bandwidth (bytes read + written) and the matmul rate in `dtype`, measured here; on a
-    CPU, the faster of torch's matmul and oneDNN's (which nanopaged's CPU backend uses)."""
+    """Copy bandwidth (bytes read + written) and the matmul rate in `dtype`, measured here (or
+    faster ones measured here before: `fastest_seen`); on a CPU, the faster of torch's matmul
+    and oneDNN's (which nanopaged's CPU backend uses)."""
     import torch
     device = "cuda" if torch.cuda.is_available() else "cpu"
     n = 1 << 28 if device == "cuda" else 1 << 24
@@ -88,8 +95,30 @@ def measure_device(dtype: "torch.dtype") -> dict:  # noqa: F821
     if device == "cpu":  # the threads nanopaged's CPU backend runs with (see nanopaged/cpu.py)
         from nanopaged.cpu import usable_cores
         name += f", {min(torch.get_num_threads(), usable_cores())} threads"
-    return dict(device=name, gpu=device == "cuda", dtype=str(dtype).removeprefix("torch."),
-                bandwidth=2 * src.nbytes / copy_time, flops=2 * size ** 3 / mm_time)
+    return fastest_seen(dict(device=name, gpu=device == "cuda",
+                             dtype=str(dtype).removeprefix("torch."),
+                             bandwidth=2 * src.nbytes / copy_time, flops=2 * size ** 3 / mm_time))
+
+
+def fastest_seen(device: dict) -> dict:
+    """`device` with each rate the fastest this machine has shown: this run's, or an earlier
+    run's kept in RATES_FILE. A slow spell on a shared machine can last longer than a
+    measurement (seen here: the matmul rate at half from one run to the next), and must not
+    lengthen the floor either: so a floor is the same from run to run."""
+    key = f"{platform.node()}: {device['device']}, {device['dtype']}"
+    try:
+        with open(RATES_FILE) as f:
+            seen = json.load(f)
+    except (OSError, ValueError):
+        seen = {}
+    best = seen.get(key, {})
+    device = dict(device, **{rate: max(device[rate], best.get(rate, 0))
+                             for rate in ("bandwidth", "flops")})
+    seen[key] = {rate: device[rate] for rate in ("bandwidth", "flops")}
+    os.makedirs(os.path.dirname(RATES_FILE), exist_ok=True)
+    with open(RATES_FILE, "w") as f:
+        json.dump(seen, f, indent=1)
+    return device
 
 
 def physical_floor(shape: dict, work: Workload, device: dict, dtype_bytes: int,

@@ -96,10 +96,11 @@ def test_the_floor_counts_the_bytes_the_weights_are_kept_in():
     assert kept(channel) == 1200
 
 
-def test_the_floor_takes_the_machines_fastest_run(monkeypatch):
+def test_the_floor_takes_the_machines_fastest_run(monkeypatch, tmp_path):
     """A slow moment while measuring must not lower the rates (and lengthen the floor): the
     fastest of the runs counts, where an engine's step times take their median."""
     import torch
+    monkeypatch.setattr(floor, "RATES_FILE", str(tmp_path / "rates.json"))
     picks = []
     def recording(fn, repeat=10, pick=workload.statistics.median):
         picks.append(pick)
@@ -111,6 +112,23 @@ def test_the_floor_takes_the_machines_fastest_run(monkeypatch):
     times = iter([3.0, 1.0, 2.0])
     monkeypatch.setattr(workload, "timed", lambda fn: (next(times), None))
     assert workload.repeated_time(lambda: None, repeat=3) == 2.0  # a step time: the median
+
+
+def test_the_floor_keeps_the_fastest_rates_this_machine_has_shown(monkeypatch, tmp_path):
+    """A run measured in a slow spell gets the rates of an earlier, faster run here; a faster
+    run raises them; another machine (or dtype) keeps its own."""
+    monkeypatch.setattr(floor, "RATES_FILE", str(tmp_path / "cache" / "rates.json"))
+    def run(bandwidth, flops, name="CPU, 2 threads"):
+        return floor.fastest_seen(dict(device=name, gpu=False, dtype="float32",
+                                       bandwidth=bandwidth, flops=flops))
+    assert run(20e9, 0.12e12)["flops"] == 0.12e12
+    slow = run(15e9, 0.07e12)
+    assert (slow["bandwidth"], slow["flops"]) == (20e9, 0.12e12)
+    faster = run(22e9, 0.10e12)
+    assert (faster["bandwidth"], faster["flops"]) == (22e9, 0.12e12)
+    assert run(1e9, 0.01e12, name="CPU, 1 threads")["flops"] == 0.01e12
+    monkeypatch.setattr(floor.platform, "node", lambda: "another machine")
+    assert run(1e9, 0.01e12)["flops"] == 0.01e12
 
 
 def test_the_floor_reads_an_fp8_kv_cache_at_a_byte_an_element(bench):

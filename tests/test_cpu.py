@@ -45,6 +45,18 @@ def test_decode_matches_the_reference(kv_dtype, block_size, num_heads, num_kv_he
     assert torch.equal(cpu.decode(q, k_cache, v_cache, meta, 0.25, window), out)
 
 
+@pytest.mark.parametrize("head_dim", [64, 128, 24])  # the kernel's two unrolled sizes, another
+def test_decode_matches_the_reference_at_each_head_size(head_dim):
+    _, _, tables = paged_cache(16, CONTEXT_LENS, 2, seed=head_dim)
+    k_cache, v_cache = torch.randn(2, int(tables.max()) + 1, 16, 2, head_dim).unbind(0)
+    q = torch.randn(len(CONTEXT_LENS), 4, head_dim)
+    meta = metadata(CONTEXT_LENS, tables)
+    out = cpu_kernels.paged_attention(q, k_cache, v_cache, tables, meta.context_lens, None,
+                                      head_dim ** -0.5, 50)
+    expected = decode_torch(q, k_cache, v_cache, meta, head_dim ** -0.5, 50)
+    assert relative_error(out, expected) < 1e-6
+
+
 def test_bfloat16_queries_come_back_in_bfloat16():
     k_cache, v_cache, tables = paged_cache(16, CONTEXT_LENS, 2, seed=5)
     k_cache, v_cache = k_cache.bfloat16(), v_cache.bfloat16()
