@@ -15,6 +15,8 @@
 #include <string.h>
 
 enum { MAX_HEADS = 64, MAX_HEAD_DIM = 256, MAX_BLOCK = 256, LANES = 8, CHUNK = 128 };
+enum { PANEL = 2 * LANES, TILE_ROWS = 6 };
+typedef float vec __attribute__((vector_size(LANES * sizeof(float))));
 enum { KV_FLOAT32, KV_BFLOAT16, KV_FP8 };
 /* elements under which a fused element-wise kernel runs on one thread (waking more costs more) */
 #define PARALLEL_MIN 65536
@@ -274,5 +276,46 @@ void sample(const float *logits, const float *temperatures, const float *uniform
             seen += w;
         }
         tokens[r] = token;
+    }
+}
+
+/* TILE_ROWS rows of x times one panel: 2 x TILE_ROWS vector sums that stay in registers, each
+   panel row loaded once for all the rows and each x element broadcast once for the panel. */
+static inline __attribute__((always_inline)) void panel_tile(
+        const float *x, long x_stride, const float *panel, int k_size, int rows, float *out,
+        long out_stride) {
+    vec acc[TILE_ROWS][2];
+    memset(acc, 0, sizeof acc);
+    for (int k = 0; k < k_size; k++) {
+        vec w0, w1;
+        memcpy(&w0, panel + k * PANEL, sizeof w0);
+        memcpy(&w1, panel + k * PANEL + LANES, sizeof w1);
+        for (int i = 0; i < rows; i++) {
+            float b = x[i * x_stride + k];
+            acc[i][0] += b * w0;
+            acc[i][1] += b * w1;
+        }
+    }
+    for (int i = 0; i < rows; i++) {
+        memcpy(out + i * out_stride, &acc[i][0], sizeof acc[i][0]);
+        memcpy(out + i * out_stride + LANES, &acc[i][1], sizeof acc[i][1]);
+    }
+}
+
+/* out (M, N) = x (M, K) W^T, the weight W (N, K) packed in panels of PANEL output features,
+   (N / PANEL, K, PANEL) (see cpu_kernels.pack_panels): for the LM head, whose weight is read
+   from memory once a step for few rows (a decode batch), each panel read once for all of them. */
+void panel_matmul(const float *x, long x_stride, const float *panels, long rows, int k_size,
+                  long n, float *out, int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (long p = 0; p < n / PANEL; p++) {
+        const float *panel = panels + p * k_size * PANEL;
+        long m = 0;
+        for (; m + TILE_ROWS <= rows; m += TILE_ROWS)  /* a constant row count: unrolled */
+            panel_tile(x + m * x_stride, x_stride, panel, k_size, TILE_ROWS,
+                       out + m * n + p * PANEL, n);
+        if (m < rows)
+            panel_tile(x + m * x_stride, x_stride, panel, k_size, rows - m,
+                       out + m * n + p * PANEL, n);
     }
 }

@@ -36,7 +36,9 @@ SIGNATURES = {  # the C functions: (return type, argument types)
     "rotary": (None, [_P, _L, _I, _I, _I, _P, _P, _P, _I]),
     "silu_and_mul": (None, [_P, _L, _I, _P, _I]),
     "sample": (None, [_P, _P, _P, _L, _I, _P, _I]),
+    "panel_matmul": (None, [_P, _L, _P, _L, _I, _L, _P, _I]),
 }
+PANEL = 16  # output features in a panel of a packed weight (the C file's PANEL)
 logger = logging.getLogger(__name__)
 
 
@@ -197,8 +199,28 @@ def sample(logits: torch.Tensor, temperatures: torch.Tensor, uniform: torch.Tens
     return tokens
 
 
+def pack_panels(weight: torch.Tensor) -> torch.Tensor | None:
+    """weight (N, K) as `panel_matmul` reads it, (N / PANEL, K, PANEL); None where it does not
+    apply (no library, not float32, N not a multiple of PANEL)."""
+    n, k = weight.shape
+    if library() is None or weight.dtype != torch.float32 or n % PANEL:
+        return None
+    return weight.detach().view(n // PANEL, PANEL, k).transpose(1, 2).contiguous()
+
+
+def panel_matmul(x: torch.Tensor, panels: torch.Tensor) -> torch.Tensor:
+    """x (..., K) times the weight `panels` packs: (..., N), as F.linear(x, weight)."""
+    rows = x.reshape(-1, x.shape[-1]).float()
+    rows = rows if rows.stride(-1) == 1 else rows.contiguous()
+    n = panels.shape[0] * PANEL
+    out = torch.empty(len(rows), n)
+    library().panel_matmul(rows.data_ptr(), rows.stride(0), panels.data_ptr(), len(rows),
+                           rows.shape[1], n, out.data_ptr(), torch.get_num_threads())
+    return out.view(*x.shape[:-1], n)
+
+
 def fused() -> dict:
-    """The core's fused functions (`layers.cuda_compiled`'s, by their plain function) -> this
+    """The core's fused functions (`layers.fused`'s, by their plain function) -> this
     file's: what the CPU backend registers in `layers.CPU_KERNELS` once the library is built."""
     return {layers.rms_norm.__wrapped__: rms_norm,
             layers.add_rms_norm.__wrapped__: add_rms_norm,

@@ -205,6 +205,28 @@ def test_a_packed_linear_multiplies_as_f_linear_and_frees_the_projections_weight
     assert projection.weight is None and head.weight is not None  # the embedding's too
 
 
+@pytest.mark.parametrize("rows", [1, 5, 6, 7, 13, 40])  # the kernel's tiles are 6 rows
+def test_the_panel_matmul_is_f_linear(rows):
+    g = torch.Generator().manual_seed(rows)
+    weight, bias = torch.randn(48, 40, generator=g), torch.randn(48, generator=g)
+    panels = cpu_kernels.pack_panels(weight)
+    x = torch.randn(2, rows, 80, generator=g)[..., ::2]  # 3-D, its rows not contiguous
+    assert relative_error(cpu_kernels.panel_matmul(x, panels), F.linear(x, weight)) < 1e-6
+    from nanopaged.core.layers import ColumnParallelLinear, linear_methods
+    with linear_methods(cpu.PackedLinear(), cpu.PackedLinear()):
+        layer = ColumnParallelLinear(40, 48, bias=True)
+    layer.weight.data.copy_(weight)
+    layer.bias.data.copy_(bias)
+    layer.method.process_weights(layer)
+    assert type(layer.method) is cpu.PanelLinear and layer.weight is None
+    assert relative_error(layer(x), F.linear(x, weight, bias)) < 1e-6
+
+
+def test_a_width_that_is_not_whole_panels_keeps_onednn():
+    assert cpu_kernels.pack_panels(torch.randn(50, 8)) is None  # 50 features: not 16s
+    assert cpu_kernels.pack_panels(torch.randn(48, 8).bfloat16()) is None
+
+
 def test_half_weights_keep_f_linear():
     """oneDNN packs float32 and bfloat16; other dtypes multiply as before."""
     from nanopaged.core.layers import RowParallelLinear, linear_methods
