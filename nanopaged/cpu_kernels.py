@@ -51,40 +51,46 @@ def _cpu_signature() -> str:
         return platform.processor()
 
 
-def _compile(compiler: str, path: str) -> str | None:
+def _compile(compiler: str, path: str) -> None:
     """Builds the library at `path`: with OpenMP, else (a compiler without it) on one thread.
-    None, or what the compiler said."""
+    Raises OSError with what the compiler said."""
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(path))
     os.close(fd)
-    for flags in (FLAGS + ["-fopenmp"], FLAGS):
-        try:
-            subprocess.run([compiler, *flags, SOURCE, "-o", tmp, "-lm"], check=True,
-                           capture_output=True, timeout=120)
-            os.replace(tmp, path)  # atomic: a concurrent process sees the whole file or none
-            return None
-        except (OSError, subprocess.SubprocessError) as e:
-            error = f"{e} {(getattr(e, 'stderr', b'') or b'').decode(errors='replace')[-300:]}"
-    os.unlink(tmp)
-    return error
+    try:
+        for flags in (FLAGS + ["-fopenmp"], FLAGS):
+            try:
+                subprocess.run([compiler, *flags, SOURCE, "-o", tmp, "-lm"], check=True,
+                               capture_output=True, timeout=120)
+                os.replace(tmp, path)  # atomic: a concurrent process sees all the file or none
+                return
+            except (OSError, subprocess.SubprocessError) as e:
+                said = (getattr(e, "stderr", b"") or b"").decode(errors="replace")[-300:]
+                error = OSError(f"{e} {said}".strip())
+        raise error
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
 
 
 @functools.cache
 def library() -> ctypes.CDLL | None:
-    """The compiled kernels, built on first use; None where they cannot be (said once)."""
+    """The compiled kernels, built on first use; None where they cannot be built or loaded (a
+    missing compiler, a read-only or noexec cache folder): said once, in the log."""
     with open(SOURCE, "rb") as f:
         source = f.read()
     compiler = os.environ.get("CC", "cc")
     key = hashlib.sha256(b"\0".join([source, " ".join([compiler, *FLAGS]).encode(),
                                      _cpu_signature().encode()])).hexdigest()[:16]
     path = os.path.join(CACHE_DIR, f"cpu_kernels-{key}.so")
-    if not os.path.exists(path):
-        os.makedirs(CACHE_DIR, exist_ok=True)
-        error = _compile(compiler, path)
-        if error:
-            logger.warning("nanopaged: the CPU backend's C kernels did not build (%s); it runs "
-                           "PyTorch's operators instead, slower", error)
-            return None
-    lib = ctypes.CDLL(path)
+    try:
+        if not os.path.exists(path):
+            os.makedirs(CACHE_DIR, exist_ok=True)
+            _compile(compiler, path)
+        lib = ctypes.CDLL(path)
+    except OSError as error:
+        logger.warning("nanopaged: the CPU backend's C kernels could not be built or loaded "
+                       "(%s); it runs PyTorch's operators instead, slower", error)
+        return None
     for name, (restype, argtypes) in SIGNATURES.items():
         getattr(lib, name).restype = restype
         getattr(lib, name).argtypes = argtypes

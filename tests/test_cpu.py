@@ -157,6 +157,18 @@ def test_without_a_compiler_nothing_is_registered(monkeypatch, no_library):
     assert layers.CPU_KERNELS == {}
 
 
+def test_a_cache_folder_that_cannot_be_written_means_no_kernels(monkeypatch, tmp_path, caplog):
+    blocked = tmp_path / "a file, not a folder"
+    blocked.write_text("")
+    monkeypatch.setattr(cpu_kernels, "CACHE_DIR", str(blocked / "nanopaged"))
+    cpu_kernels.library.cache_clear()
+    try:
+        assert cpu_kernels.library() is None
+        assert "could not be built or loaded" in caplog.text
+    finally:
+        cpu_kernels.library.cache_clear()
+
+
 def test_the_library_is_built_once_per_compiler_and_reused(monkeypatch, tmp_path, caplog):
     monkeypatch.setattr(cpu_kernels, "CACHE_DIR", str(tmp_path))
     cpu_kernels.library.cache_clear()
@@ -172,7 +184,7 @@ def test_the_library_is_built_once_per_compiler_and_reused(monkeypatch, tmp_path
         monkeypatch.setattr(cpu_kernels, "CACHE_DIR", str(tmp_path))
         monkeypatch.setenv("CC", "false")  # another compiler (one that fails): another key
         assert cpu_kernels.library() is None
-        assert "C kernels did not build" in caplog.text
+        assert "C kernels could not be built" in caplog.text
         assert list(tmp_path.iterdir()) == built  # nothing half-written left behind
     finally:
         cpu_kernels.library.cache_clear()
