@@ -238,7 +238,8 @@ void silu_and_mul(const float *gate_up, long tokens, int n, float *out, int thre
 /* Per row of logits (rows, n): the first token whose cumulative weight under
    exp((logit - max) / T) exceeds uniform * total, in two levels: the weights' sums by chunks of
    CHUNK first (vectorized), then a scan of the one chunk found. The target stays under its
-   chunk's mass, so a token of weight 0 (a logit of -inf) is never picked. */
+   chunk's mass, so a token of weight 0 (a logit of -inf) is never picked; a row with no
+   weight at all gets token 0, a valid id, as the PyTorch sampler gives one. */
 void sample(const float *logits, const float *temperatures, const float *uniform, long rows,
             int n, int64_t *tokens, int threads) {
 #pragma omp parallel for if (rows * n >= PARALLEL_MIN) num_threads(threads)
@@ -275,7 +276,7 @@ void sample(const float *logits, const float *temperatures, const float *uniform
             if (w > 0.0f) token = i;  /* the last positive one, should rounding run out */
             seen += w;
         }
-        tokens[r] = token;
+        tokens[r] = token < 0 ? 0 : token;  /* no weight anywhere (all -inf or NaN) */
     }
 }
 

@@ -308,6 +308,14 @@ def test_sample_never_picks_a_token_of_probability_zero():
     assert set(tokens.tolist()) <= set(allowed)
 
 
+def test_a_row_with_no_weight_anywhere_still_gets_a_valid_token():
+    """All -inf (a mask that allows nothing) or NaN logits: token 0, beside a normal row."""
+    logits = torch.stack([torch.full((300,), float("-inf")), torch.full((300,), float("nan")),
+                          torch.zeros(300)])
+    tokens = cpu.sample(logits, torch.ones(3), torch.tensor([0.5, 0.5, 0.5]))
+    assert tokens[:2].tolist() == [0, 0] and 0 <= tokens[2] < 300
+
+
 @pytest.mark.parametrize("arch", ["qwen3", "llama"])
 def test_greedy_matches_transformers_with_chunks_preemption_and_prefix_hits(arch, model_path,
                                                                            hf_greedy):
