@@ -70,7 +70,9 @@ static const float *cache_row(const void *cache, int kv_kind, const float *fp8_t
 }
 
 /* Asks for `n` elements of a cache from `index` on to be loaded into the caches: a block is
-   elsewhere in memory than the one before it, which the CPU's own prefetcher cannot guess. */
+   elsewhere in memory than the one before it, which the CPU's own prefetcher cannot guess. The
+   next block is asked for a row at a time as this one's rows are read: a whole block at once
+   (256 lines) fills the few outstanding-miss slots a core has, and stalls it (20% slower). */
 static inline void prefetch(const void *cache, int kv_kind, long index, int n) {
     int size = kv_kind == KV_FLOAT32 ? 4 : kv_kind == KV_BFLOAT16 ? 2 : 1;
     const char *start = (const char *)cache + index * size;
@@ -106,12 +108,9 @@ static inline __attribute__((always_inline)) void attend(
         long base = (long)block_table[b] * block_size * row;
         int t0 = b == first / block_size ? first % block_size : 0;
         int t1 = b == last / block_size ? last % block_size + 1 : block_size;
-        if (b < last / block_size) {  /* the next block's memory, while this one computes */
-            long next = (long)block_table[b + 1] * block_size * row;
-            prefetch(k_cache, kv_kind, next, block_size * row);
-            prefetch(v_cache, kv_kind, next, block_size * row);
-        }
+        long next = b < last / block_size ? (long)block_table[b + 1] * block_size * row : -1;
         for (int t = t0; t < t1; t++) {  /* the block in order, each key read once */
+            if (next >= 0) prefetch(k_cache, kv_kind, next + t * row, row);
             const float *k = cache_row(k_cache, kv_kind, fp8_table, base + t * row, row, buffer);
             for (int h = 0; h < num_heads; h++)
                 s[h][t] = dot(q + h * head_dim, k + h / group * head_dim, head_dim);
@@ -134,6 +133,7 @@ static inline __attribute__((always_inline)) void attend(
             for (int d = 0; d < head_dim; d++) acc[h * head_dim + d] *= alpha;
         }
         for (int t = t0; t < t1; t++) {
+            if (next >= 0) prefetch(v_cache, kv_kind, next + t * row, row);
             const float *v = cache_row(v_cache, kv_kind, fp8_table, base + t * row, row, buffer);
             for (int h = 0; h < num_heads; h++) {
                 const float *v_h = v + h / group * head_dim;
@@ -280,26 +280,58 @@ void sample(const float *logits, const float *temperatures, const float *uniform
     }
 }
 
-/* TILE_ROWS rows of x times one panel: 2 x TILE_ROWS vector sums that stay in registers, each
-   panel row loaded once for all the rows and each x element broadcast once for the panel. */
+/* `rows` (at most TILE_ROWS) rows of x times one panel: rows x 2 vector sums in registers, each
+   panel row loaded once for all the rows and each x element broadcast once for the panel. An FMA
+   waits for the one before it on the same sum (its latency, 4-5 cycles, at 2 a cycle): few rows
+   keep `sets` sums a row, over alternate k, so that ~12 run at once. */
 static inline __attribute__((always_inline)) void panel_tile(
-        const float *x, long x_stride, const float *panel, int k_size, int rows, float *out,
-        long out_stride) {
-    vec acc[TILE_ROWS][2];
+        const float *x, long x_stride, const float *panel, int k_size, int rows, int sets,
+        float *out, long out_stride) {
+    vec acc[TILE_ROWS][TILE_ROWS][2];  /* [set][row][half], sets * rows <= TILE_ROWS */
     memset(acc, 0, sizeof acc);
-    for (int k = 0; k < k_size; k++) {
+    int k = 0;
+    for (; k + sets <= k_size; k += sets)
+        for (int s = 0; s < sets; s++) {
+            vec w0, w1;
+            memcpy(&w0, panel + (k + s) * PANEL, sizeof w0);
+            memcpy(&w1, panel + (k + s) * PANEL + LANES, sizeof w1);
+            for (int i = 0; i < rows; i++) {
+                float b = x[i * x_stride + k + s];
+                acc[s][i][0] += b * w0;
+                acc[s][i][1] += b * w1;
+            }
+        }
+    for (; k < k_size; k++) {
         vec w0, w1;
         memcpy(&w0, panel + k * PANEL, sizeof w0);
         memcpy(&w1, panel + k * PANEL + LANES, sizeof w1);
         for (int i = 0; i < rows; i++) {
             float b = x[i * x_stride + k];
-            acc[i][0] += b * w0;
-            acc[i][1] += b * w1;
+            acc[0][i][0] += b * w0;
+            acc[0][i][1] += b * w1;
         }
     }
+    for (int s = 1; s < sets; s++)
+        for (int i = 0; i < rows; i++) {
+            acc[0][i][0] += acc[s][i][0];
+            acc[0][i][1] += acc[s][i][1];
+        }
     for (int i = 0; i < rows; i++) {
-        memcpy(out + i * out_stride, &acc[i][0], sizeof acc[i][0]);
-        memcpy(out + i * out_stride + LANES, &acc[i][1], sizeof acc[i][1]);
+        memcpy(out + i * out_stride, &acc[0][i][0], sizeof acc[0][i][0]);
+        memcpy(out + i * out_stride + LANES, &acc[0][i][1], sizeof acc[0][i][1]);
+    }
+}
+
+/* panel_tile with its row count a constant (its loops unrolled, its sums in registers) */
+static void panel_rows(const float *x, long x_stride, const float *panel, int k_size, int rows,
+                       float *out, long out_stride) {
+    switch (rows) {
+    case 1: panel_tile(x, x_stride, panel, k_size, 1, 6, out, out_stride); break;
+    case 2: panel_tile(x, x_stride, panel, k_size, 2, 3, out, out_stride); break;
+    case 3: panel_tile(x, x_stride, panel, k_size, 3, 2, out, out_stride); break;
+    case 4: panel_tile(x, x_stride, panel, k_size, 4, 1, out, out_stride); break;
+    case 5: panel_tile(x, x_stride, panel, k_size, 5, 1, out, out_stride); break;
+    default: panel_tile(x, x_stride, panel, k_size, 6, 1, out, out_stride); break;
     }
 }
 
@@ -311,12 +343,11 @@ void panel_matmul(const float *x, long x_stride, const float *panels, long rows,
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (long p = 0; p < n / PANEL; p++) {
         const float *panel = panels + p * k_size * PANEL;
-        long m = 0;
-        for (; m + TILE_ROWS <= rows; m += TILE_ROWS)  /* a constant row count: unrolled */
-            panel_tile(x + m * x_stride, x_stride, panel, k_size, TILE_ROWS,
-                       out + m * n + p * PANEL, n);
-        if (m < rows)
-            panel_tile(x + m * x_stride, x_stride, panel, k_size, rows - m,
-                       out + m * n + p * PANEL, n);
+        long tiles = (rows + TILE_ROWS - 1) / TILE_ROWS;
+        for (long t = 0, m = 0; t < tiles; t++) {  /* tiles as even as can be: 27 = 6+6+5+5+5 */
+            int size = (int)((rows - m + tiles - t - 1) / (tiles - t));
+            panel_rows(x + m * x_stride, x_stride, panel, k_size, size, out + m * n + p * PANEL, n);
+            m += size;
+        }
     }
 }

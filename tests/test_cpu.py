@@ -2,6 +2,7 @@
 reference: its attention, fused element-wise functions and sampling, its packed linear layers,
 how the kernels are built, and the process settings it makes."""
 import math
+import mmap
 import os
 
 import pytest
@@ -217,7 +218,8 @@ def test_a_packed_linear_multiplies_as_f_linear_and_frees_the_projections_weight
     assert projection.weight is None and head.weight is not None  # the embedding's too
 
 
-@pytest.mark.parametrize("rows", [1, 5, 6, 7, 13, 40])  # the kernel's tiles are 6 rows
+# tiles of at most 6 rows, as even as can be (27: 6 6 5 5 5); 1 to 3 rows keep more sums a row
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 6, 7, 13, 27, 40])
 def test_the_panel_matmul_is_f_linear(rows):
     g = torch.Generator().manual_seed(rows)
     weight, bias = torch.randn(48, 40, generator=g), torch.randn(48, generator=g)
@@ -232,6 +234,49 @@ def test_the_panel_matmul_is_f_linear(rows):
     layer.method.process_weights(layer)
     assert type(layer.method) is cpu.PanelLinear and layer.weight is None
     assert relative_error(layer(x), F.linear(x, weight, bias)) < 1e-6
+
+
+def vm_flags(address: int) -> set[str]:
+    """Linux's flags for the mapping that holds `address` (its VmFlags in /proc/self/smaps)."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            first = line.split()[0]
+            if not first.endswith(":"):  # a mapping's first line: "start-end perms ..."
+                start, end = (int(bound, 16) for bound in first.split("-"))
+                inside = start <= address < end
+            elif inside and first == "VmFlags:":
+                return set(line.split()[1:])
+    return set()
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps") or not hasattr(mmap, "MADV_HUGEPAGE"),
+                    reason="Linux's transparent huge pages")
+def test_the_kv_cache_and_the_panels_ask_for_huge_pages_and_start_zeroed(qwen3_path):
+    runner = LLM(qwen3_path).engine.runner
+    assert "hg" in vm_flags(runner.kv_cache.data_ptr())  # hg: madvise(MADV_HUGEPAGE)
+    assert not runner.kv_cache.any()
+    assert "hg" in vm_flags(runner.model.model.layers[0].mlp.down_proj.panels.data_ptr())
+    reference = LLM(qwen3_path, attention_backend="torch").engine.runner
+    assert "hg" not in vm_flags(reference.kv_cache.data_ptr())  # torch.zeros: the core's own
+
+
+@pytest.mark.parametrize("dtype", KV_DTYPES)
+def test_huge_zeros_are_zeros_also_where_huge_pages_are_missing_or_refused(dtype, monkeypatch):
+    class Refusing(mmap.mmap):
+        def madvise(self, *args):
+            raise OSError(22, "Invalid argument")
+
+    def check():
+        x = cpu.huge_zeros((3, 5), dtype)
+        assert x.shape == (3, 5) and x.dtype == dtype and not x.float().any()
+        x[1, 2] = 1  # writable
+        assert x.float().sum() == 1
+    check()
+    monkeypatch.setattr(mmap, "mmap", Refusing)
+    check()
+    monkeypatch.delattr(mmap, "MADV_HUGEPAGE", raising=False)  # macOS: torch.zeros
+    check()
 
 
 def test_a_width_that_is_not_whole_panels_keeps_onednn():

@@ -107,14 +107,15 @@ def decode_flash(q, k_cache, v_cache, meta: AttentionMetadata, scale: float,
 @dataclass
 class Backend:
     """An attention backend: `load()` gives its (store_kvcache, prefill, decode) functions (its
-    module imported only then); `missing(on_gpu, kv_dtype)` names what it needs and lacks here
-    (None: usable); "auto" may pick it on the device types `auto_on`; `linear()` its model's
-    linear method, `sample` its sampler's function (None: `LinearMethod`, `sampler.sample`)."""
+    module imported only then); `missing(on_gpu, kv_dtype)` names what it lacks here (None:
+    usable); "auto" may pick it on `auto_on` devices; `linear()` its linear method, `sample` its
+    sampler's function (None: `LinearMethod`, `sampler.sample`), `zeros` allocates its cache."""
     load: Callable[[], tuple]
     missing: Callable[[bool, torch.dtype], str | None]
     auto_on: tuple[str, ...] = ("cuda", "cpu")
     linear: Callable[[], object] | None = None
     sample: Callable | None = None
+    zeros: Callable[..., torch.Tensor] = torch.zeros
 
 
 def _triton():

@@ -5,7 +5,7 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from nanopaged.core.attention import Attention, AttentionMetadata
+from nanopaged.core.attention import BACKENDS, Attention, AttentionMetadata
 from nanopaged.core.layers import (QUANTIZATIONS, MergedColumnParallelLinear, ParallelLMHead,
                                    QKVParallelLinear, RMSNorm, RotaryEmbedding,
                                    RowParallelLinear, VocabParallelEmbedding, silu_and_mul, tp_size)
@@ -172,6 +172,7 @@ class CausalLM(nn.Module):
     def __init__(self, config: PretrainedConfig, backend: str):
         super().__init__()
         self.model = DecoderModel(config, backend, self.decoder_layer)
+        self.backend = backend
         windows = {sliding_window(config, i) for i in range(config.num_hidden_layers)}
         self.sliding_window = windows.pop() if len(windows) == 1 else None
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
@@ -204,9 +205,9 @@ class CausalLM(nn.Module):
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int, dtype: torch.dtype,
                           device: torch.device) -> torch.Tensor:
-        """One zeroed tensor of `kv_cache_shape`; each layer's attention gets its views."""
+        """One zeroed tensor of `kv_cache_shape` (backend's `zeros`); each layer gets views."""
         shape = self.kv_cache_shape(num_blocks, block_size)
-        kv_cache = torch.zeros(shape, dtype=dtype, device=device)
+        kv_cache = BACKENDS[self.backend].zeros(shape, dtype=dtype, device=device)
         for i, layer in enumerate(self.model.layers):
             layer.self_attn.attn.k_cache = kv_cache[0, i]
             layer.self_attn.attn.v_cache = kv_cache[1, i]

@@ -10,13 +10,12 @@ from nanopaged.core.sequence import Sequence
 
 @dataclass
 class ScheduledStep:
-    """One step as the scheduler decided it. The model runs `num_tokens[i]` tokens of `seqs[i]`
-    from position `starts[i]`; a sequence whose tokens reach its last token samples the next:
-    it is one of `samplers`, at rows `sample_rows`. A step where every sequence runs just its
-    last token is a plain decode step, any other `ragged`. `proposals` maps a sequence (by
-    index) to tokens that run after its last one, in slots reserved for them, each sampled
-    after too (speculative decoding's, added by the seam of `LLMEngine`). `preempted`: the
-    sequences preempted to make room for it (they may run in it again, recomputed)."""
+    """One step as the scheduler decided it. The model runs `num_tokens[i]` tokens of `seqs[i]` from
+    position `starts[i]`; a sequence whose tokens reach its last token samples the next: it is one
+    of `samplers`, at rows `sample_rows`. A step of last tokens only is a decode step, any other
+    `ragged`. `proposals` maps a sequence (by index) to tokens that run after its last one, in slots
+    reserved for them, each sampled too (speculative decoding's). `preempted`: the sequences
+    preempted to make room for it (they may run in it again, recomputed)."""
     seqs: list[Sequence] = field(default_factory=list)
     starts: list[int] = field(default_factory=list)
     num_tokens: list[int] = field(default_factory=list)
