@@ -287,7 +287,7 @@ void sample(const float *logits, const float *temperatures, const float *uniform
 static inline __attribute__((always_inline)) void panel_tile(
         const float *x, long x_stride, const float *panel, int k_size, int rows, int sets,
         float *out, long out_stride) {
-    vec acc[TILE_ROWS][TILE_ROWS][2];  /* [set][row][half], sets * rows <= TILE_ROWS */
+    vec acc[TILE_ROWS][2];  /* row i's sums of set s: acc[s * rows + i], sets * rows <= 6 */
     memset(acc, 0, sizeof acc);
     int k = 0;
     for (; k + sets <= k_size; k += sets)
@@ -297,8 +297,8 @@ static inline __attribute__((always_inline)) void panel_tile(
             memcpy(&w1, panel + (k + s) * PANEL + LANES, sizeof w1);
             for (int i = 0; i < rows; i++) {
                 float b = x[i * x_stride + k + s];
-                acc[s][i][0] += b * w0;
-                acc[s][i][1] += b * w1;
+                acc[s * rows + i][0] += b * w0;
+                acc[s * rows + i][1] += b * w1;
             }
         }
     for (; k < k_size; k++) {
@@ -307,18 +307,18 @@ static inline __attribute__((always_inline)) void panel_tile(
         memcpy(&w1, panel + k * PANEL + LANES, sizeof w1);
         for (int i = 0; i < rows; i++) {
             float b = x[i * x_stride + k];
-            acc[0][i][0] += b * w0;
-            acc[0][i][1] += b * w1;
+            acc[i][0] += b * w0;
+            acc[i][1] += b * w1;
         }
     }
     for (int s = 1; s < sets; s++)
         for (int i = 0; i < rows; i++) {
-            acc[0][i][0] += acc[s][i][0];
-            acc[0][i][1] += acc[s][i][1];
+            acc[i][0] += acc[s * rows + i][0];
+            acc[i][1] += acc[s * rows + i][1];
         }
     for (int i = 0; i < rows; i++) {
-        memcpy(out + i * out_stride, &acc[0][i][0], sizeof acc[0][i][0]);
-        memcpy(out + i * out_stride + LANES, &acc[0][i][1], sizeof acc[0][i][1]);
+        memcpy(out + i * out_stride, &acc[i][0], sizeof acc[i][0]);
+        memcpy(out + i * out_stride + LANES, &acc[i][1], sizeof acc[i][1]);
     }
 }
 
