@@ -15,7 +15,7 @@
 #include <string.h>
 
 enum { MAX_HEADS = 64, MAX_HEAD_DIM = 256, MAX_BLOCK = 256, LANES = 8, CHUNK = 128 };
-enum { PANEL = 2 * LANES, TILE_ROWS = 6 };
+enum { PANEL = 2 * LANES, TILE_ROWS = 6, BLOCK_BYTES = 256 * 1024 };
 typedef float vec __attribute__((vector_size(LANES * sizeof(float))));
 enum { KV_FLOAT32, KV_BFLOAT16, KV_FP8 };
 /* elements under which a fused element-wise kernel runs on one thread (waking more costs more) */
@@ -337,17 +337,24 @@ static void panel_rows(const float *x, long x_stride, const float *panel, int k_
 
 /* out (M, N) = x (M, K) W^T, the weight W (N, K) packed in panels of PANEL output features,
    (N / PANEL, K, PANEL) (see cpu_kernels.pack_panels): for the LM head, whose weight is read
-   from memory once a step for few rows (a decode batch), each panel read once for all of them. */
+   from memory once a step for few rows (a decode batch), each panel read once for all of them.
+   A prefill's rows go by blocks of at most BLOCK_BYTES of x, which stay in the core's L2 cache
+   while every panel passes (all of x, megabytes, would come from L3 for each panel: 7% slower). */
 void panel_matmul(const float *x, long x_stride, const float *panels, long rows, int k_size,
                   long n, float *out, int threads) {
-#pragma omp parallel for schedule(static) num_threads(threads)
-    for (long p = 0; p < n / PANEL; p++) {
-        const float *panel = panels + p * k_size * PANEL;
-        long tiles = (rows + TILE_ROWS - 1) / TILE_ROWS;
-        for (long t = 0, m = 0; t < tiles; t++) {  /* tiles as even as can be: 27 = 6+6+5+5+5 */
-            int size = (int)((rows - m + tiles - t - 1) / (tiles - t));
-            panel_rows(x + m * x_stride, x_stride, panel, k_size, size, out + m * n + p * PANEL, n);
-            m += size;
+    long blocks = (rows * k_size * (long)sizeof(float) + BLOCK_BYTES - 1) / BLOCK_BYTES;
+    long block_rows = (rows + blocks - 1) / blocks;
+#pragma omp parallel for collapse(2) schedule(static) num_threads(threads)
+    for (long b = 0; b < blocks; b++)
+        for (long p = 0; p < n / PANEL; p++) {
+            long first = b * block_rows;
+            long end = first + block_rows < rows ? first + block_rows : rows;
+            long tiles = (end - first + TILE_ROWS - 1) / TILE_ROWS;
+            for (long t = 0, m = first; t < tiles; t++) {  /* as even as can be: 27 = 6+6+5+5+5 */
+                int size = (int)((end - m + tiles - t - 1) / (tiles - t));
+                panel_rows(x + m * x_stride, x_stride, panels + p * k_size * PANEL, k_size, size,
+                           out + m * n + p * PANEL, n);
+                m += size;
+            }
         }
-    }
 }

@@ -218,8 +218,9 @@ def test_a_packed_linear_multiplies_as_f_linear_and_frees_the_projections_weight
     assert projection.weight is None and head.weight is not None  # the embedding's too
 
 
-# tiles of at most 6 rows, as even as can be (27: 6 6 5 5 5); 1 to 3 rows keep more sums a row
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 6, 7, 13, 27, 40])
+# tiles of at most 6 rows, as even as can be (27: 6 6 5 5 5); 1 to 3 rows keep more sums a row;
+# 2000 rows of 40: x in 2 blocks of 1000 (the kernel's blocks are 256 KB of x)
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 6, 7, 13, 27, 40, 2000])
 def test_the_panel_matmul_is_f_linear(rows):
     g = torch.Generator().manual_seed(rows)
     weight, bias = torch.randn(48, 40, generator=g), torch.randn(48, generator=g)
