@@ -4,9 +4,9 @@
 backend computes (the reference), with these changes:
 
 - Attention reads each sequence's K/V blocks where they lie in the cache, in C
-  (`cpu_kernels.c`: the Triton kernels' online softmax in a loop nest), in decode and in
-  prefill steps of few queries; the plain backend copies every context out of the cache first.
-  A prompt with no cached prefix runs PyTorch's causal attention without a mask.
+  (`cpu_kernels.c`: the Triton kernels' online softmax in a loop nest), a query at a time in
+  decode steps and small chunks, in tiles of matrix products in prefills; the plain backend
+  copies every context out of the cache first.
 - The core's fused element-wise functions (RMSNorm, RoPE, SiLU-and-multiply) and sampling run
   in C too: at decode sizes PyTorch's small operators cost more in dispatch than in arithmetic.
 - Linear layers multiply float32 weights packed in panels by the C kernels' matmul, others
@@ -28,18 +28,16 @@ import mmap
 import os
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from nanopaged import cpu_kernels
 from nanopaged.core import layers, sampler
-from nanopaged.core.attention import (BACKENDS, AttentionMetadata, Backend, _attend,
-                                      _gather_blocks, decode_torch)
+from nanopaged.core.attention import (BACKENDS, AttentionMetadata, Backend, decode_torch,
+                                      prefill_torch)
 from nanopaged.core.layers import LinearBase, LinearMethod
-from nanopaged.core.sequence import cdiv
 
-# Queries a sequence, at most, for which a prefill step runs the C kernel (a speculative
-# verification, a small chunk): more, and PyTorch's matrix products are faster
+# Queries a sequence, at most, for which a prefill step attends a query at a time (a speculative
+# verification, a small chunk): more, and tiles of matrix products are faster
 KERNEL_QUERIES = 16
 # glibc's mallopt parameters, and the size under which freed memory is kept
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, KEEP_BYTES = -1, -3, 2 ** 31 - 1
@@ -137,32 +135,13 @@ class PanelLinear(LinearMethod):
 
 def prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             meta: AttentionMetadata, scale: float, window: int | None = None) -> torch.Tensor:
-    """Causal attention of each sequence's new queries over its cached context: by the C kernel
-    in a step of at most KERNEL_QUERIES a sequence; else a prompt with no cached prefix and no
-    window needs no mask, and PyTorch's matrix products are faster on many queries."""
-    if meta.max_seqlen_q <= KERNEL_QUERIES:
-        out = cpu_kernels.paged_attention(q, k_cache, v_cache, meta.block_tables,
-                                          meta.context_lens, meta.cu_seqlens_q, scale, window)
-        if out is not None:
-            return out
-    out = torch.empty_like(q)
-    bounds, block_size = meta.cu_seqlens_q.tolist(), k_cache.shape[1]
-    for i, context_len in enumerate(meta.context_lens.tolist()):
-        start, end = bounds[i], bounds[i + 1]
-        blocks = meta.block_tables[i:i + 1, :cdiv(context_len, block_size)]
-        k, v = _gather_blocks(k_cache, blocks), _gather_blocks(v_cache, blocks)
-        queries = q[start:end].transpose(0, 1)[None]  # (1, nh, Q, hs)
-        if end - start == context_len and (window is None or window >= context_len):
-            k, v = k[:, :, :context_len].to(q), v[:, :, :context_len].to(q)  # an FP8 cache
-            attended = F.scaled_dot_product_attention(queries, k, v, is_causal=True, scale=scale,
-                                                      enable_gqa=True)
-        else:
-            q_pos = torch.arange(context_len - (end - start), context_len)[:, None]
-            key_pos = torch.arange(k.shape[2])[None, :]
-            mask = (key_pos <= q_pos) & (key_pos > q_pos - (window or k.shape[2]))
-            attended = _attend(queries, k, v, mask, scale)
-        out[start:end] = attended[0].transpose(0, 1)
-    return out
+    """Causal attention of each sequence's new queries over its cached context, read in place by
+    the C kernels: a query at a time in a step of at most KERNEL_QUERIES a sequence, else in
+    tiles of matrix products (the plain backend's prefill where they do not apply)."""
+    out = cpu_kernels.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens,
+                                      meta.cu_seqlens_q, scale, window,
+                                      tiled=meta.max_seqlen_q > KERNEL_QUERIES)
+    return prefill_torch(q, k_cache, v_cache, meta, scale, window) if out is None else out
 
 
 def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

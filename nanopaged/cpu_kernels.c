@@ -285,16 +285,16 @@ void sample(const float *logits, const float *temperatures, const float *uniform
    waits for the one before it on the same sum (its latency, 4-5 cycles, at 2 a cycle): few rows
    keep `sets` sums a row, over alternate k, so that ~12 run at once. */
 static inline __attribute__((always_inline)) void panel_tile(
-        const float *x, long x_stride, const float *panel, int k_size, int rows, int sets,
-        float *out, long out_stride) {
+        const float *x, long x_stride, const float *panel, long panel_stride, int k_size,
+        int rows, int sets, float *out, long out_stride, int accumulate) {
     vec acc[TILE_ROWS][2];  /* row i's sums of set s: acc[s * rows + i], sets * rows <= 6 */
     memset(acc, 0, sizeof acc);
     int k = 0;
     for (; k + sets <= k_size; k += sets)
         for (int s = 0; s < sets; s++) {
             vec w0, w1;
-            memcpy(&w0, panel + (k + s) * PANEL, sizeof w0);
-            memcpy(&w1, panel + (k + s) * PANEL + LANES, sizeof w1);
+            memcpy(&w0, panel + (k + s) * panel_stride, sizeof w0);
+            memcpy(&w1, panel + (k + s) * panel_stride + LANES, sizeof w1);
             for (int i = 0; i < rows; i++) {
                 float b = x[i * x_stride + k + s];
                 acc[s * rows + i][0] += b * w0;
@@ -303,8 +303,8 @@ static inline __attribute__((always_inline)) void panel_tile(
         }
     for (; k < k_size; k++) {
         vec w0, w1;
-        memcpy(&w0, panel + k * PANEL, sizeof w0);
-        memcpy(&w1, panel + k * PANEL + LANES, sizeof w1);
+        memcpy(&w0, panel + k * panel_stride, sizeof w0);
+        memcpy(&w1, panel + k * panel_stride + LANES, sizeof w1);
         for (int i = 0; i < rows; i++) {
             float b = x[i * x_stride + k];
             acc[i][0] += b * w0;
@@ -317,21 +317,41 @@ static inline __attribute__((always_inline)) void panel_tile(
             acc[i][1] += acc[s * rows + i][1];
         }
     for (int i = 0; i < rows; i++) {
+        if (accumulate) {
+            vec before0, before1;  /* two vectors, not an array: loads a store can forward */
+            memcpy(&before0, out + i * out_stride, sizeof before0);
+            memcpy(&before1, out + i * out_stride + LANES, sizeof before1);
+            acc[i][0] += before0;
+            acc[i][1] += before1;
+        }
         memcpy(out + i * out_stride, &acc[i][0], sizeof acc[i][0]);
         memcpy(out + i * out_stride + LANES, &acc[i][1], sizeof acc[i][1]);
     }
 }
 
-/* panel_tile with its row count a constant (its loops unrolled, its sums in registers) */
-static void panel_rows(const float *x, long x_stride, const float *panel, int k_size, int rows,
-                       float *out, long out_stride) {
-    switch (rows) {
-    case 1: panel_tile(x, x_stride, panel, k_size, 1, 6, out, out_stride); break;
-    case 2: panel_tile(x, x_stride, panel, k_size, 2, 3, out, out_stride); break;
-    case 3: panel_tile(x, x_stride, panel, k_size, 3, 2, out, out_stride); break;
-    case 4: panel_tile(x, x_stride, panel, k_size, 4, 1, out, out_stride); break;
-    case 5: panel_tile(x, x_stride, panel, k_size, 5, 1, out, out_stride); break;
-    default: panel_tile(x, x_stride, panel, k_size, 6, 1, out, out_stride); break;
+/* out (rows, PANEL) (+)= x (rows, k_size) times a panel (k_size, PANEL), its rows panel_stride
+   apart: in tiles of at most TILE_ROWS rows, as even as can be (27 = 6+6+5+5+5), each with its
+   row count a constant (its loops unrolled, its sums in registers). */
+static inline __attribute__((always_inline)) void rows_times_panel(
+        const float *x, long x_stride, const float *panel, long panel_stride, int k_size,
+        long rows, float *out, long out_stride, int accumulate) {
+    long tiles = (rows + TILE_ROWS - 1) / TILE_ROWS;
+    for (long t = 0, m = 0; t < tiles; t++) {
+        int size = (int)((rows - m + tiles - t - 1) / (tiles - t));
+        const float *x_m = x + m * x_stride;
+        float *out_m = out + m * out_stride;
+#define TILE(ROWS, SETS) panel_tile(x_m, x_stride, panel, panel_stride, k_size, ROWS, SETS, \
+                                    out_m, out_stride, accumulate)
+        switch (size) {
+        case 1: TILE(1, 6); break;
+        case 2: TILE(2, 3); break;
+        case 3: TILE(3, 2); break;
+        case 4: TILE(4, 1); break;
+        case 5: TILE(5, 1); break;
+        default: TILE(6, 1); break;
+        }
+#undef TILE
+        m += size;
     }
 }
 
@@ -348,13 +368,124 @@ void panel_matmul(const float *x, long x_stride, const float *panels, long rows,
     for (long b = 0; b < blocks; b++)
         for (long p = 0; p < n / PANEL; p++) {
             long first = b * block_rows;
-            long end = first + block_rows < rows ? first + block_rows : rows;
-            long tiles = (end - first + TILE_ROWS - 1) / TILE_ROWS;
-            for (long t = 0, m = first; t < tiles; t++) {  /* as even as can be: 27 = 6+6+5+5+5 */
-                int size = (int)((end - m + tiles - t - 1) / (tiles - t));
-                panel_rows(x + m * x_stride, x_stride, panels + p * k_size * PANEL, k_size, size,
-                           out + m * n + p * PANEL, n);
-                m += size;
-            }
+            long count = first + block_rows < rows ? block_rows : rows - first;
+            rows_times_panel(x + first * x_stride, x_stride, panels + p * k_size * PANEL, PANEL,
+                             k_size, count, out + first * n + p * PANEL, n, 0);
         }
+}
+
+/* Causal attention of prefills, many queries a sequence, as matrix products (the structure of
+   the Triton prefill kernel): a task takes PANEL rows, (query token, head) pairs of one K/V
+   head's group, their queries transposed once into a panel, and walks the sequence's blocks:
+   S^T = K Q^T (the block's keys as rows, read in place), the online softmax vectorized over the
+   rows, then O += P V (V's rows in place as a panel). Arguments as paged_attention's, with
+   cu_seqlens_q; head_dim a multiple of PANEL. Returns 0, or 1 for a shape over the limits. */
+int prefill_attention(const float *q, long q_stride, const void *k_cache, const void *v_cache,
+                      int kv_kind, const float *fp8_table, const int32_t *block_tables,
+                      long block_table_stride, const int32_t *cu_seqlens_q,
+                      const int32_t *context_lens, int num_seqs, int num_heads, int num_kv_heads,
+                      int head_dim, int block_size, float scale, int window, float *out,
+                      int threads) {
+    if (head_dim > MAX_HEAD_DIM || head_dim % PANEL || block_size > MAX_BLOCK
+        || block_size * head_dim > MAX_HEADS * MAX_HEAD_DIM || num_heads % num_kv_heads)
+        return 1;
+    int group = num_heads / num_kv_heads, row = num_kv_heads * head_dim;
+    long first_task[num_seqs + 1];  /* a sequence's tasks: K/V heads x tiles of its rows */
+    first_task[0] = 0;
+    for (int i = 0; i < num_seqs; i++) {
+        long rows = (long)(cu_seqlens_q[i + 1] - cu_seqlens_q[i]) * group;
+        first_task[i + 1] = first_task[i] + num_kv_heads * ((rows + PANEL - 1) / PANEL);
+    }
+#pragma omp parallel for schedule(dynamic) num_threads(threads)
+    for (long task = 0; task < first_task[num_seqs]; task++) {
+        int seq = 0;
+        while (first_task[seq + 1] <= task) seq++;
+        int queries = cu_seqlens_q[seq + 1] - cu_seqlens_q[seq];
+        long tiles = ((long)queries * group + PANEL - 1) / PANEL, index = task - first_task[seq];
+        int kv_head = (int)(index / tiles), first_row = (int)(index % tiles) * PANEL;
+        int rows = queries * group - first_row < PANEL ? queries * group - first_row : PANEL;
+        float qt[MAX_HEAD_DIM * PANEL], o[PANEL * MAX_HEAD_DIM], st[MAX_BLOCK * PANEL];
+        float p[PANEL * MAX_BLOCK], m[PANEL], l[PANEL];
+        float k_buffer[MAX_HEADS * MAX_HEAD_DIM], v_buffer[MAX_HEADS * MAX_HEAD_DIM];
+        int position[PANEL];
+        const float *q_row[PANEL];
+        for (int r = 0; r < PANEL; r++) {  /* row r: token (first_row + r) / group's head */
+            int token = (first_row + r) / group, head = kv_head * group + (first_row + r) % group;
+            position[r] = context_lens[seq] - queries + token;
+            q_row[r] = q + (cu_seqlens_q[seq] + token) * q_stride + head * head_dim;
+            m[r] = -INFINITY;
+            l[r] = 0.0f;
+        }
+        for (int d = 0; d < head_dim; d++)
+            for (int r = 0; r < PANEL; r++) qt[d * PANEL + r] = r < rows ? scale * q_row[r][d] : 0;
+        int lowest = position[0], highest = position[rows - 1];
+        memset(o, 0, sizeof(float) * PANEL * head_dim);
+        int first = window > 0 && lowest + 1 > window ? lowest + 1 - window : 0;
+        const int32_t *block_table = block_tables + seq * block_table_stride;
+        for (int b = first / block_size; b <= highest / block_size; b++) {
+            int t0 = b == first / block_size ? first % block_size : 0;
+            int t1 = b == highest / block_size ? highest % block_size + 1 : block_size;
+            long base = (long)block_table[b] * block_size * row + (long)kv_head * head_dim;
+            const float *keys = (const float *)k_cache + base;
+            const float *values = (const float *)v_cache + base;
+            long stride = row;
+            if (kv_kind != KV_FLOAT32) {  /* the block's rows of this head, converted */
+                for (int t = t0; t < t1; t++) {
+                    cache_row(k_cache, kv_kind, fp8_table, base + t * row, head_dim,
+                              k_buffer + t * head_dim);
+                    cache_row(v_cache, kv_kind, fp8_table, base + t * row, head_dim,
+                              v_buffer + t * head_dim);
+                }
+                keys = k_buffer;
+                values = v_buffer;
+                stride = head_dim;
+            }
+            rows_times_panel(keys + t0 * stride, stride, qt, PANEL, head_dim, t1 - t0, st, PANEL,
+                             0);
+            float m_new[PANEL], alpha[PANEL], sum[PANEL];
+            for (int r = 0; r < PANEL; r++) {
+                m_new[r] = m[r];
+                sum[r] = 0.0f;
+            }
+            /* keys some row must not see: past the first row's position, or out of the last
+               row's window (most blocks have none) */
+            int masked = b * block_size + t1 - 1 > lowest
+                         || (window > 0 && b * block_size + t0 <= highest - window);
+            for (int t = t0; t < t1; t++) {
+                int key = b * block_size + t;
+                float *s = st + (t - t0) * PANEL;
+                for (int r = 0; r < PANEL; r++) {
+                    int hidden = key > position[r] || (window > 0 && key <= position[r] - window);
+                    s[r] = masked && hidden ? -INFINITY : s[r];
+                    m_new[r] = s[r] > m_new[r] ? s[r] : m_new[r];
+                }
+            }
+            for (int t = t0; t < t1; t++) {
+                const float *s = st + (t - t0) * PANEL;
+#pragma omp simd
+                for (int r = 0; r < PANEL; r++) {  /* no key yet (-inf): weight 0 */
+                    float w = m_new[r] == -INFINITY ? 0.0f : exp_nonpositive(s[r] - m_new[r]);
+                    p[r * block_size + t - t0] = w;
+                    sum[r] += w;
+                }
+            }
+            for (int r = 0; r < PANEL; r++) {
+                alpha[r] = m_new[r] == -INFINITY ? 1.0f : exp_nonpositive(m[r] - m_new[r]);
+                l[r] = l[r] * alpha[r] + sum[r];
+                m[r] = m_new[r];
+                if (alpha[r] != 1.0f)  /* the row's maximum grew */
+                    for (int d = 0; d < head_dim; d++) o[r * head_dim + d] *= alpha[r];
+            }
+            for (int c = 0; c < head_dim; c += PANEL)
+                rows_times_panel(p, block_size, values + t0 * stride + c, stride, t1 - t0, rows,
+                                 o + c, head_dim, 1);
+        }
+        for (int r = 0; r < rows; r++) {
+            int token = (first_row + r) / group, head = kv_head * group + (first_row + r) % group;
+            float *dest = out + ((long)(cu_seqlens_q[seq] + token) * num_heads + head) * head_dim;
+            for (int d = 0; d < head_dim; d++)
+                dest[d] = l[r] > 0.0f ? o[r * head_dim + d] / l[r] : 0.0f;
+        }
+    }
+    return 0;
 }

@@ -32,6 +32,8 @@ _P, _L, _I, _F = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_float
 SIGNATURES = {  # the C functions: (return type, argument types)
     "paged_attention": (_I, [_P, _L, _P, _P, _I, _P, _P, _L, _P, _P] + [_I] * 5
                         + [_F, _I, _P, _I]),
+    "prefill_attention": (_I, [_P, _L, _P, _P, _I, _P, _P, _L, _P, _P] + [_I] * 5
+                          + [_F, _I, _P, _I]),
     "rms_norm": (None, [_P, _L, _I, _P, _P, _L, _I, _F, _P, _P, _I]),
     "rotary": (None, [_P, _L, _I, _I, _I, _P, _P, _P, _I]),
     "silu_and_mul": (None, [_P, _L, _I, _P, _I]),
@@ -110,11 +112,13 @@ def _heads(x: torch.Tensor) -> torch.Tensor:
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     block_tables: torch.Tensor, context_lens: torch.Tensor,
-                    cu_seqlens_q: torch.Tensor | None, scale: float, window: int | None
-                    ) -> torch.Tensor | None:
+                    cu_seqlens_q: torch.Tensor | None, scale: float, window: int | None,
+                    tiled: bool = False) -> torch.Tensor | None:
     """q: (T, nh, hs), the queries of each sequence its last tokens (`cu_seqlens_q`; None: one
     each) -> (T, nh, hs) attended over its cached context (or its last `window` positions); None
-    where the kernel does not apply (no library, a cache dtype or shape it does not read)."""
+    where the kernel does not apply (no library, a cache dtype or shape it does not read).
+    `tiled`: by the C file's `prefill_attention` (matrix products: for many queries a sequence),
+    else a query at a time."""
     lib, kind = library(), KV_KINDS.get(k_cache.dtype)
     if lib is None or kind is None or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         return None
@@ -123,7 +127,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     context_lens = context_lens.to(torch.int32).contiguous()
     cu = None if cu_seqlens_q is None else cu_seqlens_q.to(torch.int32).contiguous()
     out = torch.empty(queries.shape)
-    failed = lib.paged_attention(
+    failed = (lib.prefill_attention if tiled else lib.paged_attention)(
         queries.data_ptr(), queries.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), kind,
         _fp8_table().data_ptr(), block_tables.data_ptr(), block_tables.stride(0),
         None if cu is None else cu.data_ptr(), context_lens.data_ptr(), len(context_lens),

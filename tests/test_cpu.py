@@ -95,8 +95,8 @@ PREFILLS = {"many": [(40, 40), (7, 39), (33, 290), (1, 18), (16, 16)],
 @pytest.mark.parametrize("queries", ["many", "few"])
 @pytest.mark.parametrize("window", [None, 3, 32])
 def test_prefill_matches_the_reference_with_cached_prefixes(queries, window, monkeypatch):
-    """At most KERNEL_QUERIES a sequence: the C kernel (which `few` must reach); more: the
-    per-sequence PyTorch loop."""
+    """At most KERNEL_QUERIES a sequence: the C kernel a query at a time (which `few` must
+    reach); more: in tiles of matrix products."""
     shapes = PREFILLS[queries]
     context_lens = [c for _, c in shapes]
     k_cache, v_cache, tables = paged_cache(16, context_lens, 2, seed=7)
@@ -104,12 +104,50 @@ def test_prefill_matches_the_reference_with_cached_prefixes(queries, window, mon
     cu = torch.tensor([0] + q_lens).cumsum(0).to(torch.int32)
     q = torch.randn(sum(q_lens), 4, HEAD_DIM)
     meta = metadata(context_lens, tables, cu_seqlens_q=cu, max_seqlen_q=max(q_lens))
-    calls = []
+    tiled = []
     kernel = cpu_kernels.paged_attention
-    monkeypatch.setattr(cpu_kernels, "paged_attention", lambda *a: calls.append(1) or kernel(*a))
+    monkeypatch.setattr(cpu_kernels, "paged_attention",
+                        lambda *a, **k: tiled.append(k["tiled"]) or kernel(*a, **k))
     out = cpu.prefill(q, k_cache, v_cache, meta, 0.25, window)
     assert relative_error(out, prefill_torch(q, k_cache, v_cache, meta, 0.25, window)) < 1e-6
-    assert bool(calls) == (max(q_lens) <= cpu.KERNEL_QUERIES) == (queries == "few")
+    assert tiled == [max(q_lens) > cpu.KERNEL_QUERIES] == [queries == "many"]
+
+
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+@pytest.mark.parametrize("block_size", [16, 8])
+@pytest.mark.parametrize("num_heads, num_kv_heads", [(4, 4), (4, 2), (8, 1), (2, 1)])
+@pytest.mark.parametrize("window", [None, 5, 100])
+def test_tiled_prefill_matches_the_reference(kv_dtype, block_size, num_heads, num_kv_heads,
+                                             window):
+    """Tiles of 16 (token, head) rows: a sequence's last tile part empty, tiles across tokens,
+    blocks part masked (causal, window) or not at all, prompts with a cached prefix."""
+    shapes = [(40, 40), (7, 39), (33, 290), (1, 18), (17, 17), (130, 200)]
+    context_lens = [c for _, c in shapes]
+    k_cache, v_cache, tables = paged_cache(block_size, context_lens, num_kv_heads, seed=3)
+    k_cache, v_cache = k_cache.to(kv_dtype), v_cache.to(kv_dtype)
+    q_lens = [n for n, _ in shapes]
+    cu = torch.tensor([0] + q_lens).cumsum(0).to(torch.int32)
+    q = torch.randn(sum(q_lens), num_heads, HEAD_DIM)
+    meta = metadata(context_lens, tables, cu_seqlens_q=cu, max_seqlen_q=max(q_lens))
+    out = cpu_kernels.paged_attention(q, k_cache, v_cache, tables, meta.context_lens, cu, 0.25,
+                                      window, tiled=True)
+    assert relative_error(out, prefill_torch(q, k_cache, v_cache, meta, 0.25, window)) < 1e-6
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 24])  # 24: not whole panels of 16, the reference
+def test_tiled_prefill_at_each_head_size(head_dim):
+    shapes = [(40, 40), (33, 290)]
+    _, _, tables = paged_cache(16, [c for _, c in shapes], 2, seed=head_dim)
+    k_cache, v_cache = torch.randn(2, int(tables.max()) + 1, 16, 2, head_dim).unbind(0)
+    cu = torch.tensor([0, 40, 73], dtype=torch.int32)
+    q = torch.randn(73, 4, head_dim)
+    meta = metadata([40, 290], tables, cu_seqlens_q=cu, max_seqlen_q=40)
+    expected = prefill_torch(q, k_cache, v_cache, meta, head_dim ** -0.5, 50)
+    out = cpu_kernels.paged_attention(q, k_cache, v_cache, tables, meta.context_lens, cu,
+                                      head_dim ** -0.5, 50, tiled=True)
+    assert (out is None) == (head_dim % 16 != 0)
+    assert relative_error(cpu.prefill(q, k_cache, v_cache, meta, head_dim ** -0.5, 50),
+                          expected) < 1e-6
 
 
 def test_fused_kernels_match_the_functions_they_replace():
