@@ -422,7 +422,8 @@ int prefill_attention(const float *q, long q_stride, const void *k_cache, const 
         for (int r = 0; r < PANEL; r++) {  /* row r: token (first_row + r) / group's head */
             int token = (first_row + r) / group, head = kv_head * group + (first_row + r) % group;
             position[r] = context_lens[seq] - queries + token;
-            q_row[r] = q + (cu_seqlens_q[seq] + token) * q_stride + head * head_dim;
+            q_row[r] = r < rows ? q + (cu_seqlens_q[seq] + token) * q_stride + head * head_dim
+                                : q;  /* a row past the sequence's last: zeros below */
             m[r] = -INFINITY;
             l[r] = 0.0f;
         }
