@@ -91,9 +91,8 @@ class ModelRunner:
         num_seqs = max(1, min(config.max_num_batched_tokens // seq_len, config.max_num_seqs))
         self.execute(self.prepare_inputs(_profiling_step(num_seqs, seq_len, self.block_size)))
         seq = Sequence([0], SamplingOptions(temperature=1.0, top_p=0.9))
-        for size in (1, config.max_num_seqs):  # torch.compile specialises on batches of one
-            logits = torch.randn(size, config.hf_config.vocab_size, device=self.device)
-            self.sampler(logits, [seq] * size)
+        logits = torch.randn(config.max_num_seqs, config.hf_config.vocab_size, device=self.device)
+        self.sampler(logits, [seq] * config.max_num_seqs)
         torch.cuda.synchronize()
         free, total = torch.cuda.mem_get_info()
         activations = torch.cuda.max_memory_allocated() - torch.cuda.memory_allocated()

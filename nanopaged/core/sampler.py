@@ -5,11 +5,11 @@ from collections.abc import Callable
 import torch
 import xxhash
 
-from nanopaged.core.layers import fused, to_device
+from nanopaged.core.layers import to_device
 from nanopaged.core.sequence import Sequence
 
 
-@fused
+# not `fused`: torch 2.11's inductor failed on the split cumsum of a 151,936-token vocabulary
 def sample(logits: torch.Tensor, temperatures: torch.Tensor, uniform: torch.Tensor
            ) -> torch.Tensor:
     """Per row, the first token whose cumulative probability under softmax(logits / T) exceeds

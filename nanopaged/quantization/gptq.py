@@ -46,7 +46,8 @@ class GptqLinear(Int4Linear):
         in_features = layer.g_idx.shape[0]
         group = self.group_size if self.group_size > 0 else in_features
         g_idx = layer.g_idx.long()
-        if not torch.equal(g_idx - g_idx[0], torch.arange(in_features) // group):
+        in_order = torch.arange(in_features, device=g_idx.device) // group
+        if not torch.equal(g_idx - g_idx[0], in_order):
             raise ValueError("a GPTQ g_idx does not put the inputs in order of their groups "
                              "(a desc_act checkpoint?), which nanopaged does not implement")
         zeros = (unpack_int4(layer.qzeros, 1) + self.zero_offset) & 0xF    # (groups, out)
