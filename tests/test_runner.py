@@ -84,3 +84,23 @@ def test_the_gpu_kv_budget_is_what_the_profiling_forward_leaves(qwen3_path, monk
     assert runner._kv_budget_cuda() == 80 * gib // 2 - 10 * gib - 2 * gib
     # the profiling forward: one prompt of max_model_len tokens (256 of a 300-token budget)
     assert len(profiled) == 1 and len(profiled[0].input_ids) == 256
+
+
+def test_flash_decode_leaves_the_windows_right_edge_open(monkeypatch):
+    """flash-attn reads a GQA group's K/V once for all its query heads only when the window has
+    no right edge: decode passes (-1, -1), or (window - 1, -1), never causal's (.., 0)."""
+    import sys
+    import types
+    from nanopaged.core.attention import AttentionMetadata, decode_flash
+    calls = []
+    fake = types.ModuleType("flash_attn")
+    fake.flash_attn_with_kvcache = lambda q, k, v, **options: calls.append(options) or q
+    monkeypatch.setitem(sys.modules, "flash_attn", fake)
+    meta = AttentionMetadata(ragged=False, slot_mapping=torch.zeros(2, dtype=torch.int64),
+                             context_lens=torch.tensor([5, 9], dtype=torch.int32),
+                             block_tables=torch.zeros(2, 1, dtype=torch.int32), max_seqlen_k=9)
+    q = torch.randn(2, 4, 8)
+    for window in (None, 24):
+        assert torch.equal(decode_flash(q, None, None, meta, 0.1, window), q)
+    assert [c["window_size"] for c in calls] == [(-1, -1), (23, -1)]
+    assert not any(c.get("causal") for c in calls)

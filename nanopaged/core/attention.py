@@ -98,10 +98,11 @@ def prefill_flash(q, k_cache, v_cache, meta: AttentionMetadata, scale: float,
 def decode_flash(q, k_cache, v_cache, meta: AttentionMetadata, scale: float,
                  window: int | None = None) -> torch.Tensor:
     from flash_attn import flash_attn_with_kvcache
+    # no right edge (-1, not causal's 0): only then does flash-attn read a GQA group's K/V once
     return flash_attn_with_kvcache(q.unsqueeze(1), k_cache, v_cache,
                                    cache_seqlens=meta.context_lens, block_table=meta.block_tables,
-                                   softmax_scale=scale, causal=True,
-                                   window_size=((window or 0) - 1, 0)).squeeze(1)
+                                   softmax_scale=scale, window_size=((window or 0) - 1, -1)
+                                   ).squeeze(1)
 
 
 @dataclass
