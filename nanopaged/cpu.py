@@ -163,8 +163,11 @@ def sample(logits: torch.Tensor, temperatures: torch.Tensor, uniform: torch.Tens
 
 def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                   v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """k, v: (T, nkv, hs) written to their slots (a CPU runs no CUDA graphs: no padding); into
-    an FP8 cache as bytes, for which index_copy_ has a kernel."""
+    """k, v: (T, nkv, hs) written to their slots (a CPU runs no CUDA graphs: no padding): by the
+    C kernel into a float32 cache; else into an FP8 cache as bytes, for which index_copy_ has a
+    kernel."""
+    if cpu_kernels.store_kv(k, v, k_cache, v_cache, slot_mapping):
+        return
     for new, cache in ((k, k_cache), (v, v_cache)):
         new = new.to(cache.dtype)
         if cache.dtype == torch.float8_e4m3fn:

@@ -235,6 +235,20 @@ void silu_and_mul(const float *gate_up, long tokens, int n, float *out, int thre
     }
 }
 
+/* Each token's K and V rows (`row` floats; tokens k_stride and v_stride apart) copied into their
+   float32 cache slots (a slot below 0: none, as padding in the Triton kernel): index_copy_ took
+   30-70 us a layer for a decode step's few rows. */
+void store_kv(const float *k, long k_stride, const float *v, long v_stride, long tokens, int row,
+              const int64_t *slots, float *k_cache, float *v_cache, int threads) {
+#pragma omp parallel for if (tokens * row >= PARALLEL_MIN) num_threads(threads)
+    for (long t = 0; t < tokens; t++) {
+        if (slots[t] < 0)
+            continue;
+        memcpy(k_cache + slots[t] * row, k + t * k_stride, row * sizeof(float));
+        memcpy(v_cache + slots[t] * row, v + t * v_stride, row * sizeof(float));
+    }
+}
+
 /* Per row of logits (rows, n): the first token whose cumulative weight under
    exp((logit - max) / T) exceeds uniform * total, in two levels: the weights' sums by chunks of
    CHUNK first (vectorized), then a scan of the one chunk found. The target stays under its

@@ -37,6 +37,7 @@ SIGNATURES = {  # the C functions: (return type, argument types)
     "rms_norm": (None, [_P, _L, _I, _P, _P, _L, _I, _F, _P, _P, _I]),
     "rotary": (None, [_P, _L, _I, _I, _I, _P, _P, _P, _I]),
     "silu_and_mul": (None, [_P, _L, _I, _P, _I]),
+    "store_kv": (None, [_P, _L, _P, _L, _L, _I, _P, _P, _P, _I]),
     "sample": (None, [_P, _P, _P, _L, _I, _P, _I]),
     "panel_matmul": (None, [_P, _L, _P, _L, _I, _L, _P, _I]),
 }
@@ -193,6 +194,20 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     library().silu_and_mul(gate_up.data_ptr(), gate_up.numel() // (2 * n), n, out.data_ptr(),
                            torch.get_num_threads())
     return out
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slots: torch.Tensor) -> bool:
+    """k, v (T, nkv, hs) into their slots of a float32 cache; False where the kernel does not
+    apply (no library, another dtype)."""
+    if library() is None or not (_float32(k, v, k_cache, v_cache) and k_cache.is_contiguous()
+                                 and v_cache.is_contiguous()):
+        return False
+    k, v, slots = _heads(k), _heads(v), slots.to(torch.int64).contiguous()
+    library().store_kv(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), k.shape[0],
+                       k.shape[1] * k.shape[2], slots.data_ptr(), k_cache.data_ptr(),
+                       v_cache.data_ptr(), torch.get_num_threads())
+    return True
 
 
 def sample(logits: torch.Tensor, temperatures: torch.Tensor, uniform: torch.Tensor

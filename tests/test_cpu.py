@@ -229,14 +229,35 @@ def test_the_library_is_built_once_per_compiler_and_reused(monkeypatch, tmp_path
         cpu_kernels.library.cache_clear()
 
 
-def test_store_writes_each_token_to_its_slot():
-    k_cache, v_cache, _ = paged_cache(16, [64], 2, seed=3)
-    k, v = torch.randn(2, 4, 2, HEAD_DIM).unbind(0)
-    slots = torch.tensor([3, 70, 17, 0])
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+@pytest.mark.parametrize("tokens", [4, 600])  # 600: over the kernel's one-thread size
+def test_store_writes_each_token_to_its_slot(kv_dtype, tokens):
+    """K and V as the model passes them: views of a token's fused q/k/v row."""
+    k_cache, v_cache, _ = paged_cache(16, [700], 2, seed=3)
+    k_cache, v_cache = k_cache.to(kv_dtype), v_cache.to(kv_dtype)
+    qkv = torch.randn(tokens, 8 * HEAD_DIM)
+    k, v = (qkv[:, i * 2 * HEAD_DIM:(i + 1) * 2 * HEAD_DIM].view(tokens, 2, HEAD_DIM)
+            for i in (2, 3))
+    slots = torch.randperm(700)[:tokens]
     expected_k, expected_v = k_cache.clone(), v_cache.clone()
     store_kvcache_torch(k, v, expected_k, expected_v, slots)
     cpu.store_kvcache(k, v, k_cache, v_cache, slots)
-    assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
+    assert torch.equal(k_cache.float(), expected_k.float())
+    assert torch.equal(v_cache.float(), expected_v.float())
+    assert cpu_kernels.store_kv(k, v, k_cache, v_cache, slots) == (kv_dtype == torch.float32)
+
+
+def test_the_store_kernel_skips_slots_below_zero():
+    k_cache, v_cache, _ = paged_cache(16, [64], 2, seed=4)
+    before_k, before_v = k_cache.clone(), v_cache.clone()
+    k, v = torch.randn(2, 3, 2, HEAD_DIM).unbind(0)
+    assert cpu_kernels.store_kv(k, v, k_cache, v_cache, torch.tensor([5, -1, 9]))
+    untouched = torch.ones(k_cache.numel() // (2 * HEAD_DIM), dtype=torch.bool)
+    untouched[[5, 9]] = False
+    for cache, before, new in ((k_cache, before_k, k), (v_cache, before_v, v)):
+        rows, rows_before = cache.view(-1, 2, HEAD_DIM), before.view(-1, 2, HEAD_DIM)
+        assert torch.equal(rows[[5, 9]], new[[0, 2]])
+        assert torch.equal(rows[untouched], rows_before[untouched])
 
 
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch without oneDNN")
