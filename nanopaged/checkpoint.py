@@ -1,14 +1,20 @@
 """What the vLLM-facing engine reads of a checkpoint beyond its weights: where it is (a local
 directory, or a Hugging Face id found in the cache or downloaded), its tokenizer, its EOS ids and
 its default sampling settings."""
+import importlib
 import json
 import os
 
-from transformers import AutoTokenizer, GenerationConfig, PretrainedConfig, PreTrainedTokenizerBase
+from nanopaged.checks import UNSUPPORTED, unsupported_fields
+from transformers import (AutoConfig, AutoTokenizer, GenerationConfig, PretrainedConfig,
+                          PreTrainedTokenizerBase)
 
 # What the engine reads of a Hugging Face repository: configs, tokenizer files, weights.
 MODEL_FILES = ["*.json", "*.safetensors", "*.txt", "*.model", "*.tiktoken"]
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+# The features that enter themselves in the core's registries (a backend, model families,
+# quantized formats): imported where they are, so that a forker may delete any of them
+FEATURES = ("nanopaged.cpu", "nanopaged.models", "nanopaged.quantization")
 GENERATION_SETTINGS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
                        "min_p": "min_p", "repetition_penalty": "repetition_penalty",
                        "max_new_tokens": "max_tokens"}
@@ -35,6 +41,44 @@ def resolve_model(model: str) -> str:
             f"the cache nor downloadable ({type(error).__name__}); download it where there is "
             f"network (`hf download {model}`) and copy the cache here, or pass the directory of "
             f"a checkpoint") from None
+
+
+def load_features() -> None:
+    """Imports each of `FEATURES` that exists."""
+    for name in FEATURES:
+        try:
+            importlib.import_module(name)
+        except ModuleNotFoundError as error:
+            if error.name != name:
+                raise
+
+
+def read_checkpoint_config(path: str) -> PretrainedConfig:
+    """The config of the checkpoint at `path`, once its architecture and fields are known to be
+    supported: a ValueError names the first that is not."""
+    load_features()
+    from nanopaged.core.loader import QUANTIZATIONS  # torch: only once a model is read
+    from nanopaged.core.model import ARCHITECTURES
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise ValueError(f"{path!r} has no config.json: it is not a Hugging Face checkpoint")
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except Exception as error:
+        raise ValueError(f"cannot read {os.path.join(path, 'config.json')}: {error}") from None
+    architectures = getattr(config, "architectures", None) or []
+    if not set(architectures) & set(ARCHITECTURES):
+        raise ValueError(f"unsupported architecture {architectures}; nanopaged supports "
+                         f"{', '.join(ARCHITECTURES)}")
+    architecture = next(a for a in architectures if a in ARCHITECTURES)
+    found = UNSUPPORTED.get(architecture, unsupported_fields)(config)
+    quant = getattr(config, "quantization_config", None)
+    if quant and quant.get("quant_method") not in QUANTIZATIONS:
+        found["quant_method"] = quant.get("quant_method", "none")
+    for name, value in found.items():
+        shown = f"{name}={value!r}" if value not in (None, True) else name
+        raise ValueError(f"the checkpoint's config has {shown}, which nanopaged does not "
+                         f"implement")
+    return config
 
 
 def load_tokenizer(path: str) -> PreTrainedTokenizerBase:

@@ -31,10 +31,10 @@ import torch
 from torch import nn
 
 from nanopaged import cpu_kernels
-from nanopaged.core import layers, sampler
+from nanopaged.core import sampler
 from nanopaged.core.attention import (BACKENDS, AttentionMetadata, Backend, decode_torch,
                                       prefill_torch)
-from nanopaged.core.layers import LinearBase, LinearMethod
+from nanopaged.core.layers import Kernels, LinearBase, LinearMethod
 
 # Queries a sequence, at most, for which a prefill step attends a query at a time (a speculative
 # verification, a small chunk): more, and tiles of matrix products are faster
@@ -105,18 +105,19 @@ class PackedLinear(LinearMethod):
     (`PanelLinear`), else in oneDNN's blocked layout where oneDNN packs its dtype. The
     projections' plain weights are freed; the LM head's may be the embedding's too."""
 
-    def process_weights(self, layer: nn.Module) -> None:
+    def process_weights(self, layer: nn.Module) -> LinearMethod:
         panels = cpu_kernels.pack_panels(layer.weight.data)
         if panels is not None:
             layer.panels = huge_zeros(panels.shape, panels.dtype).copy_(panels)
-            layer.method = PanelLinear()
+            method = PanelLinear()
         elif layer.weight.dtype in packable_dtypes():
             layer.packed_weight = torch.ops.mkldnn._reorder_linear_weight(layer.weight.data, 64)
+            method = self
         else:
-            layer.method = LinearMethod()
-            return
+            return LinearMethod()
         if isinstance(layer, LinearBase):
             layer.weight = None
+        return method
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, layer.packed_weight, layer.bias, "none",
@@ -176,13 +177,16 @@ def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
         cache.view(-1, *new.shape[1:]).index_copy_(0, slot_mapping, new)
 
 
-def _load() -> tuple:
+def kernels() -> Kernels:
+    """What a model built for this backend computes with: the C kernels where they are built
+    (else PyTorch's), the linear layers packed where oneDNN is."""
     tune_process()
-    if cpu_kernels.library() is not None:
-        layers.CPU_KERNELS.update(cpu_kernels.fused())
-    return store_kvcache, prefill, decode
+    linear = PackedLinear() if torch.backends.mkldnn.is_available() else LinearMethod()
+    attention = (store_kvcache, prefill, decode)
+    if cpu_kernels.library() is None:
+        return Kernels("cpu", attention, linear)
+    return Kernels("cpu", attention, linear, **cpu_kernels.ELEMENTWISE)
 
 
-BACKENDS["cpu"] = Backend(_load, lambda on_gpu, dtype: "device='cpu'" if on_gpu else None,
-                          ("cpu",), PackedLinear if torch.backends.mkldnn.is_available() else None,
-                          sample, huge_zeros)
+BACKENDS["cpu"] = Backend(kernels, lambda on_gpu, dtype: "device='cpu'" if on_gpu else None,
+                          ("cpu",), sample, huge_zeros)

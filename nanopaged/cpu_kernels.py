@@ -144,7 +144,7 @@ def _float32(*tensors: torch.Tensor) -> bool:
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """`layers.rms_norm`; x (..., n), or (T, heads, n) as a fused projection's view."""
     if not _float32(x, weight):
-        return layers.rms_norm.__wrapped__(x, weight, eps)
+        return layers.rms_norm(x, weight, eps)
     rows = x if x.dim() == 3 else x.reshape(-1, 1, x.shape[-1])
     rows = _heads(rows)
     out = torch.empty(x.shape)
@@ -158,7 +158,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """`layers.add_rms_norm`: (norm(x + residual), x + residual)."""
     if not _float32(x, residual, weight):
-        return layers.add_rms_norm.__wrapped__(x, residual, weight, eps)
+        return layers.add_rms_norm(x, residual, weight, eps)
     x, residual = x.contiguous(), residual.contiguous()
     out, total = torch.empty(x.shape), torch.empty(x.shape)
     n = x.shape[-1]
@@ -172,7 +172,7 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
                  cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """`layers.apply_rotary`: q (T, nh, hs) and k (T, nkv, hs) rotated at `positions`."""
     if not _float32(q, k, cos_sin):
-        return layers.apply_rotary.__wrapped__(q, k, positions, cos_sin)
+        return layers.apply_rotary(q, k, positions, cos_sin)
     positions, cos_sin = positions.to(torch.int64).contiguous(), cos_sin.contiguous()
     rotated = []
     for x in (_heads(q), _heads(k)):
@@ -187,7 +187,7 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """`layers.silu_and_mul`: (..., 2n) -> (..., n)."""
     if not _float32(gate_up):
-        return layers.silu_and_mul.__wrapped__(gate_up)
+        return layers.silu_and_mul(gate_up)
     gate_up = gate_up.contiguous()
     n = gate_up.shape[-1] // 2
     out = torch.empty(*gate_up.shape[:-1], n)
@@ -244,10 +244,6 @@ def panel_matmul(x: torch.Tensor, panels: torch.Tensor) -> torch.Tensor:
     return out.view(*x.shape[:-1], n)
 
 
-def fused() -> dict:
-    """The core's fused functions (`layers.fused`'s, by their plain function) -> this
-    file's: what the CPU backend registers in `layers.CPU_KERNELS` once the library is built."""
-    return {layers.rms_norm.__wrapped__: rms_norm,
-            layers.add_rms_norm.__wrapped__: add_rms_norm,
-            layers.apply_rotary.__wrapped__: apply_rotary,
-            layers.silu_and_mul.__wrapped__: silu_and_mul}
+# The core's element-wise functions (fields of `layers.Kernels`) by this file's kernels
+ELEMENTWISE = {"rms_norm": rms_norm, "add_rms_norm": add_rms_norm, "rotary": apply_rotary,
+               "silu_and_mul": silu_and_mul}

@@ -18,7 +18,7 @@ import torch
 from nanopaged.checkpoint import resolve_model
 from nanopaged.compat import VLLMEngineAPI
 from nanopaged.core.config import Config
-from nanopaged.engine_args import split_options
+from nanopaged.engine_args import make_config, split_options
 from nanopaged.inputs import InputProcessor, as_batch, per_prompt
 from nanopaged.outputs import EngineStats, RequestMetrics, RequestOutput
 from nanopaged.parallel import ParallelConfig, start_method
@@ -152,7 +152,7 @@ class DataParallelLLM(VLLMEngineAPI):
 
     def __init__(self, engine_class: type, model: str, **options):
         core, parallel, surface = split_options(model, options)
-        self.config = Config(resolve_model(model), **core)
+        self.config = make_config(resolve_model(model), core)
         self.parallel = ParallelConfig(**parallel)
         self.parallel.check(self.config)
         self.inputs = InputProcessor.for_checkpoint(self.config, surface)

@@ -13,6 +13,8 @@ import json
 import sys
 from typing import get_args
 
+from nanopaged.checks import check_fields
+
 # name -> (type, default, what it does); the README's options table says the same
 OPTIONS = {
     "model": (str, "Qwen/Qwen3-0.6B", "a checkpoint directory or a Hugging Face id"),
@@ -80,6 +82,13 @@ OPTIONS = {
                                                   "JSON"),
 }
 HINTS = ("trust_remote_code", "disable_log_stats", "swap_space")
+# vLLM's dtype names -> torch's ("auto": the checkpoint's on GPU, float32 on CPU)
+DTYPES = {None: None, "auto": None, "half": "float16", "float16": "float16",
+          "bfloat16": "bfloat16", "float": "float32", "float32": "float32"}
+CHOICES = {"device": (None, "cuda", "cpu"), "dtype": tuple(DTYPES),
+           "scheduling": ("prefill-first", "mixed"), "kv_cache_dtype": ("auto", "fp8", "fp8_e4m3")}
+POSITIVE = ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "kvcache_block_size",
+            "num_kvcache_blocks")
 # vLLM's options whose other values nanopaged does not do: what it does
 FORMATS = {"config_format": ("auto", "hf"), "load_format": ("auto", "safetensors")}
 ALIASES = {"block_size": "kvcache_block_size"}
@@ -89,9 +98,10 @@ SURFACE = ("tokenizer", "tokenizer_mode", "generation_config", "structured_outpu
 
 
 def split_options(model: str, options: dict) -> tuple[dict, dict, dict]:
-    """The options of `LLM(model, **options)`, checked by name and type, as the core's (for
-    `Config`), scaling out's (for `ParallelConfig`) and the surface's own."""
-    from nanopaged.core.config import Config, check_fields  # torch: not before it is needed
+    """The options of `LLM(model, **options)`, checked by name, type and range, as the core's
+    (for `make_config`), scaling out's (for `ParallelConfig`) and the surface's own."""
+    from nanopaged.core.attention import BACKENDS  # torch: not before it is needed
+    from nanopaged.core.config import Config
     from nanopaged.parallel import ParallelConfig
     for name in set(options) - set(OPTIONS):
         close = difflib.get_close_matches(name, OPTIONS, n=1)
@@ -99,11 +109,46 @@ def split_options(model: str, options: dict) -> tuple[dict, dict, dict]:
                          else f"; the options are {', '.join(list(OPTIONS)[1:])}"))
     if type(options.get("dtype")).__module__ == "torch":  # a torch.dtype: its name
         options = dict(options, dtype=str(options["dtype"]).removeprefix("torch."))
-    check_fields(EngineArgs(model, **options))
+    args = EngineArgs(model, **options)
+    check_fields(args, dict(CHOICES, attention_backend=("auto", *BACKENDS)), POSITIVE)
+    if not 0.0 < args.gpu_memory_utilization <= 1.0:
+        raise ValueError(f"gpu_memory_utilization must be in (0, 1], "
+                         f"got {args.gpu_memory_utilization}")
     options = _normalize(options)
     core, parallel = ({f.name: options[f.name] for f in dataclasses.fields(cls)
                        if f.init and f.name in options} for cls in (Config, ParallelConfig))
     return core, parallel, {name: options.get(name, OPTIONS[name][1]) for name in SURFACE}
+
+
+def make_config(path: str, core: dict):
+    """The core's `Config` of the checkpoint at `path` (read and checked) with the options
+    `core` (checked by `split_options`), vLLM's names made torch's; a ValueError names what
+    this machine or this checkpoint cannot do with them."""
+    import torch
+
+    from nanopaged.checkpoint import read_checkpoint_config
+    from nanopaged.core.attention import BACKENDS
+    from nanopaged.core.config import FLASH_BLOCK_SIZE, Config
+    hf_config = read_checkpoint_config(path)
+    if core.get("device") == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' was asked for but torch sees no CUDA GPU")
+    kv_dtype = core.get("kv_cache_dtype", "auto")
+    config = Config(path, hf_config, **dict(
+        core, dtype=DTYPES[core.get("dtype")],
+        kv_cache_dtype=None if kv_dtype == "auto" else torch.float8_e4m3fn))
+    missing = BACKENDS[config.attention_backend].missing(config.device == "cuda",
+                                                         config.kv_cache_dtype)
+    if missing is not None:
+        raise ValueError(f"attention_backend={config.attention_backend!r} needs {missing}")
+    if config.attention_backend == "flash" and config.kvcache_block_size % FLASH_BLOCK_SIZE:
+        raise ValueError(f"kvcache_block_size={config.kvcache_block_size} does not work with "
+                         f"flash-attn, whose paged KV needs a multiple of {FLASH_BLOCK_SIZE}; "
+                         f"use attention_backend='triton'")
+    if not config.enable_chunked_prefill and config.max_num_batched_tokens < config.max_model_len:
+        raise ValueError(f"max_num_batched_tokens={config.max_num_batched_tokens} is smaller "
+                         f"than max_model_len={config.max_model_len}: without chunked prefill "
+                         f"longer prompts could never run; raise it or lower max_model_len")
+    return config
 
 
 def _normalize(options: dict) -> dict:

@@ -13,14 +13,11 @@ from tqdm.auto import tqdm
 from nanopaged.checkpoint import resolve_model
 from nanopaged.compat import VLLMEngineAPI
 from nanopaged.core.config import Config
-from nanopaged.core.llm_engine import LLMEngine as CoreEngine
+from nanopaged.core.llm_engine import LLMEngine
 from nanopaged.core.sequence import Sequence
 from nanopaged.core.step import SamplerOutput, ScheduledStep
-from nanopaged.engine_args import split_options
+from nanopaged.engine_args import make_config, split_options
 from nanopaged.inputs import InputProcessor, Prompt, as_batch, per_prompt
-import nanopaged.cpu  # noqa: F401 (enters the CPU backend in the core's registry)
-import nanopaged.quantization  # noqa: F401 (enters the quantized formats in the core)
-import nanopaged.models  # noqa: F401 (enters the model families in the core's registry)
 from nanopaged.outputs import EngineStats, Request, RequestOutput, token_logprobs
 from nanopaged.parallel import ParallelConfig, make_runner
 from nanopaged.sampling_params import SamplingParams
@@ -53,7 +50,7 @@ class LLM(VLLMEngineAPI):
 
     def __init__(self, model: str = "Qwen/Qwen3-0.6B", **options):
         core, parallel, surface = split_options(model, options)
-        self.config = config = Config(resolve_model(model), **core)
+        self.config = config = make_config(resolve_model(model), core)
         self.parallel = ParallelConfig(**parallel)
         self.parallel.check(config)
         spec = surface["speculative_config"]
@@ -63,15 +60,15 @@ class LLM(VLLMEngineAPI):
                                                            self.parallel.tensor_parallel_size)
             proposer = speculative.make_proposer(spec, config)
         self.inputs = InputProcessor.for_checkpoint(config, surface)
-        lora = {}
+        self.lora = lora = None
         if surface["enable_lora"]:
             from nanopaged.lora.admission import LoRAAdmission
-            from nanopaged.lora.runner import LoRAConfig, LoRARunner
-            lora = dict(mixin=LoRARunner, lora=LoRAConfig(
-                surface["max_loras"], surface["max_lora_rank"], surface["max_cpu_loras"]))
+            from nanopaged.lora.runner import LoRAConfig, LoRAExtension
+            lora = LoRAExtension(LoRAConfig(surface["max_loras"], surface["max_lora_rank"],
+                                            surface["max_cpu_loras"]))
+            self.lora = LoRAAdmission(lora, surface["max_loras"])
         runner = make_runner(config, self.parallel, proposer.kv_bytes_per_block() if spec else 0,
-                             **lora)
-        self.lora = LoRAAdmission(runner, surface["max_loras"]) if lora else None
+                             lora)
         self.requests: dict[str, Request] = {}  # the unfinished ones
         self.owners: dict[Sequence, tuple[Request, int]] = {}  # a sequence's request, sample
         self.tracer = None
@@ -82,7 +79,7 @@ class LLM(VLLMEngineAPI):
         # tensor-parallel workers exit when the engine is closed or garbage-collected
         self._finalizer = weakref.finalize(self, runner.close)
         self.engine = speculative.SpeculativeEngine(config, runner, spec, proposer) if spec \
-            else CoreEngine(config, runner)
+            else LLMEngine(config, runner)
         if self.tracer:
             self.tracer.attach(self.engine, config)
         self.inputs.num_blocks = self.engine.block_manager.num_blocks
@@ -224,7 +221,8 @@ class LLM(VLLMEngineAPI):
                   if seq.sampling_params.logprobs is not None]
         if not asking:
             return {}
-        rows = [sampled.first_rows[r] + j for r in asking for j in range(len(sampled.token_ids[r]))]
+        first_rows = step.first_rows
+        rows = [first_rows[r] + j for r in asking for j in range(len(sampled.token_ids[r]))]
         entries = iter(token_logprobs(
             sampled.logits[rows], [t for r in asking for t in sampled.token_ids[r]],
             [step.samplers[r].sampling_params.logprobs for r in asking

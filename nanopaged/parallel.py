@@ -20,7 +20,6 @@ The core sees none of this: the model's layers shard themselves over the ranks o
 process group, and `make_runner` hands the engine a `ModelRunner` whose steps run on every rank.
 """
 import datetime
-import functools
 import gc
 import multiprocessing as mp
 import multiprocessing.connection
@@ -30,18 +29,17 @@ import socket
 import sys
 import time
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-import nanopaged.cpu  # noqa: F401 (enters the CPU backend in the core's registry)
-import nanopaged.models  # noqa: F401 (enters the model families in the core's registry)
-import nanopaged.quantization  # noqa: F401 (enters the quantized formats in the core)
-from nanopaged.core.config import Config, check_fields
-from nanopaged.core.model_runner import ModelRunner
+from nanopaged.checkpoint import load_features
+from nanopaged.checks import check_fields
+from nanopaged.core.config import Config
+from nanopaged.core.model_runner import ModelRunner, RunnerExtension
 from nanopaged.core.step import SamplerOutput, ScheduledStep, StepInputs
 
 # Workers wait for rank 0's next message for as long as the caller leaves the engine idle.
@@ -126,31 +124,24 @@ def free_port() -> int:
 
 
 def make_runner(config: Config, parallel: ParallelConfig, extra_kv_bytes_per_block: int = 0,
-                mixin: type | None = None, **options) -> ModelRunner:
+                extension: RunnerExtension | None = None) -> ModelRunner:
     """The engine's model runner: in this process alone, on every rank torchrun started, or on
-    this process (rank 0) and the worker processes it starts. A feature's `mixin`, a ModelRunner
-    subclass taking `options` (LoRA's), is mixed into every rank's runner."""
+    this process (rank 0) and the worker processes it starts. A feature's `extension` (LoRA's)
+    takes part in every rank's runner: each worker gets a copy, made before rank 0's is used."""
     if parallel.tensor_parallel_size == 1:
-        return mixed(ModelRunner, mixin)(config, extra_kv_bytes_per_block, **options)
+        return ModelRunner(config, extra_kv_bytes_per_block, extension)
     if parallel.external_launcher:
-        return mixed(TorchrunRunner, mixin)(config, extra_kv_bytes_per_block, **options)
-    worker = run_worker if mixin is None else functools.partial(run_worker, mixin=mixin,
-                                                                **options)
-    return mixed(MultiprocRunner, mixin)(config, parallel, extra_kv_bytes_per_block,
-                                         worker=worker, **options)
-
-
-def mixed(base: type, mixin: type | None) -> type:
-    """`base` with `mixin`'s methods before its own."""
-    return base if mixin is None else type(f"{mixin.__name__}{base.__name__}", (mixin, base), {})
+        return TorchrunRunner(config, extra_kv_bytes_per_block, extension)
+    return MultiprocRunner(config, parallel, extra_kv_bytes_per_block, extension)
 
 
 class TorchrunRunner(ModelRunner):
     """A rank of torchrun's job: it runs the whole engine, and leaves the group when closed."""
 
-    def __init__(self, config: Config, extra_kv_bytes_per_block: int = 0):
+    def __init__(self, config: Config, extra_kv_bytes_per_block: int = 0,
+                 extension: RunnerExtension | None = None):
         join_torchrun(config)
-        super().__init__(config, extra_kv_bytes_per_block)
+        super().__init__(config, extra_kv_bytes_per_block, extension)
 
     def close(self) -> None:
         if dist.is_initialized():
@@ -162,13 +153,14 @@ class MultiprocRunner(ModelRunner):
     and, every step, sends them the step's inputs before running its own shard."""
 
     def __init__(self, config: Config, parallel: ParallelConfig,
-                 extra_kv_bytes_per_block: int = 0, worker: Callable | None = None):
-        self.workers, workers = [], start_workers(config, parallel, worker or run_worker)
+                 extra_kv_bytes_per_block: int = 0, extension: RunnerExtension | None = None):
+        self.workers = []
+        workers = start_workers(config, parallel, extension)
         try:
             with in_lockstep(workers):
                 self.group = join_ranks(config, parallel, 0, workers)
                 # each rank sizes its pool, captures graphs
-                super().__init__(config, extra_kv_bytes_per_block)
+                super().__init__(config, extra_kv_bytes_per_block, extension)
         except BaseException:
             stop_workers(workers, None)
             raise
@@ -193,19 +185,20 @@ class MultiprocRunner(ModelRunner):
         stop_workers(workers, self.group)
 
 
-def run_worker(config: Config, parallel: ParallelConfig, rank: int, mixin: type | None = None,
-               **options) -> None:
+def run_worker(config: Config, parallel: ParallelConfig, rank: int,
+               extension: RunnerExtension | None) -> None:
     """The life of a tensor-parallel worker process: run every step rank 0 sends, until `None`."""
+    load_features()  # a spawned worker starts with the core's registries empty
     group = join_ranks(config, parallel, rank, [])
-    runner = mixed(ModelRunner, mixin)(config, **options)
+    runner = ModelRunner(config, extension=extension)
     while (inputs := receive(group)) is not None:
         runner.execute(inputs)
     dist.destroy_process_group()
 
 
 def start_workers(config: Config, parallel: ParallelConfig,
-                  target: Callable[[Config, ParallelConfig, int], None]) -> list[mp.Process]:
-    """Starts ranks 1..N-1, each running `target(config, parallel, rank)`: forked, as vLLM's
+                  extension: RunnerExtension | None) -> list[mp.Process]:
+    """Starts ranks 1..N-1, each running `run_worker`: forked, as vLLM's
     workers are, while this process has not initialised CUDA (so a script may create the engine
     at module level); else spawned (or as $VLLM_WORKER_MULTIPROC_METHOD says), and a spawned
     worker first imports the caller's script, which must then be a file that creates the engine
@@ -224,7 +217,8 @@ def start_workers(config: Config, parallel: ParallelConfig,
     for rank in range(1, parallel.tensor_parallel_size):
         receiver, sender = context.Pipe(duplex=False)
         worker = context.Process(target=_worker_main,
-                                 args=(target, config, parallel, rank, sender, method == "fork"),
+                                 args=(config, parallel, rank, extension, sender,
+                                       method == "fork"),
                                  daemon=True, name=f"nanopaged-tp{rank}")
         worker.start()
         sender.close()  # the worker holds the only sending end now
@@ -239,8 +233,8 @@ def start_method() -> str:
         "spawn" if torch.cuda.is_initialized() else "fork")
 
 
-def _worker_main(target: Callable[[Config, ParallelConfig, int], None], config: Config,
-                 parallel: ParallelConfig, rank: int, errors: mp.connection.Connection,
+def _worker_main(config: Config, parallel: ParallelConfig, rank: int,
+                 extension: RunnerExtension | None, errors: mp.connection.Connection,
                  forked: bool) -> None:
     if forked:  # the parent's unreachable objects stay uncollected here: their finalizers
         gc.freeze()  # (an engine's close) would act on the parent's processes and groups
@@ -251,7 +245,7 @@ def _worker_main(target: Callable[[Config, ParallelConfig, int], None], config: 
         share = max(1, torch.get_num_threads() // parallel.tensor_parallel_size)
         torch.set_num_threads(1 if forked else share)
     try:
-        target(config, parallel, rank)
+        run_worker(config, parallel, rank, extension)
     except BaseException:
         errors.send(traceback.format_exc())  # for rank 0's error message
         raise

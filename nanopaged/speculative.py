@@ -21,14 +21,15 @@ it runs every token the model runs (prompt chunks included), so that wherever th
 cache holds a token, prefix hits included, the draft's holds it too.
 """
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 import numpy as np
 import torch
 
-from nanopaged.checkpoint import resolve_model
-from nanopaged.core.attention import AttentionMetadata
-from nanopaged.core.config import Config, check_fields, read_checkpoint_config
+from nanopaged.checkpoint import read_checkpoint_config, resolve_model
+from nanopaged.checks import check_fields
+from nanopaged.core.attention import BACKENDS, AttentionMetadata
+from nanopaged.core.config import Config
 from nanopaged.core.llm_engine import LLMEngine
 from nanopaged.core.loader import load_model
 from nanopaged.core.model import sliding_window
@@ -162,8 +163,8 @@ class DraftProposer(NgramProposer):
             raise ValueError(f"the draft model {spec.model!r} attends further back than the "
                              f"model's sliding window of {_reach(config.hf_config)} tokens, "
                              f"whose older blocks are given back")
-        self.model = load_model(spec.model, draft_config, config.dtype, self.device,
-                                config.attention_backend)
+        self.model = load_model(replace(config, model=spec.model, hf_config=draft_config),
+                                self.device)
         self.block_size = config.kvcache_block_size
 
     def kv_bytes_per_block(self) -> int:
@@ -172,8 +173,10 @@ class DraftProposer(NgramProposer):
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         self.kv_cache = None  # free the old one first
-        self.kv_cache = self.model.allocate_kv_cache(num_blocks, self.block_size,
-                                                     self.config.kv_cache_dtype, self.device)
+        shape = self.model.kv_cache_shape(num_blocks, self.block_size)
+        zeros = BACKENDS[self.config.attention_backend].zeros
+        self.kv_cache = zeros(shape, dtype=self.config.kv_cache_dtype, device=self.device)
+        self.model.bind_kv_cache(self.kv_cache)
 
     @torch.inference_mode()
     def propose(self, step: ScheduledStep, slots: dict[int, int], runner: ModelRunner
@@ -282,7 +285,7 @@ class SpeculativeEngine(LLMEngine):
                 accepted += 1
             kept.append(tokens[:accepted + 1])
             self.num_accepted_tokens += accepted
-        applied = super().apply(step, SamplerOutput(kept, sampled.logits, sampled.first_rows,
+        applied = super().apply(step, SamplerOutput(kept, sampled.logits,
                                                     sampled.prompt_logits))
         for i in self.reserved:
             if step.seqs[i].finish_reason is None:

@@ -43,6 +43,7 @@ import time
 import weakref
 
 from nanopaged.checkpoint import load_tokenizer
+from nanopaged.core.model_runner import ModelRunner
 from nanopaged.core.sequence import Sequence
 from nanopaged.core.step import SamplerOutput, ScheduledStep
 from nanopaged.outputs import Detokenizer
@@ -54,13 +55,16 @@ PAGE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "trace_page.html
 
 
 class TracedRunner:
-    """The engine's runner, seen by a tracer: each step is noted before the model runs it."""
+    """The engine's runner, seen by a tracer: each step is noted before the model runs it. It
+    forwards what the engine and its proposers use of a runner."""
 
-    def __init__(self, runner, tracer: "Tracer"):
-        self.runner, self.tracer = runner, tracer
-
-    def __getattr__(self, name: str):
-        return getattr(self.runner, name)
+    def __init__(self, runner: ModelRunner, tracer: "Tracer"):
+        self.runner = runner
+        self.tracer = tracer
+        self.model = runner.model
+        self.num_kvcache_blocks = runner.num_kvcache_blocks
+        self.prepare_inputs = runner.prepare_inputs
+        self.device_inputs = runner.device_inputs
 
     def run(self, step: ScheduledStep) -> SamplerOutput:
         self.tracer.scheduled(step)

@@ -164,36 +164,47 @@ def test_fused_kernels_match_the_functions_they_replace():
              (cpu_kernels.apply_rotary, layers.apply_rotary, (q, k, positions, cos_sin)),
              (cpu_kernels.silu_and_mul, layers.silu_and_mul, (gate_up,))]
     for kernel, function, args in cases:
-        got, expected = kernel(*args), function.__wrapped__(*args)
+        got, expected = kernel(*args), function(*args)
         for a, b in zip(*(v if isinstance(v, tuple) else (v,) for v in (got, expected))):
             assert a.shape == b.shape and relative_error(a, b) < 1e-6, function.__name__
     for kernel, function, args in cases:  # other dtypes: the function as written
         args = tuple(a.bfloat16() if torch.is_tensor(a) and a.is_floating_point() else a
                      for a in args)
-        got, expected = kernel(*args), function.__wrapped__(*args)
+        got, expected = kernel(*args), function(*args)
         for a, b in zip(*(v if isinstance(v, tuple) else (v,) for v in (got, expected))):
             assert torch.equal(a, b)
 
 
-def test_a_fused_function_runs_its_cpu_kernel_where_one_is_registered(monkeypatch):
-    x, weight = torch.randn(3, 8), torch.ones(8)
-    monkeypatch.setattr(layers, "CPU_KERNELS", {})
-    assert torch.equal(layers.rms_norm(x, weight, 1e-6), layers.rms_norm.__wrapped__(x, weight,
-                                                                                     1e-6))
-    layers.CPU_KERNELS[layers.rms_norm.__wrapped__] = lambda *args: "the kernel"
-    assert layers.rms_norm(x, weight, 1e-6) == "the kernel"
+ELEMENTWISE = ("rms_norm", "add_rms_norm", "rotary", "silu_and_mul")
 
 
-def test_loading_the_backend_registers_its_kernels(monkeypatch):
-    monkeypatch.setattr(layers, "CPU_KERNELS", {})
-    BACKENDS["cpu"].load()
-    assert layers.CPU_KERNELS == cpu_kernels.fused()
+def test_a_model_built_for_the_backend_runs_its_kernels():
+    kernels = BACKENDS["cpu"].kernels()
+    assert {name: getattr(kernels, name) for name in ELEMENTWISE} == cpu_kernels.ELEMENTWISE
+    norm = layers.RMSNorm(8, 1e-6, kernels)
+    assert norm.norm is cpu_kernels.rms_norm and norm.add_norm is cpu_kernels.add_rms_norm
 
 
-def test_without_a_compiler_nothing_is_registered(monkeypatch, no_library):
-    monkeypatch.setattr(layers, "CPU_KERNELS", {})
-    BACKENDS["cpu"].load()
-    assert layers.CPU_KERNELS == {}
+def test_without_a_compiler_the_backend_keeps_the_cores_functions(no_library):
+    kernels, plain = BACKENDS["cpu"].kernels(), BACKENDS["torch"].kernels()
+    assert all(getattr(kernels, name) is getattr(plain, name) for name in ELEMENTWISE)
+
+
+def test_a_torch_engine_beside_a_cpu_engine_runs_no_c_kernel(qwen3_path, hf_greedy,
+                                                               monkeypatch):
+    """The kernels belong to the engine's backend, not to the process: once a cpu-backend
+    engine has loaded them, a "torch" engine in the same process still runs PyTorch's code."""
+    prompt = [5, 6, 7, 8]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    LLM(qwen3_path, attention_backend="cpu").generate([prompt], params, use_tqdm=False)
+    torch_engine = LLM(qwen3_path, attention_backend="torch")
+
+    class Refusing:
+        def __getattr__(self, name):
+            raise AssertionError(f"the torch backend called the C kernel {name}")
+    monkeypatch.setattr(cpu_kernels, "library", lambda: Refusing())
+    [output] = torch_engine.generate([prompt], params, use_tqdm=False)
+    assert output.outputs[0].token_ids == hf_greedy(qwen3_path, [prompt], 6)[0]
 
 
 def test_a_cache_folder_that_cannot_be_written_means_no_kernels(monkeypatch, tmp_path, caplog):
@@ -262,15 +273,15 @@ def test_the_store_kernel_skips_slots_below_zero():
 
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch without oneDNN")
 def test_a_packed_linear_multiplies_as_f_linear_and_frees_the_projections_weight():
-    from nanopaged.core.layers import ParallelLMHead, RowParallelLinear, linear_methods
-    with linear_methods(cpu.PackedLinear(), cpu.PackedLinear()):
-        projection, head = RowParallelLinear(64, 48, bias=True), ParallelLMHead(500, 64)
+    from nanopaged.core.layers import ParallelLMHead, RowParallelLinear
+    projection = RowParallelLinear(64, 48, True, cpu.PackedLinear())
+    head = ParallelLMHead(500, 64, cpu.PackedLinear())
     for layer in (projection, head):
         for param in layer.parameters():
             param.data.normal_()
     weights = [projection.weight.data.clone(), head.weight.data]
     for layer in (projection, head):
-        layer.method.process_weights(layer)
+        layer.method = layer.method.process_weights(layer)
     x = torch.randn(3, 7, 64)
     assert torch.allclose(projection(x), F.linear(x, weights[0], projection.bias), atol=1e-5)
     assert torch.allclose(head(x), F.linear(x, weights[1]), atol=1e-5)
@@ -286,12 +297,11 @@ def test_the_panel_matmul_is_f_linear(rows):
     panels = cpu_kernels.pack_panels(weight)
     x = torch.randn(2, rows, 80, generator=g)[..., ::2]  # 3-D, its rows not contiguous
     assert relative_error(cpu_kernels.panel_matmul(x, panels), F.linear(x, weight)) < 1e-6
-    from nanopaged.core.layers import ColumnParallelLinear, linear_methods
-    with linear_methods(cpu.PackedLinear(), cpu.PackedLinear()):
-        layer = ColumnParallelLinear(40, 48, bias=True)
+    from nanopaged.core.layers import ColumnParallelLinear
+    layer = ColumnParallelLinear(40, 48, True, cpu.PackedLinear())
     layer.weight.data.copy_(weight)
     layer.bias.data.copy_(bias)
-    layer.method.process_weights(layer)
+    layer.method = layer.method.process_weights(layer)
     assert type(layer.method) is cpu.PanelLinear and layer.weight is None
     assert relative_error(layer(x), F.linear(x, weight, bias)) < 1e-6
 
@@ -346,23 +356,21 @@ def test_a_width_that_is_not_whole_panels_keeps_onednn():
 
 def test_half_weights_keep_f_linear():
     """oneDNN packs float32 and bfloat16; other dtypes multiply as before."""
-    from nanopaged.core.layers import RowParallelLinear, linear_methods
-    with linear_methods(cpu.PackedLinear(), cpu.PackedLinear()):
-        layer = RowParallelLinear(8, 4).half()
-    layer.method.process_weights(layer)
+    from nanopaged.core.layers import RowParallelLinear
+    layer = RowParallelLinear(8, 4, False, cpu.PackedLinear()).half()
+    layer.method = layer.method.process_weights(layer)
     assert type(layer.method) is LinearMethod and layer.weight is not None
 
 
 @pytest.mark.parametrize("bf16", [True, False])
 def test_bfloat16_weights_are_packed_only_where_the_cpu_has_its_instructions(bf16, monkeypatch):
     """oneDNN's bfloat16 path needs AVX-512 (or AVX-NE-CONVERT): without, it raises."""
-    from nanopaged.core.layers import RowParallelLinear, linear_methods
+    from nanopaged.core.layers import RowParallelLinear
     monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: bf16)
     cpu.packable_dtypes.cache_clear()
     monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", lambda w, _: w.clone())
-    with linear_methods(cpu.PackedLinear(), cpu.PackedLinear()):
-        layer = RowParallelLinear(8, 4).bfloat16()
-    layer.method.process_weights(layer)
+    layer = RowParallelLinear(8, 4, False, cpu.PackedLinear()).bfloat16()
+    layer.method = layer.method.process_weights(layer)
     assert (type(layer.method) is cpu.PackedLinear) == bf16
     cpu.packable_dtypes.cache_clear()
 
@@ -431,7 +439,6 @@ def test_greedy_matches_transformers_with_chunks_preemption_and_prefix_hits(arch
 def test_without_a_compiler_the_backend_still_gives_transformers_tokens(qwen3_path, hf_greedy,
                                                                         no_library, monkeypatch):
     from test_models import mixed_run
-    monkeypatch.setattr(layers, "CPU_KERNELS", {})
     mixed_run(qwen3_path, hf_greedy, attention_backend="cpu")
 
 

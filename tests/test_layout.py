@@ -19,12 +19,12 @@ PACKAGE = os.path.join(ROOT, "nanopaged")
 # the order its files build on each other; then the features, each above what it uses.
 LAYERS = [
     "core.sequence", "core.block_manager", "core.triton_attention",
-    "core.attention", "core.layers", "core.model", "core.config", "core.loader", "core.step",
+    "core.layers", "core.attention", "core.model", "core.config", "core.loader", "core.step",
     "core.scheduler", "core.cuda_graphs", "core.sampler", "core.model_runner",
-    "core.llm_engine", "core", "cpu_kernels", "cpu", "quantization.int4_triton", "quantization.dequantize",
+    "core.llm_engine", "core", "checks", "cpu_kernels", "cpu", "quantization.int4_triton", "quantization.dequantize",
     "quantization.fp8", "quantization.compressed_tensors", "quantization.awq", "quantization.gptq",
     "quantization",
-    "models.moe_triton", "models.moe", "models.gemma3", "models",
+    "models.moe_triton", "models.moe", "models.gemma3", "models.rope", "models",
     "chat", "checkpoint", "random_checkpoint", "sampling_params", "logits_processors",
     "outputs", "lora.request", "lora.punica_triton", "lora.punica", "lora.adapter", "lora.runner",
     "lora.admission", "lora", "structured_outputs", "tool_calls", "parallel", "engine_args",
@@ -209,8 +209,9 @@ def test_speculation_reaches_the_core_through_one_seam(qwen3_path, hf_greedy):
     assert seq.completion_token_ids == want and steps < 12
 
 
-@pytest.mark.parametrize("feature", ["speculative", "trace", "data_parallel",
-                                     "structured_outputs", "lora"])
+@pytest.mark.parametrize("feature", [
+    "speculative", "trace", "data_parallel", "structured_outputs", "lora", "quantization",
+    "models", "cpu.py cpu_kernels.py cpu_kernels.c"])
 def test_a_feature_deleted_leaves_a_plain_generate_working(feature, tmp_path, qwen3_path,
                                                            hf_greedy):
     import shutil
@@ -218,10 +219,11 @@ def test_a_feature_deleted_leaves_a_plain_generate_working(feature, tmp_path, qw
     import sys
     copy = tmp_path / "nanopaged"
     shutil.copytree(PACKAGE, copy, ignore=shutil.ignore_patterns("__pycache__"))
-    if (copy / feature).is_dir():  # a subpackage
-        shutil.rmtree(copy / feature)
-    else:
-        (copy / f"{feature}.py").unlink()
+    for name in feature.split():
+        if (copy / name).is_dir():  # a subpackage
+            shutil.rmtree(copy / name)
+        else:
+            (copy / (name if "." in name else f"{name}.py")).unlink()
     script = ("from nanopaged import LLM, SamplingParams\n"
               f"llm = LLM({qwen3_path!r}, max_model_len=128)\n"
               "params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)\n"

@@ -153,7 +153,7 @@ def test_one_slot_serves_two_adapters_in_turn(adapters):
 
     def record(step):
         inputs = prepare(step)
-        steps.append({llm.engine.runner.adapters.get(seq) for seq in step.seqs} - {None})
+        steps.append({llm.engine.runner.extension.adapters.get(seq) for seq in step.seqs} - {None})
         return inputs
     llm.engine.runner.prepare_inputs = record
     outputs = llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=loras)
@@ -182,7 +182,7 @@ def test_slots_are_refilled_least_recently_used_first(adapters, tmp_path):
     third = LoRARequest("third", 3, write_adapter(base, str(tmp_path / "c"), 2, ["o_proj"], 3))
     llm = LLM(base, enable_lora=True, max_loras=2, max_lora_rank=8, max_cpu_loras=2,
               max_model_len=256)
-    runner = llm.engine.runner
+    runner = llm.engine.runner.extension
     prompt = random_prompts([20], seed=15)
     loads = []
     load = runner._load

@@ -10,6 +10,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from nanopaged import LLM, SamplingParams
+from nanopaged.core.attention import BACKENDS
 from nanopaged.models.moe import MoeForCausalLM, SparseMoeBlock
 from conftest import FAMILIES, random_prompts
 from test_errors import broken_copy
@@ -135,7 +136,7 @@ def test_the_sparse_layers_are_those_of_transformers(model_path):
     config = AutoConfig.from_pretrained(model_path("qwen3-moe"))
     config.num_hidden_layers, config.decoder_sparse_step, config.mlp_only_layers = 6, 2, [3]
     hf = AutoModelForCausalLM.from_config(config)
-    ours = MoeForCausalLM(config, "torch")
+    ours = MoeForCausalLM(config, BACKENDS["torch"].kernels())
     sparse = [isinstance(layer.mlp, SparseMoeBlock) for layer in ours.model.layers]
     assert sparse == [hasattr(layer.mlp, "experts") for layer in hf.model.layers]
     assert sparse == [False, True, False, False, False, True]

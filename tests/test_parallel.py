@@ -99,7 +99,7 @@ def test_after_a_failed_start_the_next_engine_starts(qwen3_path, hf_greedy):
     assert out.outputs[0].token_ids == hf_greedy(qwen3_path, [[5, 6, 7]], GREEDY.max_tokens)[0]
 
 
-def failing_worker(config, parallel, rank):
+def failing_worker(config, parallel, rank, extension):
     """Stands in for the worker's code: fails as a missing module would."""
     raise ImportError("No module named 'flash_attn_2_cuda'")
 

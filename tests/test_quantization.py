@@ -308,7 +308,7 @@ def test_quantized_experts_are_refused(tmp_path):
 def test_an_fp8_kv_cache_holds_twice_the_blocks_of_a_bfloat16_one(qwen3_path, monkeypatch):
     """On the same memory budget: 32 MB of RAM available, of which the pool may take a quarter."""
     from nanopaged.core import model_runner
-    monkeypatch.setattr(model_runner, "_mem_available_bytes", lambda: 32 << 20)
+    monkeypatch.setattr(model_runner, "available_memory", lambda: 32 << 20)
     blocks = {}
     for dtype, kv in (("float32", "auto"), ("bfloat16", "auto"), ("bfloat16", "fp8")):
         with LLM(qwen3_path, dtype=dtype, kv_cache_dtype=kv, max_model_len=256) as llm:

@@ -60,12 +60,12 @@ def test_a_batch_larger_than_every_graph_runs_eagerly(qwen3_path):
     runner.graphs = DecodeGraphs(runner.model, llm.config, runner.max_blocks_per_seq,
                                  StandInGraph)
     _, inputs = decode_step(llm, 33)
-    runner._run_model(*inputs)
+    runner.run_model(*inputs)
     assert not any(g.replays for g in runner.graphs.graphs.values())
     for request_id in list(llm.requests):
         llm.abort(request_id)
     _, inputs = decode_step(llm, 32)
-    runner._run_model(*inputs)
+    runner.run_model(*inputs)
     assert [size for size, g in runner.graphs.graphs.items() if g.replays] == [32]
 
 
@@ -81,7 +81,7 @@ def test_the_gpu_kv_budget_is_what_the_profiling_forward_leaves(qwen3_path, monk
                         ("synchronize", None), ("mem_get_info", (70 * gib, 80 * gib)),
                         ("max_memory_allocated", 7 * gib), ("memory_allocated", 5 * gib)):
         monkeypatch.setattr(torch.cuda, name, lambda *args, value=value: value)
-    assert runner._kv_budget_cuda() == 80 * gib // 2 - 10 * gib - 2 * gib
+    assert runner.kv_budget_cuda() == 80 * gib // 2 - 10 * gib - 2 * gib
     # the profiling forward: one prompt of max_model_len tokens (256 of a 300-token budget)
     assert len(profiled) == 1 and len(profiled[0].input_ids) == 256
 

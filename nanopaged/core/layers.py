@@ -1,11 +1,13 @@
-"""The decoder's building blocks, sharded over tensor-parallel ranks: a column-parallel linear
-splits its output features, a row-parallel one its input features (then all-reduces its output).
-Its `weight_loader(param, tensor, shard_id)` copies this rank's slice of a checkpoint tensor."""
+"""The decoder's building blocks, sharded over tensor-parallel ranks: a column-parallel
+linear splits its output features, a row-parallel one its input features (then
+all-reduces its output). Its `weight_loader(param, tensor, shard_id)` copies this rank's
+slice of a checkpoint tensor. What a layer computes with is one engine's choice, handed
+to it as `Kernels` when it is built: nothing here is chosen for the whole process."""
+
 import functools
-import math
 import weakref
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -13,24 +15,23 @@ import torch.nn.functional as F
 from torch import nn
 
 
-# Seam: a plain function of `fused` -> its kernel on a CPU, process-wide (the CPU backend's)
-CPU_KERNELS: dict[Callable, Callable] = {}
-
-
-def fused(fn):
-    """`fn`, fused: by torch.compile (once used) on a GPU, where tiny kernels' launches are most
-    of a small decode step's time; on a CPU by its kernel in CPU_KERNELS, else as written."""
+def compiled_on_gpu(fn: Callable) -> Callable:
+    """`fn`, compiled by torch.compile (on first use) for GPU tensors, where tiny
+    kernels' launches are most of a small decode step's time; as written for CPU
+    tensors."""
     compiled = functools.cache(lambda: torch.compile(fn, dynamic=True))
 
     @functools.wraps(fn)
     def dispatch(x: torch.Tensor, *args):
-        return (compiled() if x.is_cuda else CPU_KERNELS.get(fn, fn))(x, *args)
+        return (compiled() if x.is_cuda else fn)(x, *args)
+
     return dispatch
 
 
 def to_device(device: torch.device, values, dtype: torch.dtype | None = None):
-    """Host values (None stays None) as a tensor on `device`; on a GPU from pinned memory: a copy
-    from pageable memory would first wait for the queued kernels (the forward) to finish."""
+    """Host values (None stays None) as a tensor on `device`; on a GPU from pinned
+    memory: a copy from pageable memory would first wait for the queued kernels (the
+    forward) to finish."""
     tensor = None if values is None else torch.as_tensor(values, dtype=dtype)
     if tensor is not None and device.type == "cuda":
         return tensor.pin_memory().to(device, non_blocking=True)
@@ -50,12 +51,13 @@ def tp_shard(loaded: torch.Tensor, dim: int, rank: int, size: int) -> torch.Tens
     return loaded.narrow(dim, rank * shard_size, shard_size)
 
 
-def parameter(data: torch.Tensor, output_dim: int | None = None, input_dim: int | None = None,
-              output_pack: int = 1, input_pack: int = 1) -> nn.Parameter:
-    """A weight tensor that knows which of its dims hold the layer's output and input features
-    (None: neither) and how many features one entry stands for along each (a 4-bit word packs
-    8; a scale may cover a group of 128): all a weight loader needs to place q/k/v or gate/up
-    parts and tensor-parallel shards of it."""
+def parameter(
+    data: torch.Tensor, output_dim=None, input_dim=None, output_pack=1, input_pack=1
+):
+    """A weight tensor that knows which of its dims hold the layer's output and input
+    features (None: neither) and how many features one entry stands for along each (a
+    4-bit word packs 8; a scale may cover a group of 128): all a weight loader needs to
+    place q/k/v or gate/up parts and tensor-parallel shards of it."""
     param = nn.Parameter(data, requires_grad=False)
     param.output_dim = output_dim
     param.input_dim = input_dim
@@ -65,68 +67,104 @@ def parameter(data: torch.Tensor, output_dim: int | None = None, input_dim: int 
 
 
 class LinearMethod:
-    """How a linear layer keeps and multiplies its weight: here a float (out, in) weight and
-    `F.linear`. The seam of a backend's own kernels (nanopaged/cpu.py) and of quantized formats,
-    which nanopaged/quantization/ enters in `QUANTIZATIONS[quant_method](quantization_config,
-    float method)`: `create_weights(layer, in_features, out_features)` registers the layer's
-    parameters (see `parameter`), `process_weights(layer)` runs once the checkpoint is loaded
-    (to repack or dequantize them), `apply(layer, x)` multiplies (LoRA adds its delta)."""
+    """How a linear layer keeps and multiplies its weight: here a float (out, in) weight
+    and `F.linear`. The seam of a backend's own kernels (the CPU backend's) and of
+    quantized formats (nanopaged/quantization/): `create_weights(layer, in_features,
+    out_features)` registers the layer's parameters (see `parameter`); once the
+    checkpoint is loaded, `process_weights(layer)` may repack or dequantize them and
+    returns the method that multiplies from then on (the loader sets it as the layer's
+    `method`); `apply(layer, x)` multiplies."""
 
-    def create_weights(self, layer: nn.Module, in_features: int, out_features: int) -> None:
+    def create_weights(self, layer: nn.Module, in_features: int, out_features: int):
         layer.weight = parameter(torch.empty(out_features, in_features), 0, 1)
 
-    def process_weights(self, layer: nn.Module) -> None:
-        pass
+    def process_weights(self, layer: nn.Module) -> "LinearMethod":
+        return self
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, layer.weight, layer.bias)
 
 
-QUANTIZATIONS: dict[str, Callable[[dict, LinearMethod], LinearMethod]] = {}
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # normalise in float32 as transformers does, then scale in the model's dtype
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
 
-# The methods of the layers being built: the projections' (q/k/v, o, gate/up, down) and the
-# others' (LM head, routers). `load_model` sets them for the model it builds (see
-# `linear_methods`), as it sets torch's default dtype and device.
-_building = [LinearMethod(), LinearMethod()]
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+):
+    """(norm(x + residual), x + residual): the residual add fused with the next norm."""
+    x = x + residual
+    return rms_norm(x, weight, eps), x
 
 
-@contextmanager
-def linear_methods(projections: LinearMethod, others: LinearMethod) -> Iterator[None]:
-    """Layers built inside the block take these methods."""
-    saved = list(_building)
-    _building[:] = projections, others
-    try:
-        yield
-    finally:
-        _building[:] = saved
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions, cos_sin: torch.Tensor):
+    # q: (T, nh, hs), k: (T, nkv, hs); cos, sin: (T, 1, hs/2) in the model's dtype, as
+    # transformers
+    cos, sin = cos_sin[positions].unsqueeze(1).to(q.dtype).chunk(2, dim=-1)
+    return rotate(q, cos, sin), rotate(k, cos, sin)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+@dataclass
+class Kernels:
+    """What one model's layers compute with, chosen by its engine: its attention
+    backend's functions (store_kvcache, prefill, decode), linear method and element-wise
+    functions (the CPU backend's C kernels), and its projections' method (a quantized
+    format's, or `linear`)."""
+
+    backend: str
+    attention: tuple
+    linear: LinearMethod = field(default_factory=LinearMethod)
+    projections: LinearMethod | None = None
+    rms_norm: Callable = compiled_on_gpu(rms_norm)
+    add_rms_norm: Callable = compiled_on_gpu(add_rms_norm)
+    silu_and_mul: Callable = compiled_on_gpu(silu_and_mul)
+    rotary: Callable = compiled_on_gpu(apply_rotary)
+
+    def __post_init__(self) -> None:
+        self.projections = self.projections or self.linear
 
 
 class LinearBase(nn.Module):
-    def __init__(self, in_features: int, out_features: int, bias: bool, projection: bool = False):
+    def __init__(self, in_features: int, out_features: int, bias: bool, method):
         super().__init__()
         self.tp_rank = tp_rank()
         self.tp_size = tp_size()
         self.in_features = in_features  # this rank's, whatever format the method keeps
         self.out_features = out_features
-        self.method = _building[0] if projection else _building[1]
-        self.method.create_weights(self, in_features, out_features)
+        self.method = method
+        method.create_weights(self, in_features, out_features)
         self.bias = parameter(torch.empty(out_features), 0) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.method.apply(self, x)
 
 
-def load_output_shard(layer: nn.Module, param: nn.Parameter, loaded: torch.Tensor,
-                      offset: int = 0, size: int | None = None) -> None:
-    """Copies this rank's slice of the checkpoint tensor `loaded` (tensor-parallel ranks split
-    its output features) into the output features [offset, offset + size) of `param` (all of it
-    if it has no output dim); a scalar (a part's scale) fills the part."""
+def load_output_shard(layer, param, loaded: torch.Tensor, offset=0, size=None) -> None:
+    """Copies this rank's slice of the checkpoint tensor `loaded` (tensor-parallel ranks
+    split its output features) into the output features [offset, offset + size) of
+    `param` (all of it if it has no output dim); a scalar (a part's scale) fills the
+    part."""
     dim, pack = param.output_dim, param.output_pack
     if dim is None:
         return param.data.copy_(loaded)
     size = param.shape[dim] * pack if size is None else size
     if offset % pack or size % pack:
-        raise ValueError(f"a part of {size} features at {offset} splits the groups of {pack}")
+        raise ValueError(
+            f"a part of {size} features at {offset} splits groups of {pack}"
+        )
     if loaded.dim():
         loaded = tp_shard(loaded, dim, layer.tp_rank, layer.tp_size)
     param.data.narrow(dim, offset // pack, size // pack).copy_(loaded)
@@ -135,55 +173,56 @@ def load_output_shard(layer: nn.Module, param: nn.Parameter, loaded: torch.Tenso
 class ColumnParallelLinear(LinearBase):
     """Output features split across ranks; no communication."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False):
-        super().__init__(in_features, out_features // tp_size(), bias, projection=True)
+    def __init__(self, in_features: int, out_features: int, bias: bool, method):
+        super().__init__(in_features, out_features // tp_size(), bias, method)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+    def weight_loader(self, param, loaded: torch.Tensor, shard_id=None) -> None:
         load_output_shard(self, param, loaded)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
-    """Several column-parallel linears stored as one (gate and up projections): one matmul."""
+    """Several column-parallel linears stored as one (gate and up projections): one
+    matmul."""
 
-    def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False):
+    def __init__(self, in_features: int, output_sizes: list[int], bias: bool, method):
         self.output_sizes = output_sizes
-        super().__init__(in_features, sum(output_sizes), bias)
+        super().__init__(in_features, sum(output_sizes), bias, method)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int) -> None:
+    def weight_loader(self, param, loaded: torch.Tensor, shard_id: int) -> None:
         offset = sum(self.output_sizes[:shard_id]) // self.tp_size
-        load_output_shard(self, param, loaded, offset, self.output_sizes[shard_id] // self.tp_size)
+        size = self.output_sizes[shard_id] // self.tp_size
+        load_output_shard(self, param, loaded, offset, size)
 
 
 class QKVParallelLinear(ColumnParallelLinear):
-    """The q, k and v projections as one linear; each rank holds its own heads of all three."""
+    """The q, k and v projections as one linear; each rank holds its own heads of all
+    three."""
 
-    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int,
-                 bias: bool = False):
-        self.head_dim = head_dim
-        self.num_heads = num_heads
-        self.num_kv_heads = num_kv_heads
-        super().__init__(hidden_size, (num_heads + 2 * num_kv_heads) * head_dim, bias)
+    def __init__(self, hidden_size, head_dim, num_heads, num_kv_heads, bias, method):
+        self.q_size = num_heads * head_dim // tp_size()
+        self.kv_size = num_kv_heads * head_dim // tp_size()
+        out_features = (num_heads + 2 * num_kv_heads) * head_dim
+        super().__init__(hidden_size, out_features, bias, method)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str) -> None:
-        q_size = self.num_heads * self.head_dim // self.tp_size
-        kv_size = self.num_kv_heads * self.head_dim // self.tp_size
-        offset = {"q": 0, "k": q_size, "v": q_size + kv_size}[shard_id]
-        load_output_shard(self, param, loaded, offset, q_size if shard_id == "q" else kv_size)
+    def weight_loader(self, param, loaded: torch.Tensor, shard_id: str) -> None:
+        offset = {"q": 0, "k": self.q_size, "v": self.q_size + self.kv_size}[shard_id]
+        size = self.q_size if shard_id == "q" else self.kv_size
+        load_output_shard(self, param, loaded, offset, size)
 
 
 class RowParallelLinear(LinearBase):
-    """Input features split across ranks; partial outputs are summed with an all-reduce."""
+    """Input features split across ranks; partial outputs are summed with an
+    all-reduce."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False):
-        super().__init__(in_features // tp_size(), out_features, bias, projection=True)
+    def __init__(self, in_features: int, out_features: int, bias: bool, method):
+        super().__init__(in_features // tp_size(), out_features, bias, method)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+    def weight_loader(self, param, loaded: torch.Tensor, shard_id=None) -> None:
         if param is self.bias:  # added once, on rank 0 only
-            param.data.copy_(loaded if self.tp_rank == 0 else torch.zeros_like(loaded))
-        elif param.input_dim is None:  # the same on every rank
-            param.data.copy_(loaded)
-        else:
-            param.data.copy_(tp_shard(loaded, param.input_dim, self.tp_rank, self.tp_size))
+            loaded = loaded if self.tp_rank == 0 else torch.zeros_like(loaded)
+        elif param.input_dim is not None:  # else the same on every rank
+            loaded = tp_shard(loaded, param.input_dim, self.tp_rank, self.tp_size)
+        param.data.copy_(loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.method.apply(self, x)
@@ -193,7 +232,8 @@ class RowParallelLinear(LinearBase):
 
 
 class VocabParallelEmbedding(nn.Module):
-    """Each rank holds a contiguous slice of the vocabulary; an all-reduce assembles the rows."""
+    """Each rank holds a contiguous slice of the vocabulary; an all-reduce assembles the
+    rows."""
 
     def __init__(self, vocab_size: int, hidden_size: int):
         super().__init__()
@@ -217,12 +257,13 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(VocabParallelEmbedding):
-    """Projects hidden states to logits over the whole vocabulary, gathered on every rank."""
+    """Projects hidden states to logits over the whole vocabulary, gathered on every
+    rank."""
 
-    def __init__(self, vocab_size: int, hidden_size: int):
+    def __init__(self, vocab_size: int, hidden_size: int, method: LinearMethod):
         super().__init__(vocab_size, hidden_size)
         self.bias = None
-        self.method = _building[1]
+        self.method = method
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.method.apply(self, hidden)
@@ -233,89 +274,51 @@ class ParallelLMHead(VocabParallelEmbedding):
         return torch.cat(shards, dim=-1)
 
 
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # normalise in float32 as transformers does, then scale in the model's dtype
-    x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(x.dtype)
-
-
-rms_norm = fused(_rms_norm)
-
-
-@fused
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
-    """(norm(x + residual), x + residual): the residual add fused with the next norm."""
-    x = x + residual
-    return _rms_norm(x, weight, eps), x
-
-
 class RMSNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float):
+    def __init__(self, hidden_size: int, eps: float, kernels: Kernels):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
+        self.norm = kernels.rms_norm
+        self.add_norm = kernels.add_rms_norm
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         if residual is None:
-            return rms_norm(x, self.weight, self.eps)
-        return add_rms_norm(x, residual, self.weight, self.eps)
+            return self.norm(x, self.weight, self.eps)
+        return self.add_norm(x, residual, self.weight, self.eps)
 
 
-@fused
-def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
-
-
-# (head_dim, max_position, parameters, device) -> cos and sin of every position, side by side
-_ROPE_TABLES: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+# rope_type -> the inverse frequencies it makes of the plain ones; a model family above
+# the core enters its scalings (nanopaged/models/rope.py)
+ROPE_SCALINGS: dict[str, Callable] = {"default": lambda inv_freq, parameters: inv_freq}
+# (head_dim, max_position, parameters, device) -> cos and sin of every position, side by
+# side
+ROPE_TABLES: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
 
 class RotaryEmbedding(nn.Module):
-    """Rotary position embedding in the rotate-half layout of Qwen and Llama checkpoints. The
-    layers with the same parameters share one table (a long context's is hundreds of MB)."""
+    """Rotary position embedding in the rotate-half layout of Qwen and Llama
+    checkpoints. The layers with the same parameters share one table (a long context's
+    is hundreds of MB)."""
 
-    def __init__(self, head_dim: int, max_position: int, rope_parameters: dict):
+    def __init__(self, head_dim, max_position, parameters: dict, kernels: Kernels):
         super().__init__()
-        key = (head_dim, max_position, str(sorted(rope_parameters.items())),
-               str(torch.get_default_device()))
-        table = _ROPE_TABLES.get(key)
+        self.rotary = kernels.rotary
+        device = torch.get_default_device()
+        key = (head_dim, max_position, str(sorted(parameters.items())), str(device))
+        table = ROPE_TABLES.get(key)
         if table is None:
-            inv_freq = 1.0 / (rope_parameters["rope_theta"]
-                              ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
-            if rope_parameters.get("rope_type") == "llama3":  # other types: see check_supported
-                inv_freq = _llama3_inv_freq(inv_freq, rope_parameters)
-            if rope_parameters.get("rope_type") == "linear":  # positions divided by the factor
-                inv_freq = inv_freq / rope_parameters["factor"]
-            freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
-            table = _ROPE_TABLES[key] = torch.cat((freqs.cos(), freqs.sin()), dim=-1)
-        self.register_buffer("cos_sin", table, persistent=False)  # (max_position, head_dim)
+            exponents = torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim
+            inv_freq = 1.0 / parameters["rope_theta"] ** exponents
+            inv_freq = ROPE_SCALINGS[rope_type(parameters)](inv_freq, parameters)
+            positions = torch.arange(max_position, dtype=torch.float32)
+            freqs = torch.outer(positions, inv_freq)
+            table = ROPE_TABLES[key] = torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+        self.register_buffer("cos_sin", table, persistent=False)  # (max_position, hs)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        return apply_rotary(q, k, positions, self.cos_sin)
+        return self.rotary(q, k, positions, self.cos_sin)
 
 
-@fused
-def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor):
-    # q: (T, nh, hs), k: (T, nkv, hs); cos, sin: (T, 1, hs/2) in the model's dtype, as transformers
-    cos, sin = cos_sin[positions].unsqueeze(1).to(q.dtype).chunk(2, dim=-1)
-    return _rotate(q, cos, sin), _rotate(k, cos, sin)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-
-
-def _llama3_inv_freq(inv_freq: torch.Tensor, params: dict) -> torch.Tensor:
-    """Llama 3's frequency scaling: long wavelengths slowed by `factor`, short ones kept,
-    the band between blended smoothly."""
-    factor, low, high = params["factor"], params["low_freq_factor"], params["high_freq_factor"]
-    old_len = params["original_max_position_embeddings"]
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
-    smooth = (old_len / wavelen - low) / (high - low)
-    blended = (1 - smooth) * scaled / factor + smooth * scaled
-    is_medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
-    return torch.where(is_medium, blended, scaled)
+def rope_type(parameters: dict) -> str:
+    return parameters.get("rope_type", parameters.get("type", "default"))

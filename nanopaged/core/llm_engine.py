@@ -1,4 +1,5 @@
-"""The core engine loop: sequences in; schedule a step, run it, apply what it sampled."""
+"""The core engine loop: sequences in; schedule a step, run it, apply its samples."""
+
 from nanopaged.core.block_manager import BlockManager
 from nanopaged.core.config import Config
 from nanopaged.core.model_runner import ModelRunner
@@ -9,23 +10,23 @@ from nanopaged.core.step import SamplerOutput, ScheduledStep
 
 class LLMEngine:
     """The engine every request passes through: `add(seq)`, then `step()` until
-    `is_finished()`. Each step appends to each sampling sequence the tokens it sampled; a
-    sequence ends ("stop") at one of its stop tokens, or ("length") at its max_tokens or the
-    model's max_model_len, and its blocks are freed. A step that raises (an error, Ctrl-C) ends
-    every sequence ("abort") and leaves the engine usable: the prefix cache keeps only K/V that
-    was written, and every block is free again.
+    `is_finished()`. Each step appends to each sampling sequence the tokens it sampled;
+    a sequence ends ("stop") at one of its stop tokens, or ("length") at its max_tokens
+    or the model's max_model_len, and its blocks are freed. A step that raises (an
+    error, Ctrl-C) ends every sequence ("abort") and leaves the engine usable: the
+    prefix cache keeps only K/V that was written, and every block is free again.
 
     Seam: a subclass may extend the two ends of a step, `schedule()` (what it runs) and
     `apply()` (what it sampled). Speculative decoding (`nanopaged/speculative.py`) adds
-    proposals to the scheduled step, in slots `BlockManager.reserve` makes, and applies only
-    those the model agrees with, giving the rest back with `BlockManager.trim`."""
+    proposals to the scheduled step, in slots `BlockManager.reserve` makes, and applies
+    only those the model agrees with, giving the rest back with `BlockManager.trim`."""
 
     def __init__(self, config: Config, runner: ModelRunner | None = None):
         self.config = config
-        self.runner = runner or ModelRunner(config)
-        self.block_manager = BlockManager(self.runner.num_kvcache_blocks, config.kvcache_block_size,
-                                          config.enable_prefix_caching,
-                                          self.runner.model.sliding_window)
+        self.runner = runner = runner or ModelRunner(config)
+        pool = (runner.num_kvcache_blocks, config.kvcache_block_size)
+        caching, window = config.enable_prefix_caching, runner.model.sliding_window
+        self.block_manager = BlockManager(*pool, caching, window)
         self.scheduler = Scheduler(config, self.block_manager)
         self.num_generated_tokens = 0
 
@@ -38,18 +39,22 @@ class LLMEngine:
         self.scheduler.finish(seqs, reason)
 
     def stop(self, seq: Sequence, num_completion_tokens: int) -> None:
-        """Ends `seq` as "stop" with its first `num_completion_tokens` tokens (where a stop
-        string the layer above found ends), also when a step has just ended it."""
+        """Ends `seq` as "stop" with its first `num_completion_tokens` tokens (where a
+        stop string the layer above found ends), also when a step has just ended it."""
         self.scheduler.finish([seq], "stop")
-        del seq.token_ids[seq.num_prompt_tokens + num_completion_tokens:]
+        del seq.token_ids[seq.num_prompt_tokens + num_completion_tokens :]
         seq.finish_reason = "stop"
 
     def is_finished(self) -> bool:
         return self.scheduler.is_finished()
 
+    def unfinished(self) -> list[Sequence]:
+        """The sequences waiting or running."""
+        return [*self.scheduler.waiting, *self.scheduler.running]
+
     def step(self) -> tuple[ScheduledStep, SamplerOutput]:
-        """Schedules a step, runs it and applies what it sampled; returns the step and its
-        output (no sequences and no tokens when nothing is queued)."""
+        """Schedules a step, runs it and applies what it sampled; returns the step and
+        its output (no sequences and no tokens when nothing is queued)."""
         try:
             step = self.schedule()
             if not step.seqs:
@@ -67,8 +72,8 @@ class LLMEngine:
         return self.scheduler.schedule()
 
     def apply(self, step: ScheduledStep, sampled: SamplerOutput) -> SamplerOutput:
-        """Appends each row's tokens to its sequence, deciding after each whether it stops (the
-        tokens after a stop are dropped); returns what it applied."""
+        """Appends each row's tokens to its sequence, deciding after each whether it
+        stops (the tokens after a stop are dropped); returns what it applied."""
         for seq, token_ids in zip(step.samplers, sampled.token_ids):
             for token_id in token_ids:
                 seq.token_ids.append(token_id)
@@ -82,13 +87,14 @@ class LLMEngine:
     def _stop_reason(self, seq: Sequence) -> str | None:
         if seq.token_ids[-1] in seq.stop_token_ids:
             return "stop"
-        if (seq.num_completion_tokens == seq.sampling_params.max_tokens
-                or len(seq) >= self.config.max_model_len):
+        at_max_tokens = seq.num_completion_tokens == seq.sampling_params.max_tokens
+        if at_max_tokens or len(seq) >= self.config.max_model_len:
             return "length"
         return None
 
     def abort_all(self) -> None:
-        """After a failed or interrupted step: every sequence ends, nothing half-run stays."""
+        """After a failed or interrupted step: every sequence ends, nothing half-run
+        stays."""
         self.block_manager.rollback()
-        self.scheduler.finish([*self.scheduler.waiting, *self.scheduler.running], "abort")
+        self.scheduler.finish(self.unfinished(), "abort")
         self.block_manager.reclaim()

@@ -1,4 +1,6 @@
-"""Decides what the next step runs: which sequences, how many tokens each, which rows sample."""
+"""Decides what the next step runs: which sequences, how many tokens each, which rows
+sample."""
+
 from collections import deque
 
 from nanopaged.core.block_manager import BlockManager
@@ -10,19 +12,21 @@ from nanopaged.core.step import ScheduledStep
 class Scheduler:
     """Two queues: `waiting` (not yet prefilled, or preempted) and `running` (decoding).
 
-    Prefill admits waiting sequences in order while the token budget (`max_num_batched_tokens`),
-    `max_num_seqs` and free blocks allow; only a step's last prompt can overflow the budget, and is
-    then prefilled in chunks over several steps (without `enable_chunked_prefill`, it waits for a
-    step with room for all of it). Decode gives each running sequence one token, oldest first, up to
-    the budget; when the pool has no block for one, the newest running sequence is preempted: its
-    blocks are freed, to be recomputed later (its prefix often still cached), and it goes back to
-    the front of `waiting` (behind a prompt being prefilled in chunks).
+    Prefill admits waiting sequences in order while the token budget
+    (`max_num_batched_tokens`), `max_num_seqs` and free blocks allow; only a step's last
+    prompt can overflow the budget, and is then prefilled in chunks over several steps
+    (without `enable_chunked_prefill`, it waits for a step with room for all of it).
+    Decode gives each running sequence one token, oldest first, up to the budget; when
+    the pool has no block for one, the newest running sequence is preempted: its blocks
+    are freed, to be recomputed later (its prefix often still cached), and it goes back
+    to the front of `waiting` (behind a prompt being prefilled in chunks).
 
-    `prefill-first` runs a prefill step whenever a prompt can be admitted, else a decode step,
-    but decodes between two chunks of a prompt: a long prompt stalls the running sequences for
-    one step of `max_num_batched_tokens` tokens at a time. `mixed` (as vLLM V1, Sarathi-Serve)
-    decodes every running sequence in each step and spends the rest of the budget on prefill
-    chunks. A step is booked at once: `num_computed_tokens` counts the tokens it computes."""
+    `prefill-first` runs a prefill step whenever a prompt can be admitted, else a decode
+    step, but decodes between two chunks of a prompt: a long prompt stalls the running
+    sequences for one step of `max_num_batched_tokens` tokens at a time. `mixed` (as
+    vLLM V1, Sarathi-Serve) decodes every running sequence in each step and spends the
+    rest of the budget on prefill chunks. A step is booked at once:
+    `num_computed_tokens` counts the tokens it computes."""
 
     def __init__(self, config: Config, block_manager: BlockManager):
         self.config = config
@@ -31,7 +35,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
         self.num_preemptions = 0
-        self.decode_next = False  # prefill-first: a prompt chunk ran, the decodes go next
+        self.decode_next = False  # prefill-first: a prompt chunk ran, decodes go next
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -41,17 +45,17 @@ class Scheduler:
 
     def schedule(self) -> ScheduledStep:
         """The next step (with no sequences when there is nothing to run), booked."""
-        step = ScheduledStep()
+        step, budget = ScheduledStep(), self.max_num_batched_tokens
         if self.config.scheduling == "mixed":
             self._schedule_decode(step)
-            self._schedule_prefill(step, self.max_num_batched_tokens - step.num_scheduled_tokens)
+            self._schedule_prefill(step, budget - step.num_scheduled_tokens)
             return step
         if not (self.decode_next and self.running):
-            self._schedule_prefill(step, self.max_num_batched_tokens)
+            self._schedule_prefill(step, budget)
         if not step.seqs:
             self._schedule_decode(step)
         if not step.seqs:  # every running sequence was preempted
-            self._schedule_prefill(step, self.max_num_batched_tokens)
+            self._schedule_prefill(step, budget)
         last = step.seqs[-1] if step.seqs else None
         self.decode_next = last is not None and last.num_computed_tokens < len(last)
         return step
@@ -62,9 +66,10 @@ class Scheduler:
             chunked = self.config.enable_chunked_prefill
             if not chunked and len(seq) - seq.num_computed_tokens > budget:
                 break  # it waits for a step with room for all of it
-            if not seq.block_table and (len(self.running) >= self.config.max_num_seqs
-                                        or not self.block_manager.allocate(seq)):
-                break  # no room (a partly prefilled sequence holds its blocks already)
+            full = len(self.running) >= self.config.max_num_seqs
+            # no room (a partly prefilled sequence holds its blocks already)
+            if not seq.block_table and (full or not self.block_manager.allocate(seq)):
+                break
             num_tokens = min(len(seq) - seq.num_computed_tokens, budget)
             self.block_manager.cache_full_blocks(seq, num_tokens)
             step.add(seq, num_tokens)
@@ -86,8 +91,8 @@ class Scheduler:
         step.add_decodes(scheduled)
 
     def _make_room(self, seq: Sequence, step: ScheduledStep) -> bool:
-        """Preempts the newest running sequences until `seq` can append a token; preempts `seq`
-        itself (and returns False) when it is the only one left."""
+        """Preempts the newest running sequences until `seq` can append a token;
+        preempts `seq` itself (and returns False) when it is the only one left."""
         while not self.block_manager.can_append(seq):
             victim = self.running.pop() if self.running else seq
             step.preempted.append(victim)
@@ -98,13 +103,14 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.deallocate(seq)
-        # first in line, but behind a prompt being prefilled in chunks: that one holds its blocks
-        self.waiting.insert(1 if self.waiting and self.waiting[0].block_table else 0, seq)
+        # first in line, but behind a prompt prefilled in chunks (it holds its blocks)
+        chunked = bool(self.waiting) and bool(self.waiting[0].block_table)
+        self.waiting.insert(1 if chunked else 0, seq)
         self.num_preemptions += 1
 
     def finish(self, seqs: list[Sequence], reason: str) -> None:
-        """Ends unfinished sequences wherever they are and frees their blocks (their hashes
-        stay): `reason` is "stop", "length" or "abort"."""
+        """Ends unfinished sequences wherever they are and frees their blocks (their
+        hashes stay): `reason` is "stop", "length" or "abort"."""
         for seq in seqs:
             if seq.finish_reason is not None:
                 continue

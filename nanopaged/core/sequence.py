@@ -1,4 +1,6 @@
-"""One sequence as the engine tracks it: its tokens, how it is sampled, where their K/V lives."""
+"""One sequence as the engine tracks it: its tokens, how it is sampled, where their K/V
+lives."""
+
 from dataclasses import dataclass
 from itertools import count
 
@@ -11,10 +13,12 @@ def cdiv(a: int, b: int) -> int:
 @dataclass
 class SamplingOptions:
     """How one sequence is sampled and how long it may grow. `temperature=0` is greedy
-    decoding. `top_k` (0 or -1: off), `top_p` (1: off) and `min_p` (0: off) keep only the most
-    likely tokens of the tempered distribution. A completion ends after `max_tokens` tokens
-    (None: at the model's `max_model_len`), or at a stop token. vLLM's `SamplingParams`
-    (`nanopaged/sampling_params.py`) extends these with its own fields and checks them all."""
+    decoding. `top_k` (0 or -1: off), `top_p` (1: off) and `min_p` (0: off) keep only
+    the most likely tokens of the tempered distribution. A completion ends after
+    `max_tokens` tokens (None: at the model's `max_model_len`), or at a stop token.
+    vLLM's `SamplingParams` (`nanopaged/sampling_params.py`) extends these with its own
+    fields and checks them all."""
+
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
@@ -23,19 +27,28 @@ class SamplingOptions:
 
 
 class Sequence:
-    """A prompt and one completion of it. `block_table[i]` is the KV-cache block holding tokens
-    `[i*block_size, (i+1)*block_size)`. `num_computed_tokens` counts the leading tokens whose K/V
-    the scheduled steps have computed (or are computing). `num_cached_tokens` is how many prompt
-    tokens the prefix cache served. Seams, all off by default: `stop_token_ids` end the completion
-    (EOS); `logits_processors` change its row's logits (see `Sampler`); `seed` makes its samples
-    independent of its batch; `prompt_logits` asks for the logits of the prompt tokens it runs (for
-    their logprobs); `cache_salt` starts the hash chain of its blocks (see `hash_block`), so that
-    sequences with other salts share none (a LoRA adapter's K/V differs from the base model's)."""
+    """A prompt and one completion of it. `block_table[i]` is the KV-cache block holding
+    tokens `[i*block_size, (i+1)*block_size)`. `num_computed_tokens` counts the leading
+    tokens whose K/V the scheduled steps have computed (or are computing).
+    `num_cached_tokens` is how many prompt tokens the prefix cache served. Seams, all
+    off by default: `stop_token_ids` end the completion (EOS); `logits_processors`
+    change its row's logits (see `Sampler`); `seed` makes its samples independent of its
+    batch; `prompt_logits` asks for the logits of the prompt tokens it runs (for their
+    logprobs); `cache_salt` starts the hash chain of its blocks (see `hash_block`), so
+    that sequences with other salts share none (a LoRA adapter's K/V differs from the
+    base model's)."""
+
     _ids = count()
 
-    def __init__(self, token_ids: list[int], sampling_params: SamplingOptions,
-                 stop_token_ids: frozenset[int] = frozenset(), logits_processors: tuple = (),
-                 seed: int | None = None, prompt_logits: bool = False):
+    def __init__(
+        self,
+        token_ids: list[int],
+        sampling_params: SamplingOptions,
+        stop_token_ids: frozenset[int] = frozenset(),
+        logits_processors: tuple = (),
+        seed: int | None = None,
+        prompt_logits: bool = False,
+    ):
         self.seq_id = next(Sequence._ids)
         self.token_ids = list(token_ids)
         self.num_prompt_tokens = len(token_ids)
@@ -59,4 +72,4 @@ class Sequence:
 
     @property
     def completion_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
+        return self.token_ids[self.num_prompt_tokens :]

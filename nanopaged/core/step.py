@@ -1,5 +1,8 @@
-"""A step as a value that flows one way: the scheduler decides a `ScheduledStep`, the model
-runner turns it into `StepInputs` and runs them, and the engine applies their `SamplerOutput`."""
+"""A step as a value that flows one way: the scheduler decides a `ScheduledStep`, the
+model runner turns it into `StepInputs` and runs them, and the engine applies their
+`SamplerOutput`."""
+
+import itertools
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -10,12 +13,14 @@ from nanopaged.core.sequence import Sequence
 
 @dataclass
 class ScheduledStep:
-    """One step as the scheduler decided it. The model runs `num_tokens[i]` tokens of `seqs[i]` from
-    position `starts[i]`; a sequence whose tokens reach its last token samples the next: it is one
-    of `samplers`, at rows `sample_rows`. A step of last tokens only is a decode step, any other
-    `ragged`. `proposals` maps a sequence (by index) to tokens that run after its last one, in slots
-    reserved for them, each sampled too (speculative decoding's). `preempted`: the sequences
-    preempted to make room for it (they may run in it again, recomputed)."""
+    """One step as the scheduler decided it. The model runs `num_tokens[i]` tokens of
+    `seqs[i]` from position `starts[i]`; a sequence whose tokens reach its last token
+    samples the next: it is one of `samplers`, at rows `sample_rows`. A step of last
+    tokens only is a decode step, any other `ragged`. `proposals` maps a sequence (by
+    index) to tokens that run after its last one, in slots reserved for them, each
+    sampled too (speculative decoding's). `preempted`: the sequences preempted to make
+    room for it (they may run in it again, recomputed)."""
+
     seqs: list[Sequence] = field(default_factory=list)
     starts: list[int] = field(default_factory=list)
     num_tokens: list[int] = field(default_factory=list)
@@ -26,7 +31,8 @@ class ScheduledStep:
     preempted: list[Sequence] = field(default_factory=list)
 
     def add(self, seq: Sequence, num_tokens: int) -> None:
-        """Runs `num_tokens` more tokens of `seq`; it samples if they reach its last token."""
+        """Runs `num_tokens` more tokens of `seq`; it samples if they reach its last
+        token."""
         start = seq.num_computed_tokens
         self.seqs.append(seq)
         self.starts.append(start)
@@ -37,7 +43,8 @@ class ScheduledStep:
             self.sample_rows.append(len(self.seqs) - 1)
 
     def add_decodes(self, seqs: list[Sequence]) -> None:
-        """Runs the last token of each of `seqs` (the token its K/V does not hold yet)."""
+        """Runs the last token of each of `seqs` (the token its K/V does not hold
+        yet)."""
         first = len(self.seqs)
         self.seqs += seqs
         self.starts += [len(seq.token_ids) - 1 for seq in seqs]
@@ -46,17 +53,29 @@ class ScheduledStep:
         self.sample_rows += range(first, first + len(seqs))
 
     @property
+    def sample_counts(self) -> list[int]:
+        """The tokens each sampling row samples: one, and one after each proposal."""
+        return [1 + len(self.proposals.get(i, ())) for i in self.sample_rows]
+
+    @property
+    def first_rows(self) -> list[int]:
+        """Each sampling row's first row of logits: its tokens take `sample_counts`."""
+        return list(itertools.accumulate(self.sample_counts[:-1], initial=0))
+
+    @property
     def num_scheduled_tokens(self) -> int:
         return sum(self.num_tokens) + sum(map(len, self.proposals.values()))
 
 
 @dataclass
 class StepInputs:
-    """One step's model inputs as host arrays (what tensor parallelism sends to other ranks).
-    `logits_indices` picks the rows whose logits are computed: the sampling rows, then the rows
-    of prompt tokens whose logits a sequence asks for, (its index in the step, number of rows)
-    in `prompt_rows`. Ragged steps (prompt chunks) fill the `cu_seqlens`. A runner subclass may
-    add attributes (LoRA's adapter slots): they travel to every rank with the rest."""
+    """One step's model inputs as host arrays (what tensor parallelism sends to other
+    ranks). `logits_indices` picks the rows whose logits are computed: the sampling
+    rows, then the rows of prompt tokens whose logits a sequence asks for, (its index in
+    the step, number of rows) in `prompt_rows`. Ragged steps (prompt chunks) fill the
+    `cu_seqlens`. `extension` is what the runner's extension adds (LoRA's adapter
+    slots): it travels to every rank with the rest."""
+
     ragged: bool
     input_ids: np.ndarray
     positions: np.ndarray
@@ -68,17 +87,19 @@ class StepInputs:
     cu_seqlens_k: np.ndarray | None = None
     max_seqlen_q: int = 1
     prompt_rows: list[tuple[int, int]] = field(default_factory=list)
+    extension: object = None
 
 
 @dataclass
 class SamplerOutput:
-    """What a step sampled, one entry per sampling row (the step's `samplers`, in order): its new
-    tokens (one, and one after each of its proposals; once applied, the proposals the model agreed
-    with and one more). `logits` holds the model's logits (before any processor or temperature) that
-    the tokens came from: row `first_rows[i] + j` for token j of sampling row i. `prompt_logits`
-    maps a sequence that asks for them (by index in the step) to the logits of the prompt tokens it
-    ran, row j predicting the token after position `step.starts[i] + j`."""
+    """What a step sampled, one entry per sampling row (the step's `samplers`, in
+    order): its new tokens (one, and one after each of its proposals; once applied, the
+    proposals the model agreed with and one more). `logits` holds the model's logits
+    (before any processor or temperature) that the tokens came from: row
+    `step.first_rows[i] + j` for token j of sampling row i. `prompt_logits` maps a
+    sequence that asks for them (by index in the step) to the logits of the prompt
+    tokens it ran, row j predicting the token after position `step.starts[i] + j`."""
+
     token_ids: list[list[int]]
     logits: torch.Tensor | None = None
-    first_rows: list[int] | range = ()
     prompt_logits: dict[int, torch.Tensor] = field(default_factory=dict)

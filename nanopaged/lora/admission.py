@@ -8,7 +8,7 @@ import xxhash
 
 from nanopaged.core.llm_engine import LLMEngine
 from nanopaged.lora.request import LoRARequest
-from nanopaged.lora.runner import LoRARunner, adapter_key
+from nanopaged.lora.runner import LoRAExtension, adapter_key
 from nanopaged.outputs import Request
 
 
@@ -21,8 +21,9 @@ def cache_salt(request: LoRARequest, generation: int = 0) -> int:
 class LoRAAdmission:
     """The LoRA part of an engine's requests (see the module's docstring)."""
 
-    def __init__(self, runner: LoRARunner, max_loras: int):
-        self.runner, self.max_loras = runner, max_loras
+    def __init__(self, extension: LoRAExtension, max_loras: int):
+        self.extension = extension
+        self.max_loras = max_loras
         self.held: list[Request] = []
 
     def add(self, lora_request: LoRARequest) -> None:
@@ -30,20 +31,20 @@ class LoRAAdmission:
         if not isinstance(lora_request, LoRARequest):
             raise ValueError(f"lora_request must be a LoRARequest or None, got "
                              f"{type(lora_request).__name__}")
-        self.runner.check(lora_request)
+        self.extension.check(lora_request)
 
     def remove(self, lora_id: int) -> bool:
         """Forgets the adapters of id `lora_id`: their copies and their cached blocks (a later
         request reads the adapter again). Whether there was one."""
-        keys = [key for key in {*self.runner.staged, *self.runner.slots}
+        keys = [key for key in {*self.extension.staged, *self.extension.slots}
                 if key is not None and key[1] == lora_id]
         for key in keys:
-            self.runner.forget(key)
+            self.extension.forget(key)
         return bool(keys)
 
     def ids(self) -> set[int]:
         """The ids of the adapters read and kept (on the host or in a slot)."""
-        return {key[1] for key in {*self.runner.staged, *self.runner.slots} if key is not None}
+        return {key[1] for key in {*self.extension.staged, *self.extension.slots} if key is not None}
 
     def prepare(self, request: Request, lora_request: LoRARequest) -> None:
         """Checks the adapter (a ValueError names what is wrong) and marks the sequences."""
@@ -51,8 +52,8 @@ class LoRAAdmission:
         request.lora_request = lora_request
         key = adapter_key(lora_request)
         for seq in request.seqs:
-            seq.cache_salt = cache_salt(lora_request, self.runner.generations.get(key, 0))
-            self.runner.adapters[seq] = lora_request
+            seq.cache_salt = cache_salt(lora_request, self.extension.generations.get(key, 0))
+            self.extension.adapters[seq] = lora_request
 
     def admits(self, request: Request, engine: LLMEngine) -> bool:
         """Whether the engine may take `request` now (without exceeding `max_loras`)."""
@@ -70,6 +71,5 @@ class LoRAAdmission:
                 add(request)
 
     def _adapters_in(self, engine: LLMEngine) -> set:
-        scheduler, adapters = engine.scheduler, self.runner.adapters
-        return {adapter_key(adapters[seq]) for seq in (*scheduler.waiting, *scheduler.running)
-                if seq in adapters}
+        adapters = self.extension.adapters
+        return {adapter_key(adapters[seq]) for seq in engine.unfinished() if seq in adapters}

@@ -1,16 +1,17 @@
-"""LoRA on every rank: the projections' methods wrapped to add each row's adapter delta
-(punica.py), `max_loras` device slots filled least recently used first, and the slots of a
-step's rows sent with its inputs."""
+"""LoRA on every rank, as the runner's extension: the projections' methods wrapped to add each
+row's adapter delta (punica.py), `max_loras` device slots filled least recently used first, and
+the slots of a step's rows sent with its inputs."""
 import importlib.util
 import weakref
 from collections import OrderedDict
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 from torch import nn
 
 from nanopaged.core.layers import LinearMethod, to_device
-from nanopaged.core.model_runner import ModelRunner
+from nanopaged.core.model_runner import ModelRunner, RunnerExtension
 from nanopaged.core.sequence import Sequence
 from nanopaged.core.step import ScheduledStep, StepInputs
 from nanopaged.lora.adapter import LoRAConfig, adaptable, empty_slot, stage
@@ -60,17 +61,25 @@ class LoRALinear(LinearMethod):
         return y
 
 
-class LoRARunner(ModelRunner):
-    """A model runner with LoRA, mixed into each rank's runner class (`parallel.make_runner`).
-    Its projections are wrapped before the KV pool is sized (the slots take memory). On rank 0,
-    `adapters` maps each sequence to its adapter and `prepare_inputs` decides which adapters
-    the step loads into which slots (least recently used first, never one the step needs); the
-    inputs carry that plan and each token's slot to every rank, where `execute` loads and
-    runs. An adapter is read, checked and staged by `check` on rank 0 when a request brings it
-    (the `max_cpu_loras` most recent stay staged on the host); other ranks read their shards
-    when told to load it."""
+@dataclass
+class LoRAInputs:
+    """What a step tells every rank about adapters: the adapters to load first, as (slot,
+    request, generation), and each token's slot (-1: the base model)."""
+    loads: list[tuple[int, LoRARequest, int]]
+    slots: np.ndarray
 
-    def __init__(self, *args, lora: LoRAConfig, **kwargs):
+
+class LoRAExtension(RunnerExtension):
+    """LoRA in each rank's runner (the runner's `extension`). Its projections are wrapped before
+    the KV pool is sized (the slots take memory). On rank 0, `adapters` maps each sequence to
+    its adapter and `prepare_inputs` decides which adapters the step loads into which slots
+    (least recently used first, never one the step needs); the step's `LoRAInputs` carry that
+    plan and each token's slot to every rank, where `before_forward` loads them and sets the
+    rows' slots. An adapter is read, checked and staged by `check` on rank 0 when a request
+    brings it (the `max_cpu_loras` most recent stay staged on the host); other ranks read their
+    shards when told to load it."""
+
+    def __init__(self, lora: LoRAConfig):
         self.lora_config = lora
         self.adapters: weakref.WeakKeyDictionary[Sequence, LoRARequest] = \
             weakref.WeakKeyDictionary()
@@ -79,20 +88,18 @@ class LoRARunner(ModelRunner):
         self.slots: list[tuple | None] = [None] * lora.max_loras  # the adapter in each slot
         self.last_used = [0] * lora.max_loras
         self.num_steps = 0
-        super().__init__(*args, **kwargs)
 
-    def _allocate_kv_cache(self) -> int:
-        self._wrap_projections()
-        return super()._allocate_kv_cache()
-
-    def _wrap_projections(self) -> None:
-        config, lora = self.config, self.lora_config
-        self.rows = RowSlots(max(config.max_num_batched_tokens, config.max_num_seqs), self.device)
+    def prepare_model(self, runner: ModelRunner) -> None:
+        """Wraps the model's projections: each adds its rows' adapter deltas."""
+        config, lora = runner.config, self.lora_config
+        self.model, self.dtype = runner.model, config.dtype
+        capacity = max(config.max_num_batched_tokens, config.max_num_seqs)
+        self.rows = RowSlots(capacity, runner.device)
         self.layers: dict[str, LoRALinear] = {}
         for name, module in self.model.named_modules():
             if adaptable(module):
                 parts = len(self.model.param_parts(name + ".weight"))
-                a, b = empty_slot(module, parts, lora.max_lora_rank, config.dtype, self.device)
+                a, b = empty_slot(module, parts, lora.max_lora_rank, config.dtype, runner.device)
                 a = a.unsqueeze(0).repeat(lora.max_loras, 1, 1)
                 b = b.unsqueeze(1).repeat(1, lora.max_loras, 1)
                 module.method = self.layers[name] = LoRALinear(module.method, a, b, self.rows)
@@ -112,14 +119,13 @@ class LoRARunner(ModelRunner):
         key = adapter_key(request)
         if key not in self.staged:
             self.staged[key] = stage(request, self.model, self.lora_config.max_lora_rank,
-                                     self.config.dtype)
+                                     self.dtype)
             while len(self.staged) > self.lora_config.max_cpu_loras:
                 self.staged.popitem(last=False)
         self.staged.move_to_end(key)
         return self.staged[key]
 
-    def prepare_inputs(self, step: ScheduledStep) -> StepInputs:
-        inputs = super().prepare_inputs(step)
+    def prepare_inputs(self, step: ScheduledStep, inputs: StepInputs) -> LoRAInputs:
         wanted = [self.adapters.get(seq) for seq in step.seqs]
         needed = {adapter_key(r): r for r in wanted if r is not None}
         if len(needed) > len(self.slots):
@@ -129,32 +135,29 @@ class LoRARunner(ModelRunner):
         # the free slots first, then the least recently used
         spare = sorted((i for i in range(len(self.slots)) if i not in slot_of.values()),
                        key=lambda i: (self.slots[i] is not None, self.last_used[i]))
-        inputs.lora_loads = []
+        loads = []
         for key, request in needed.items():
             if key not in slot_of:
                 slot_of[key] = spare.pop(0)
-                inputs.lora_loads.append((slot_of[key], request, self.generations.get(key, 0)))
+                loads.append((slot_of[key], request, self.generations.get(key, 0)))
         row_slots = [-1 if r is None else slot_of[adapter_key(r)] for r in wanted]
         counts = np.diff(inputs.cu_seqlens_q) if inputs.ragged else 1
-        inputs.lora_slots = np.repeat(np.array(row_slots, np.int64), counts)
-        return inputs
+        return LoRAInputs(loads, np.repeat(np.array(row_slots, np.int64), counts))
 
-    @torch.inference_mode()
-    def execute(self, inputs: StepInputs) -> torch.Tensor | None:
-        for slot, request, generation in getattr(inputs, "lora_loads", ()):
+    def before_forward(self, inputs: StepInputs) -> None:
+        lora = inputs.extension
+        if lora is None:  # a step not prepared by a runner (the profiling forward): no adapter
+            lora = LoRAInputs([], np.full(len(inputs.input_ids), -1, np.int64))
+        for slot, request, generation in lora.loads:
             key = adapter_key(request)
             if self.generations.get(key, 0) != generation:  # forgotten on rank 0: read anew
                 self.staged.pop(key, None)
                 self.generations[key] = generation
             self._load(slot, request)
-        slots = getattr(inputs, "lora_slots", None)
-        if slots is None:  # a step not prepared here (none of its rows has an adapter)
-            slots = np.full(len(inputs.input_ids), -1, np.int64)
         self.num_steps += 1
-        for slot in np.unique(slots[slots >= 0]):
+        for slot in np.unique(lora.slots[lora.slots >= 0]):
             self.last_used[slot] = self.num_steps
-        self.rows.set(slots)
-        return super().execute(inputs)
+        self.rows.set(lora.slots)
 
     def _load(self, slot: int, request: LoRARequest) -> None:
         """Copies the adapter into `slot`; until it is all there, the slot holds no adapter."""

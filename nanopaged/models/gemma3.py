@@ -14,12 +14,12 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from nanopaged.core.attention import AttentionMetadata
-from nanopaged.core.layers import RMSNorm, fused
-from nanopaged.core.model import (ARCHITECTURES, MLP, CausalLM, DecoderAttention, DecoderLayer,
-                                  unsupported_fields)
+from nanopaged.core.layers import Kernels, RMSNorm, compiled_on_gpu
+from nanopaged.checks import UNSUPPORTED, unsupported_fields
+from nanopaged.core.model import ARCHITECTURES, MLP, CausalLM, DecoderAttention, DecoderLayer
 
 
-@fused
+@compiled_on_gpu
 def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
@@ -36,41 +36,42 @@ class GemmaRMSNorm(RMSNorm):
         return gemma_rms_norm(x, self.weight, self.eps), x
 
 
-@fused
+@compiled_on_gpu
 def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     gate, up = gate_up.chunk(2, dim=-1)
     return F.gelu(gate, approximate="tanh") * up
 
 
 class GeluMLP(MLP):
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(gelu_tanh_and_mul(self.gate_up_proj(x)))
+    def __init__(self, config: PretrainedConfig, kernels: Kernels):
+        super().__init__(config, kernels)
+        self.act = gelu_tanh_and_mul
 
 
 class Gemma3Attention(DecoderAttention):
-    def __init__(self, config: PretrainedConfig, backend: str, index: int):
-        super().__init__(config, backend, index)
+    def __init__(self, config: PretrainedConfig, kernels: Kernels, index: int):
+        super().__init__(config, kernels, index)
         self.qk_norm = True
-        self.q_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps)
-        self.k_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps)
+        self.q_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps, kernels)
+        self.k_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps, kernels)
         self.attn.scale = config.query_pre_attn_scalar ** -0.5
 
 
 class Gemma3Layer(DecoderLayer):
     attention = Gemma3Attention
 
-    def __init__(self, config: PretrainedConfig, backend: str, index: int):
-        super().__init__(config, backend, index)
+    def __init__(self, config: PretrainedConfig, kernels: Kernels, index: int):
+        super().__init__(config, kernels, index)
         size, eps = config.hidden_size, config.rms_norm_eps
-        self.input_layernorm = GemmaRMSNorm(size, eps)
-        self.post_attention_layernorm = GemmaRMSNorm(size, eps)
-        self.pre_feedforward_layernorm = GemmaRMSNorm(size, eps)
-        self.post_feedforward_layernorm = GemmaRMSNorm(size, eps)
+        self.input_layernorm = GemmaRMSNorm(size, eps, kernels)
+        self.post_attention_layernorm = GemmaRMSNorm(size, eps, kernels)
+        self.pre_feedforward_layernorm = GemmaRMSNorm(size, eps, kernels)
+        self.post_feedforward_layernorm = GemmaRMSNorm(size, eps, kernels)
         # sqrt(hidden_size) rounded to the model's dtype, as transformers multiplies by it
         self.embed_scale = torch.tensor(size ** 0.5).to(torch.get_default_dtype()).item()
 
-    def make_mlp(self, config: PretrainedConfig, backend: str, index: int) -> nn.Module:
-        return GeluMLP(config)
+    def make_mlp(self, config: PretrainedConfig, kernels: Kernels, index: int) -> nn.Module:
+        return GeluMLP(config, kernels)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
@@ -93,12 +94,12 @@ def unsupported_gemma3_fields(config: PretrainedConfig) -> dict:
 
 
 class Gemma3ForCausalLM(CausalLM):
-    unsupported = staticmethod(unsupported_gemma3_fields)
     decoder_layer = Gemma3Layer
 
-    def __init__(self, config: PretrainedConfig, backend: str):
-        super().__init__(config, backend)
-        self.model.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
+    def __init__(self, config: PretrainedConfig, kernels: Kernels):
+        super().__init__(config, kernels)
+        self.model.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
 
 
 ARCHITECTURES["Gemma3ForCausalLM"] = Gemma3ForCausalLM
+UNSUPPORTED["Gemma3ForCausalLM"] = unsupported_gemma3_fields

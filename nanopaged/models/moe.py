@@ -16,9 +16,9 @@ import torch.distributed as dist
 from torch import nn
 from transformers import PretrainedConfig
 
-from nanopaged.core.layers import LinearBase, silu_and_mul, tp_rank, tp_shard, tp_size
-from nanopaged.core.model import (ARCHITECTURES, MLP, QK_NORM, CausalLM, DecoderLayer,
-                                  unsupported_fields)
+from nanopaged.core.layers import Kernels, LinearBase, silu_and_mul, tp_rank, tp_shard, tp_size
+from nanopaged.checks import UNSUPPORTED, unsupported_fields
+from nanopaged.core.model import ARCHITECTURES, MLP, QK_NORM, CausalLM, DecoderLayer
 
 
 def route(router_logits: torch.Tensor, top_k: int, renormalize: bool
@@ -76,15 +76,16 @@ class Experts(nn.Module):
 class SparseMoeBlock(nn.Module):
     """The router (`gate`) and the experts of one layer."""
 
-    def __init__(self, config: PretrainedConfig, backend: str):
+    def __init__(self, config: PretrainedConfig, kernels: Kernels):
         super().__init__()
         self.num_experts = num_experts(config)
         self.top_k = config.num_experts_per_tok
         self.renormalize = getattr(config, "norm_topk_prob", True)  # Mixtral always does
         size = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
-        self.gate = LinearBase(config.hidden_size, self.num_experts, bias=False)
+        self.gate = LinearBase(config.hidden_size, self.num_experts, False, kernels.linear)
         self.experts = Experts(self.num_experts, config.hidden_size, size)
-        self.run_experts = _fused_experts if backend in ("triton", "flash") else experts_torch
+        on_gpu = kernels.backend in ("triton", "flash")
+        self.run_experts = _fused_experts if on_gpu else experts_torch
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = route(self.gate(x), self.top_k, self.renormalize)
@@ -107,10 +108,10 @@ class MoeLayer(DecoderLayer):
     """A decoder layer whose feed-forward block is sparse, but on Qwen3-MoE's `mlp_only_layers`
     and, with `decoder_sparse_step` n, on all but every n-th layer."""
 
-    def make_mlp(self, config: PretrainedConfig, backend: str, index: int) -> nn.Module:
+    def make_mlp(self, config: PretrainedConfig, kernels: Kernels, index: int) -> nn.Module:
         dense = index in (getattr(config, "mlp_only_layers", None) or ()) or \
             (index + 1) % getattr(config, "decoder_sparse_step", 1) != 0
-        return MLP(config) if dense else SparseMoeBlock(config, backend)
+        return MLP(config, kernels) if dense else SparseMoeBlock(config, kernels)
 
 
 # A checkpoint's expert matrix: (layer prefix, expert, matrix name)
@@ -125,15 +126,9 @@ class MoeForCausalLM(CausalLM):
     """Qwen3-MoE and Mixtral (whose checkpoints call the layer's block `block_sparse_moe`)."""
     decoder_layer = MoeLayer
 
-    def __init__(self, config: PretrainedConfig, backend: str):
-        super().__init__(config, backend)
+    def __init__(self, config: PretrainedConfig, kernels: Kernels):
+        super().__init__(config, kernels)
         self.num_experts = num_experts(config)
-
-    @staticmethod
-    def unsupported(config: PretrainedConfig) -> dict:
-        quant = getattr(config, "quantization_config", None) or {}
-        experts = {"quantization_config (quantized experts)": quant.get("quant_method", "?")}
-        return unsupported_fields(config) | (experts if quant else {})
 
     def checkpoint_param(self, name: str) -> tuple[str, object]:
         match = EXPERT_MATRIX.match(name)
@@ -152,5 +147,14 @@ class MoeForCausalLM(CausalLM):
         return [(expert, part) for expert in range(self.num_experts) for part in parts]
 
 
+def unsupported_moe_fields(config: PretrainedConfig) -> dict:
+    """The core's checks, and quantized experts (which nanopaged does not implement)."""
+    quant = getattr(config, "quantization_config", None) or {}
+    experts = {"quantization_config (quantized experts)": quant.get("quant_method", "?")}
+    return unsupported_fields(config) | (experts if quant else {})
+
+
 QK_NORM.add("Qwen3MoeForCausalLM")
 ARCHITECTURES.update(Qwen3MoeForCausalLM=MoeForCausalLM, MixtralForCausalLM=MoeForCausalLM)
+UNSUPPORTED.update(Qwen3MoeForCausalLM=unsupported_moe_fields,
+                   MixtralForCausalLM=unsupported_moe_fields)

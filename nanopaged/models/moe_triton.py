@@ -11,7 +11,9 @@ import torch
 import triton
 import triton.language as tl
 
-from nanopaged.core.layers import silu_and_mul
+from nanopaged.core import layers
+
+silu_and_mul = layers.compiled_on_gpu(layers.silu_and_mul)
 
 
 def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int

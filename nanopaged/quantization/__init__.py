@@ -1,5 +1,5 @@
 """Quantized checkpoints: each format in its own file, entered in the core's
-`layers.QUANTIZATIONS` under the `quant_method` of the checkpoint's `quantization_config`.
+`loader.QUANTIZATIONS` under the `quant_method` of the checkpoint's `quantization_config`.
 
 - fp8.py: `"fp8"` (block-wise e4m3 with `weight_scale_inv`, or one scale per tensor)
 - compressed_tensors.py: `"compressed-tensors"` FP8 (per channel, per tensor or block-wise)

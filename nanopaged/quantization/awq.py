@@ -10,7 +10,8 @@ multiplied 4-bit by a kernel, elsewhere dequantized once loaded (see `Int4Linear
 import torch
 from torch import nn
 
-from nanopaged.core.layers import QUANTIZATIONS, LinearMethod, parameter
+from nanopaged.core.layers import LinearMethod, parameter
+from nanopaged.core.loader import QUANTIZATIONS
 from nanopaged.quantization.dequantize import (
     Int4Linear,
     check_group,

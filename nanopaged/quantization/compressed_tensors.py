@@ -5,7 +5,8 @@ every projection (`targets: ["Linear"]`): `weights` float, 8 bits, symmetric, wi
 `block_structure: [bn, bk]`); `input_activations`, if any, 8-bit float per token or per tensor
 (dynamic, or static with an `input_scale`). The stored layout is fp8.py's, and so is the
 computation (FP8 GEMMs on a GPU that has them, else the weight dequantized once loaded)."""
-from nanopaged.core.layers import QUANTIZATIONS, LinearMethod
+from nanopaged.core.layers import LinearMethod
+from nanopaged.core.loader import QUANTIZATIONS
 from nanopaged.quantization.dequantize import check_keys, check_skipped
 from nanopaged.quantization.fp8 import Fp8Linear
 

@@ -29,12 +29,11 @@ class DequantizedLinear(LinearMethod):
         for name, param in layer.quantized.items():
             layer.register_parameter(name, param)
 
-    def process_weights(self, layer: nn.Module) -> None:
+    def process_weights(self, layer: nn.Module) -> LinearMethod:
         weight = self.dequantize(layer).to(layer.float_dtype)
         drop_stored(layer)
         layer.weight = parameter(weight, 0, 1)
-        layer.method = self.dense
-        self.dense.process_weights(layer)
+        return self.dense.process_weights(layer)
 
 
 class Int4Linear(DequantizedLinear):
@@ -52,13 +51,13 @@ class Int4Linear(DequantizedLinear):
         scales = scales.float().repeat_interleave(group, 0)
         return ((values - zeros).float() * scales).t()
 
-    def process_weights(self, layer: nn.Module) -> None:
+    def process_weights(self, layer: nn.Module) -> LinearMethod:
         if not use_kernel(layer.qweight):
             return super().process_weights(layer)
         from nanopaged.quantization.int4_triton import Int4Kernel
         parts = self.int4(layer)
         drop_stored(layer)
-        Int4Kernel.keep(layer, *parts)
+        return Int4Kernel.keep(layer, *parts)
 
 
 def drop_stored(layer: nn.Module) -> None:

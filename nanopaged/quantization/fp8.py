@@ -13,7 +13,8 @@ FP8, and activations stay in the model's dtype."""
 import torch
 from torch import nn
 
-from nanopaged.core.layers import QUANTIZATIONS, LinearMethod, parameter
+from nanopaged.core.layers import LinearMethod, parameter
+from nanopaged.core.loader import QUANTIZATIONS
 from nanopaged.core.sequence import cdiv
 from nanopaged.quantization.dequantize import (
     DequantizedLinear,
@@ -52,14 +53,14 @@ class Fp8Linear(DequantizedLinear):
             found["input_scale"] = parameter(torch.empty(out_features, 1), 0)
         return found
 
-    def process_weights(self, layer: nn.Module) -> None:
+    def process_weights(self, layer: nn.Module) -> LinearMethod:
         if self.block or self.static_input or not use_scaled_mm(layer):
             return super().process_weights(layer)
         weight, scale = layer.weight, getattr(layer, self.scale_name)
         drop_stored(layer)
         layer.weight_t = weight.data.t()   # (in, out), column-major: what _scaled_mm takes
         layer.weight_scale = scale.data.reshape(1, -1).float().contiguous()   # (1, out)
-        layer.method = Fp8ScaledMM()
+        return Fp8ScaledMM()
 
     def dequantize(self, layer: nn.Module) -> torch.Tensor:
         weight = layer.weight.float()

@@ -71,11 +71,12 @@ class Int4Kernel(LinearMethod):
 
     @classmethod
     def keep(cls, layer: nn.Module, values: torch.Tensor, zeros: torch.Tensor,
-             scales: torch.Tensor, group: int) -> None:
+             scales: torch.Tensor, group: int) -> "Int4Kernel":
+        """Keeps the 4-bit parts in `layer`; returns the method that multiplies them."""
         layer.packed = pack_inputs(values)
         layer.zeros = zeros.to(torch.uint8).contiguous()
         layer.scales = scales.to(torch.float16).contiguous()
-        layer.method = cls(group)
+        return cls(group)
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         out = int4_matmul(x, layer.packed, layer.zeros, layer.scales, self.group)
