@@ -96,8 +96,12 @@ class InputProcessor:
             processors = [p for p in (adjustments, matchers and matchers[i]) if p is not None]
             # sample 0 is what n=1 gives; the others get their own, fixed, seeds
             seed = params.seed if i == 0 or params.seed is None else hash((params.seed, i))
-            seqs.append(Sequence(token_ids, params, stop_token_ids, processors, seed,
-                                 prompt_logits=params.prompt_logprobs is not None and i == 0))
+            seq = Sequence(token_ids, params)
+            seq.stop_token_ids = stop_token_ids
+            seq.logits_processors = processors
+            seq.seed = seed
+            seq.prompt_logits = params.prompt_logprobs is not None and i == 0
+            seqs.append(seq)
         return Request(request_id, text, token_ids, params, seqs, self.tokenizer, matchers)
 
     def _check_fits(self, token_ids: list[int], params: SamplingParams) -> None:

@@ -188,7 +188,9 @@ class LLM(VLLMEngineAPI):
         strings), and of the prompt logprobs asked for. Returns the requests that got tokens,
         in the order of their first row; a request whose bookkeeping fails ends alone."""
         now, advanced = time.perf_counter(), {}
-        for i, logits in sampled.prompt_logits.items():
+        start = sum(step.sample_counts)  # the prompt rows' logits follow the sampling rows'
+        for i, count in step.prompt_rows:
+            logits, start = sampled.logits[start:start + count], start + count
             request, _ = self.owners[step.seqs[i]]
             targets = request.prompt_token_ids[step.starts[i] + 1:][:len(logits)]
             try:

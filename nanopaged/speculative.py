@@ -285,8 +285,7 @@ class SpeculativeEngine(LLMEngine):
                 accepted += 1
             kept.append(tokens[:accepted + 1])
             self.num_accepted_tokens += accepted
-        applied = super().apply(step, SamplerOutput(kept, sampled.logits,
-                                                    sampled.prompt_logits))
+        applied = super().apply(step, SamplerOutput(kept, sampled.logits))
         for i in self.reserved:
             if step.seqs[i].finish_reason is None:
                 self.block_manager.trim(step.seqs[i])

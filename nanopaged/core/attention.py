@@ -8,8 +8,7 @@ the same three functions as plain PyTorch here (the CPU path and the reference):
 `store_kvcache(k, v, k_cache, v_cache, slot_mapping)`, and `prefill` and `decode` of
 (q, k_cache, v_cache, meta, scale, window), which return the attention output of the
 queries q; with a `window`, a query sees the last `window` positions only. Shapes: T
-tokens of the step, B sequences, L context length, nh query heads, nkv key/value heads,
-hs head size."""
+tokens of the step, B sequences, L context, nh query heads, nkv K/V heads, hs head."""
 
 import importlib.util
 import os
@@ -50,8 +49,7 @@ def store_kvcache_torch(k, v, k_cache, v_cache, slot_mapping) -> None:
 
 
 def gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
-    """(B, nb) block ids -> (B, nkv, nb * bs, hs), their rows (block -1 reads block
-    0)."""
+    """(B, nb) block ids -> (B, nkv, nb * bs, hs), their rows (-1 reads block 0)."""
     num_seqs, num_blocks = block_tables.shape
     # index_select is faster here than cache[...]
     rows = cache.index_select(0, block_tables.flatten().clamp(min=0).long())
@@ -61,8 +59,7 @@ def gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tens
 
 def attend(q, k, v, mask: torch.Tensor, scale: float) -> torch.Tensor:
     """q: (B, nh, Q, hs) for Q queries, k/v: (B, nkv, L, hs), mask: (B, 1, Q, L), True
-    where a query sees a key -> (B, nh, Q, hs). Query heads share key heads in groups
-    (GQA)."""
+    where a query sees a key -> (B, nh, Q, hs). Query heads share key heads (GQA)."""
     k, v = k.to(q), v.to(q)
     return F.scaled_dot_product_attention(q, k, v, mask, scale=scale, enable_gqa=True)
 
@@ -85,8 +82,7 @@ def prefill_torch(q, k_cache, v_cache, meta, scale, window=None) -> torch.Tensor
 
 
 def decode_torch(q, k_cache, v_cache, meta, scale, window=None) -> torch.Tensor:
-    """One query per sequence over its cached context, the batch padded to the
-    longest."""
+    """One query per sequence over its cached context, padded to the longest."""
     k = gather_blocks(k_cache, meta.block_tables)
     v = gather_blocks(v_cache, meta.block_tables)
     key_pos = torch.arange(k.shape[2], device=q.device)[None, :]
@@ -116,8 +112,7 @@ def prefill_flash(q, k_cache, v_cache, meta, scale, window=None) -> torch.Tensor
 def decode_flash(q, k_cache, v_cache, meta, scale, window=None) -> torch.Tensor:
     from flash_attn import flash_attn_with_kvcache
 
-    # no right edge (-1, not causal's 0): only then does flash-attn read a GQA group's
-    # K/V once
+    # no right edge (-1, not causal's 0): only so does flash-attn read a GQA group once
     out = flash_attn_with_kvcache(
         q.unsqueeze(1),
         k_cache,
@@ -175,8 +170,7 @@ def torch_kernels() -> Kernels:
 
 
 # name -> backend, in the order "auto" tries them (plain "torch" last). A backend above
-# the core enters itself here (nanopaged/cpu.py), as a model family enters
-# `model.ARCHITECTURES`.
+# the core enters itself here (nanopaged/cpu.py), as a model family in ARCHITECTURES.
 BACKENDS: dict[str, Backend] = {
     "flash": Backend(flash_kernels, needs_flash, ("cuda",)),
     "triton": Backend(

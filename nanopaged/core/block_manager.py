@@ -10,9 +10,8 @@ from nanopaged.core.sequence import Sequence, cdiv
 
 def hash_block(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
     """Hash of a full block, chained to the hash of the block before it (of a sequence's
-    first block: its `cache_salt`): the hash names the whole prefix up to this block,
-    and what computed its K/V (the base model or a LoRA adapter), not only its own
-    tokens."""
+    first block: its `cache_salt`): it names the whole prefix up to this block and what
+    computed its K/V (the base model or a LoRA adapter), not only its own tokens."""
     h = xxhash.xxh64()
     if parent_hash is not None:
         h.update(parent_hash.to_bytes(8, "little"))
@@ -23,23 +22,22 @@ def hash_block(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
 class BlockManager:
     """Hands out blocks to sequences and keeps the prefix cache.
 
-    Block `b` holds `block_size` token slots. `ref_counts[b]` counts the sequences
-    holding it. A block with a hash (`hashes[b]`) holds a full block of tokens
-    (`block_tokens[b]`), computed or being computed by the current step, and can be
-    shared by every sequence with the same prefix and `cache_salt` (the chain starts at
-    it: a block a LoRA adapter computed is never served to another adapter, nor to the
-    base model). (Plain lists, not an object per block: a pool of many thousand blocks
-    is made in a moment.) Free blocks wait in `free_block_ids`, least recently freed
-    first: that order is the eviction policy. A freed block keeps its hash, so a later
-    request with the same prefix can take it back until it is handed out again. Only
-    full blocks are shared; a full block is never written again. A block's hash is
-    entered when the step that fills it is scheduled (later sequences of the step may
-    share it: the n samples of a prompt) and *committed* once the step has run: after a
-    failed step, `rollback` forgets it. Nothing is looked up without
+    Block `b` holds `block_size` token slots; `ref_counts[b]` sequences hold it. A block
+    with a hash (`hashes[b]`) holds a full block of tokens (`block_tokens[b]`), computed
+    or being computed by the current step, and is shared by every sequence with the
+    same prefix and `cache_salt` (where the chain starts: a LoRA adapter's block is
+    never served to another adapter, nor to the base model). Plain lists, not an object
+    per block: a pool of many thousand blocks is made in a moment. Free blocks wait in
+    `free_block_ids`, least recently freed first: that order is the eviction policy. A
+    freed block keeps its hash until it is handed out again, for a later request with
+    the same prefix. Only full blocks are shared, and never written again. A block's
+    hash is entered when the step that fills it is scheduled (later sequences of the
+    step may share it: a prompt's n samples) and *committed* once the step has run:
+    after a failed step, `rollback` forgets it. Nothing is looked up without
     `enable_prefix_caching`, nor for a sequence that asks for its prompt's logits. With
     a `sliding_window` on every layer, a decoding sequence gives back each block wholly
-    before the window (its entry becomes -1) but the one before its last, whose hash the
-    next full block chains to: it holds at most window / block_size + 1 blocks."""
+    before the window (its entry becomes -1) but the one the next full block's hash
+    chains to: it holds at most window / block_size + 1 blocks."""
 
     def __init__(
         self,
@@ -121,8 +119,7 @@ class BlockManager:
 
     def may_append(self, seq: Sequence) -> None:
         """Makes room for the K/V of the token that `seq` decodes next: a new block when
-        its last one is full. When that token fills its block, enters the block in the
-        prefix cache."""
+        its last one is full; enters the block that token fills in the prefix cache."""
         num_tokens = len(seq.token_ids)
         if num_tokens > len(seq.block_table) * self.block_size:
             seq.block_table.append(self._take_free_block())
@@ -138,8 +135,7 @@ class BlockManager:
 
     def reserve(self, seq: Sequence, num_slots: int) -> int:
         """After `may_append`: makes room for up to `num_slots` proposals past the last
-        token of `seq`, with free blocks only; returns how many slots it has room
-        for."""
+        token of `seq`, with free blocks only; returns for how many it made room."""
         in_last_block = len(seq.block_table) * self.block_size - len(seq)
         new_blocks = self.blocks_for(num_slots - in_last_block)
         new_blocks = min(new_blocks, self.num_free_blocks)
@@ -148,18 +144,16 @@ class BlockManager:
         return min(num_slots, in_last_block + max(0, new_blocks) * self.block_size)
 
     def trim(self, seq: Sequence) -> None:
-        """After a step that verified proposals of `seq` (the accepted ones and one
-        token more appended): caches the blocks they filled, gives back those reserved
-        past its end."""
+        """After a step that verified proposals of `seq` (the accepted ones and one more
+        appended): caches the blocks they filled, gives back those past its end."""
         self.cache_full_blocks(seq, len(seq) - 1 - seq.num_computed_tokens)
         seq.num_computed_tokens = len(seq) - 1
         while len(seq.block_table) > self.blocks_for(len(seq)):
             self._release(seq.block_table.pop())
 
     def cache_full_blocks(self, seq: Sequence, num_tokens: int) -> None:
-        """Enters the blocks the next `num_tokens` tokens of `seq` fill in the prefix
-        cache: the step writes their K/V before any attention reads it, so a later
-        sequence may share them."""
+        """Enters the blocks the next `num_tokens` of `seq` fill in the prefix cache:
+        the step writes their K/V before attention reads it, so others may share it."""
         first = seq.num_computed_tokens // self.block_size
         last = (seq.num_computed_tokens + num_tokens) // self.block_size
         for i in range(first, last):
@@ -170,8 +164,7 @@ class BlockManager:
         self.uncommitted.clear()
 
     def rollback(self) -> None:
-        """The step failed: forget the hashes it entered, whose K/V may never have been
-        written."""
+        """The step failed: forget the hashes it entered (their K/V may be missing)."""
         for block_id in self.uncommitted:
             self._forget_hash(block_id)
         self.uncommitted.clear()
@@ -185,9 +178,8 @@ class BlockManager:
         return True
 
     def reclaim(self) -> None:
-        """Frees every block. Only for when no sequence holds any: it also returns
-        blocks that an allocation or a release interrupted halfway (Ctrl-C) left out of
-        the free list."""
+        """Frees every block, when no sequence holds any: also those that an allocation
+        or a release interrupted halfway (Ctrl-C) left out of the free list."""
         for block_id in range(self.num_blocks):
             self.ref_counts[block_id] = 0
             self.free_block_ids.setdefault(block_id)

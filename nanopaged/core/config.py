@@ -1,7 +1,6 @@
 """The core's options: what `LLMEngine` needs to know, resolved for this machine and
-this checkpoint. The values a user gives are checked above the core, before they get
-here (`nanopaged/engine_args.py`: names, types, ranges, and whether this machine can do
-them)."""
+this checkpoint. What a user gives is checked above the core before it gets here
+(`nanopaged/engine_args.py`: names, types, ranges, what this machine can do)."""
 
 from dataclasses import dataclass
 
@@ -22,8 +21,7 @@ class Config:
     16384 on a GPU and 4096 on a CPU (whose caches then hold a step), `kv_cache_dtype`
     the model's dtype; `attention_backend` "auto" picks the first usable of
     `attention.BACKENDS` for the device. `num_kvcache_blocks` forces the pool's size;
-    `scheduling`: see `Scheduler`; `seed` seeds the samples of sequences with no seed of
-    their own."""
+    `scheduling`: see `Scheduler`; `seed` seeds the samples of unseeded sequences."""
 
     model: str
     hf_config: PretrainedConfig | None = None

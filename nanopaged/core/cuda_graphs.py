@@ -21,8 +21,8 @@ def capture_cuda_graph(forward: Callable[[], None], pool) -> torch.cuda.CUDAGrap
 class DecodeGraphs:
     """One graph of the model's decode forward per batch size (1, 2, 4, 8, then steps of
     16), captured largest first into one memory pool by `capture`. A batch replays the
-    next larger size's graph, over static buffers where padding rows get slot -1 and no
-    context."""
+    next larger size's graph, over static buffers (padding rows: slot -1, no
+    context)."""
 
     def __init__(
         self,
@@ -53,8 +53,7 @@ class DecodeGraphs:
                 self.graphs[batch_size] = self.capture(model, batch_size, capture)
 
     def capture(self, model: nn.Module, n: int, capture: Callable):
-        """The graph of a decode batch of `n`, over the first `n` rows of the
-        buffers."""
+        """The graph of a decode batch of `n`, over the buffers' first `n` rows."""
         meta = self.meta
         rows = (meta.slot_mapping[:n], meta.context_lens[:n], meta.block_tables[:n])
         args = (self.input_ids[:n], self.positions[:n])

@@ -17,8 +17,7 @@ from torch import nn
 
 def compiled_on_gpu(fn: Callable) -> Callable:
     """`fn`, compiled by torch.compile (on first use) for GPU tensors, where tiny
-    kernels' launches are most of a small decode step's time; as written for CPU
-    tensors."""
+    kernels' launches are most of a small decode step's time; else as written."""
     compiled = functools.cache(lambda: torch.compile(fn, dynamic=True))
 
     @functools.wraps(fn)
@@ -30,8 +29,7 @@ def compiled_on_gpu(fn: Callable) -> Callable:
 
 def to_device(device: torch.device, values, dtype: torch.dtype | None = None):
     """Host values (None stays None) as a tensor on `device`; on a GPU from pinned
-    memory: a copy from pageable memory would first wait for the queued kernels (the
-    forward) to finish."""
+    memory: a copy from pageable memory would wait for the queued kernels to finish."""
     tensor = None if values is None else torch.as_tensor(values, dtype=dtype)
     if tensor is not None and device.type == "cuda":
         return tensor.pin_memory().to(device, non_blocking=True)
@@ -153,10 +151,9 @@ class LinearBase(nn.Module):
 
 
 def load_output_shard(layer, param, loaded: torch.Tensor, offset=0, size=None) -> None:
-    """Copies this rank's slice of the checkpoint tensor `loaded` (tensor-parallel ranks
-    split its output features) into the output features [offset, offset + size) of
-    `param` (all of it if it has no output dim); a scalar (a part's scale) fills the
-    part."""
+    """Copies this rank's slice of checkpoint tensor `loaded` (tensor-parallel ranks
+    split its output features) into output features [offset, offset + size) of `param`
+    (all of it if it has no output dim); a scalar (a part's scale) fills the part."""
     dim, pack = param.output_dim, param.output_pack
     if dim is None:
         return param.data.copy_(loaded)
@@ -181,8 +178,7 @@ class ColumnParallelLinear(LinearBase):
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
-    """Several column-parallel linears stored as one (gate and up projections): one
-    matmul."""
+    """Column-parallel linears stored as one (gate and up projections): one matmul."""
 
     def __init__(self, in_features: int, output_sizes: list[int], bias: bool, method):
         self.output_sizes = output_sizes
@@ -195,8 +191,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 
 
 class QKVParallelLinear(ColumnParallelLinear):
-    """The q, k and v projections as one linear; each rank holds its own heads of all
-    three."""
+    """The q, k and v projections as one linear; each rank holds its heads of all 3."""
 
     def __init__(self, hidden_size, head_dim, num_heads, num_kv_heads, bias, method):
         self.q_size = num_heads * head_dim // tp_size()
@@ -211,8 +206,7 @@ class QKVParallelLinear(ColumnParallelLinear):
 
 
 class RowParallelLinear(LinearBase):
-    """Input features split across ranks; partial outputs are summed with an
-    all-reduce."""
+    """Input features split across ranks; an all-reduce sums the partial outputs."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, method):
         super().__init__(in_features // tp_size(), out_features, bias, method)
@@ -232,8 +226,7 @@ class RowParallelLinear(LinearBase):
 
 
 class VocabParallelEmbedding(nn.Module):
-    """Each rank holds a contiguous slice of the vocabulary; an all-reduce assembles the
-    rows."""
+    """Each rank holds a slice of the vocabulary; an all-reduce assembles the rows."""
 
     def __init__(self, vocab_size: int, hidden_size: int):
         super().__init__()
@@ -257,8 +250,7 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(VocabParallelEmbedding):
-    """Projects hidden states to logits over the whole vocabulary, gathered on every
-    rank."""
+    """Hidden states to logits over the whole vocabulary, gathered on every rank."""
 
     def __init__(self, vocab_size: int, hidden_size: int, method: LinearMethod):
         super().__init__(vocab_size, hidden_size)
@@ -297,9 +289,8 @@ ROPE_TABLES: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
 
 class RotaryEmbedding(nn.Module):
-    """Rotary position embedding in the rotate-half layout of Qwen and Llama
-    checkpoints. The layers with the same parameters share one table (a long context's
-    is hundreds of MB)."""
+    """Rotary position embedding in the rotate-half layout of Qwen and Llama. Layers of
+    the same parameters share one table (a long context's is hundreds of MB)."""
 
     def __init__(self, head_dim, max_position, parameters: dict, kernels: Kernels):
         super().__init__()

@@ -23,10 +23,13 @@ class LLMEngine:
 
     def __init__(self, config: Config, runner: ModelRunner | None = None):
         self.config = config
-        self.runner = runner = runner or ModelRunner(config)
-        pool = (runner.num_kvcache_blocks, config.kvcache_block_size)
-        caching, window = config.enable_prefix_caching, runner.model.sliding_window
-        self.block_manager = BlockManager(*pool, caching, window)
+        self.runner = runner or ModelRunner(config)
+        self.block_manager = BlockManager(
+            self.runner.num_kvcache_blocks,
+            config.kvcache_block_size,
+            config.enable_prefix_caching,
+            self.runner.model.sliding_window,
+        )
         self.scheduler = Scheduler(config, self.block_manager)
         self.num_generated_tokens = 0
 
@@ -93,8 +96,7 @@ class LLMEngine:
         return None
 
     def abort_all(self) -> None:
-        """After a failed or interrupted step: every sequence ends, nothing half-run
-        stays."""
+        """After a failed or interrupted step: all sequences end, none half-run."""
         self.block_manager.rollback()
         self.scheduler.finish(self.unfinished(), "abort")
         self.block_manager.reclaim()

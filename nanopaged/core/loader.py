@@ -78,8 +78,7 @@ def load_weights(model: nn.Module, path: str) -> None:
 
 
 def load_tensor(model: nn.Module, params: dict, name: str, f, file: str) -> tuple:
-    """Loads the checkpoint tensor `name` into its parameter; returns (parameter,
-    part)."""
+    """Loads checkpoint tensor `name` into its parameter; returns (parameter, part)."""
     param_name, part = model.checkpoint_param(name)
     if param_name not in params:
         raise ValueError(f"unexpected weight {name!r} in {file}")

@@ -167,8 +167,7 @@ class CausalLM(nn.Module):
         return self.model(input_ids, positions, meta)
 
     def checkpoint_param(self, name: str) -> tuple[str, str | int | None]:
-        """The parameter the checkpoint tensor `name` fills, and the part (None:
-        all)."""
+        """The parameter checkpoint tensor `name` fills, and the part (None: all)."""
         for fragment, (packed, part) in self.packed_modules.items():
             if f".{fragment}." in name:
                 return name.replace(fragment, packed), part

@@ -1,5 +1,4 @@
-"""Runs the model: owns the weights, the KV cache, the decode graphs, and the
-sampler."""
+"""Runs the model: owns the weights, the KV cache, the decode graphs, the sampler."""
 
 import itertools
 import math
@@ -138,14 +137,14 @@ class ModelRunner:
         """The step's model inputs, as host arrays: all the host work of a step but
         scheduling. Each sequence runs its scheduled tokens, then its proposals."""
         bs, proposals = self.block_size, step.proposals
-        runs = list(zip(step.seqs, step.starts, step.num_tokens))
+        runs = enumerate(zip(step.seqs, step.starts, step.num_tokens))
         tokens = [
             seq.token_ids[start : start + n] + proposals.get(i, [])
-            for i, (seq, start, n) in enumerate(runs)
+            for i, (seq, start, n) in runs
         ]
         num_tokens = np.array([len(t) for t in tokens])
         cu_seqlens_q = np.cumsum([0, *num_tokens])
-        # token t of the step, of sequence i, is at position starts[i] + t -
+        # the step's token t, of sequence i, is at position starts[i] + t -
         # cu_seqlens_q[i]
         seq_of_token = np.repeat(np.arange(len(tokens)), num_tokens)
         offsets = np.array(step.starts) - cu_seqlens_q[:-1]
@@ -153,17 +152,12 @@ class ModelRunner:
         block_tables = self.block_tables(step.seqs)
         blocks = block_tables[seq_of_token, positions // bs].astype(np.int64)
         context_lens = np.add(step.starts, num_tokens)
-        prompt_rows = [
-            (i, min(start + n, seq.num_prompt_tokens - 1) - start)
-            for i, (seq, start, n) in enumerate(runs)
-            if seq.prompt_logits and start + 1 < seq.num_prompt_tokens
-        ]
         # the rows whose logits are computed: each sampling row's last token and its
         # proposals, then the prompt tokens whose logits a sequence asks for
         counts = np.array(step.sample_counts, np.int64)
         firsts = np.repeat(cu_seqlens_q[1:][step.sample_rows] - counts, counts)
         within = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
-        prompts = [np.arange(n) + cu_seqlens_q[i] for i, n in prompt_rows]
+        prompts = [np.arange(n) + cu_seqlens_q[i] for i, n in step.prompt_rows]
         ragged = step.ragged or bool(proposals)
         inputs = StepInputs(
             ragged=ragged,
@@ -176,7 +170,6 @@ class ModelRunner:
             cu_seqlens_q=cu_seqlens_q if ragged else None,
             cu_seqlens_k=np.cumsum([0, *context_lens]) if ragged else None,
             max_seqlen_q=int(num_tokens.max()),
-            prompt_rows=prompt_rows,
         )
         inputs.extension = self.extension.prepare_inputs(step, inputs)
         return inputs
@@ -197,26 +190,21 @@ class ModelRunner:
         """One step: runs the model over the step's tokens and samples every row of
         `step.samplers` (and after each of its proposals)."""
         inputs = self.prepare_inputs(step)
-        return self.sample(self.execute(inputs), step, inputs)
+        return self.sample(self.execute(inputs), step)
 
-    def sample(self, logits, step: ScheduledStep, inputs: StepInputs) -> SamplerOutput:
+    def sample(self, logits, step: ScheduledStep) -> SamplerOutput:
         """A token for each sampling row, and one after each of its proposals (sampled
-        at the position it would take: a seeded sequence's numbers stay its own); and
-        the logits of the prompt tokens a sequence asks for."""
+        at the position it would take: a seeded sequence's numbers stay its own)."""
         counts = step.sample_counts
         rows = [seq for seq, n in zip(step.samplers, counts) for _ in range(n)]
         offsets = [j for n in counts for j in range(n)]
-        tokens = (
-            self.sampler(logits[: len(rows)], rows, offsets).tolist() if rows else []
+        tokens = []
+        if rows:
+            tokens = self.sampler(logits[: len(rows)], rows, offsets).tolist()
+        firsts = step.first_rows
+        return SamplerOutput(
+            [tokens[a : a + n] for a, n in zip(firsts, counts)], logits
         )
-        token_ids = [
-            tokens[first : first + n] for first, n in zip(step.first_rows, counts)
-        ]
-        prompt_logits, start = {}, len(rows)
-        for i, count in inputs.prompt_rows:
-            prompt_logits[i] = logits[start : start + count]
-            start += count
-        return SamplerOutput(token_ids, logits, prompt_logits)
 
     @torch.inference_mode()
     def execute(self, inputs: StepInputs) -> torch.Tensor | None:
@@ -231,8 +219,7 @@ class ModelRunner:
         return self.model.compute_logits(hidden)
 
     def device_inputs(self, inputs: StepInputs) -> tuple:
-        """The model's arguments for a step's inputs: token ids, positions, attention
-        metadata."""
+        """The model's arguments for a step's inputs: ids, positions, metadata."""
         device = self.device
         meta = AttentionMetadata(
             ragged=inputs.ragged,

@@ -11,8 +11,7 @@ from nanopaged.core.sequence import Sequence
 GREEDY_BELOW = 1e-5
 
 
-# not compiled: torch 2.11's inductor failed on the split cumsum of a 151,936-token
-# vocab
+# not compiled: torch 2.11's inductor failed on the split cumsum of Qwen3's vocabulary
 def sample(logits: torch.Tensor, temperatures, uniform: torch.Tensor) -> torch.Tensor:
     """Per row, the first token whose cumulative probability under softmax(logits / T)
     exceeds `uniform` (in [0, 1)); T > 0."""
@@ -25,8 +24,7 @@ def sample(logits: torch.Tensor, temperatures, uniform: torch.Tensor) -> torch.T
 
 
 def seeded_uniform(seed: int, position: int) -> float:
-    """The uniform number in [0, 1) that samples a seeded sequence's token at
-    `position`."""
+    """The number in [0, 1) that samples a seeded sequence's token at `position`."""
     digest = xxhash.xxh64_intdigest(position.to_bytes(8, "little"), seed=seed % 2**64)
     return (digest >> 11) * 2.0**-53
 

@@ -1,4 +1,4 @@
-"""Decides what the next step runs: which sequences, how many tokens each, which rows
+"""Decides what the next step runs: its sequences, their tokens, the rows that
 sample."""
 
 from collections import deque

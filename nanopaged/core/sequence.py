@@ -1,5 +1,4 @@
-"""One sequence as the engine tracks it: its tokens, how it is sampled, where their K/V
-lives."""
+"""A sequence as the engine tracks it: its tokens, its sampling, where its K/V lives."""
 
 from dataclasses import dataclass
 from itertools import count
@@ -31,36 +30,28 @@ class Sequence:
     tokens `[i*block_size, (i+1)*block_size)`. `num_computed_tokens` counts the leading
     tokens whose K/V the scheduled steps have computed (or are computing).
     `num_cached_tokens` is how many prompt tokens the prefix cache served. Seams, all
-    off by default: `stop_token_ids` end the completion (EOS); `logits_processors`
-    change its row's logits (see `Sampler`); `seed` makes its samples independent of its
-    batch; `prompt_logits` asks for the logits of the prompt tokens it runs (for their
-    logprobs); `cache_salt` starts the hash chain of its blocks (see `hash_block`), so
-    that sequences with other salts share none (a LoRA adapter's K/V differs from the
-    base model's)."""
+    off until the layer above sets them: `stop_token_ids` end the completion (EOS);
+    `logits_processors` change its row's logits (see `Sampler`); `seed` makes its
+    samples independent of its batch; `prompt_logits` asks for the logits of the prompt
+    tokens it runs (for their logprobs); `cache_salt` starts the hash chain of its
+    blocks (see `hash_block`), so that sequences with other salts share none (a LoRA
+    adapter's K/V differs from the base model's)."""
 
     _ids = count()
 
-    def __init__(
-        self,
-        token_ids: list[int],
-        sampling_params: SamplingOptions,
-        stop_token_ids: frozenset[int] = frozenset(),
-        logits_processors: tuple = (),
-        seed: int | None = None,
-        prompt_logits: bool = False,
-    ):
+    def __init__(self, token_ids: list[int], sampling_params: SamplingOptions):
         self.seq_id = next(Sequence._ids)
         self.token_ids = list(token_ids)
         self.num_prompt_tokens = len(token_ids)
         self.sampling_params = sampling_params
-        self.stop_token_ids = stop_token_ids
-        self.logits_processors = list(logits_processors)
-        self.seed = seed
-        self.prompt_logits = prompt_logits
+        self.stop_token_ids: frozenset[int] = frozenset()
+        self.logits_processors: list = []
+        self.seed: int | None = None
+        self.prompt_logits = False
+        self.cache_salt: int | None = None
         self.block_table: list[int] = []
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0
-        self.cache_salt: int | None = None
         self.finish_reason: str | None = None  # "stop", "length" or "abort"
 
     def __len__(self) -> int:

@@ -1,6 +1,5 @@
 """A step as a value that flows one way: the scheduler decides a `ScheduledStep`, the
-model runner turns it into `StepInputs` and runs them, and the engine applies their
-`SamplerOutput`."""
+runner turns it into `StepInputs`, runs them, and the engine applies the output."""
 
 import itertools
 from dataclasses import dataclass, field
@@ -31,8 +30,7 @@ class ScheduledStep:
     preempted: list[Sequence] = field(default_factory=list)
 
     def add(self, seq: Sequence, num_tokens: int) -> None:
-        """Runs `num_tokens` more tokens of `seq`; it samples if they reach its last
-        token."""
+        """Runs `num_tokens` more tokens of `seq`, sampling if they reach its last."""
         start = seq.num_computed_tokens
         self.seqs.append(seq)
         self.starts.append(start)
@@ -43,8 +41,7 @@ class ScheduledStep:
             self.sample_rows.append(len(self.seqs) - 1)
 
     def add_decodes(self, seqs: list[Sequence]) -> None:
-        """Runs the last token of each of `seqs` (the token its K/V does not hold
-        yet)."""
+        """Runs the last token of each of `seqs` (whose K/V it does not hold yet)."""
         first = len(self.seqs)
         self.seqs += seqs
         self.starts += [len(seq.token_ids) - 1 for seq in seqs]
@@ -63,6 +60,17 @@ class ScheduledStep:
         return list(itertools.accumulate(self.sample_counts[:-1], initial=0))
 
     @property
+    def prompt_rows(self) -> list[tuple[int, int]]:
+        """(i, n): each sequence (by index) that asks for its prompt's logits, and how
+        many prompt tokens it runs in this step whose next token is a prompt token."""
+        runs = enumerate(zip(self.seqs, self.starts, self.num_tokens))
+        return [
+            (i, min(start + n, seq.num_prompt_tokens - 1) - start)
+            for i, (seq, start, n) in runs
+            if seq.prompt_logits and start + 1 < seq.num_prompt_tokens
+        ]
+
+    @property
     def num_scheduled_tokens(self) -> int:
         return sum(self.num_tokens) + sum(map(len, self.proposals.values()))
 
@@ -71,9 +79,8 @@ class ScheduledStep:
 class StepInputs:
     """One step's model inputs as host arrays (what tensor parallelism sends to other
     ranks). `logits_indices` picks the rows whose logits are computed: the sampling
-    rows, then the rows of prompt tokens whose logits a sequence asks for, (its index in
-    the step, number of rows) in `prompt_rows`. Ragged steps (prompt chunks) fill the
-    `cu_seqlens`. `extension` is what the runner's extension adds (LoRA's adapter
+    rows, then those of `ScheduledStep.prompt_rows`. Ragged steps (prompt chunks) fill
+    the `cu_seqlens`. `extension` is what the runner's extension adds (LoRA's adapter
     slots): it travels to every rank with the rest."""
 
     ragged: bool
@@ -86,7 +93,6 @@ class StepInputs:
     cu_seqlens_q: np.ndarray | None = None
     cu_seqlens_k: np.ndarray | None = None
     max_seqlen_q: int = 1
-    prompt_rows: list[tuple[int, int]] = field(default_factory=list)
     extension: object = None
 
 
@@ -96,10 +102,9 @@ class SamplerOutput:
     order): its new tokens (one, and one after each of its proposals; once applied, the
     proposals the model agreed with and one more). `logits` holds the model's logits
     (before any processor or temperature) that the tokens came from: row
-    `step.first_rows[i] + j` for token j of sampling row i. `prompt_logits` maps a
-    sequence that asks for them (by index in the step) to the logits of the prompt
-    tokens it ran, row j predicting the token after position `step.starts[i] + j`."""
+    `step.first_rows[i] + j` for token j of sampling row i; then those of the step's
+    `prompt_rows`, in order, row j of sequence i predicting its token after position
+    `step.starts[i] + j`."""
 
     token_ids: list[list[int]]
     logits: torch.Tensor | None = None
-    prompt_logits: dict[int, torch.Tensor] = field(default_factory=dict)
