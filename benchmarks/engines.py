@@ -1,6 +1,7 @@
-"""The engines compared, each run in a fresh process of its own on the same workload, after a
-warm-up outside the timed region: nanopaged, transformers (continuous batching, and static
-batched `generate`), nano-vllm and vLLM when importable."""
+"""The engines compared, each run in a fresh process of its own on the same workload,
+after a warm-up outside the timed region: nanopaged, transformers (continuous batching,
+and static batched `generate`), nano-vllm and vLLM when importable."""
+
 import importlib.util
 import multiprocessing
 import os
@@ -9,27 +10,58 @@ import time
 
 from benchmarks.workload import Workload, bar, percentile, timed, warmup_prompts
 
-
 ENGINES = ("nanopaged", "hf", "hf-static", "nano-vllm", "vllm")
 
 
 def run_nanopaged(model: str, work: Workload, args, backend: str = "auto") -> dict:
     from nanopaged import LLM, LoRARequest, SamplingParams
-    paths = getattr(args, "lora_paths", None)  # benchmarks/lora.py's adapters (LoRA on), or None
-    lora = {} if paths is None else dict(enable_lora=True, max_loras=max(1, len(paths)),
-                                         max_lora_rank=args.lora_rank)
-    llm = LLM(model, max_model_len=args.max_model_len, enforce_eager=args.enforce_eager,
-              attention_backend=backend, tensor_parallel_size=args.tensor_parallel_size,
-              speculative_config=args.speculative_config, max_num_seqs=args.max_num_seqs,
-              trace=args.trace, kv_cache_dtype=args.kv_cache_dtype, **lora)
-    params = [SamplingParams(temperature=work.temperature, ignore_eos=True, max_tokens=n)
-              for n in work.output_lens]
-    adapters = [LoRARequest(f"adapter{i}", i + 1, path) for i, path in enumerate(paths or [])]
-    loras = [adapters[i % len(adapters)] for i in range(len(work.prompts))] if adapters else None
-    llm.generate(warmup_prompts(work), params[:4], use_tqdm=False, lora_request=loras and loras[:4])
-    elapsed, outputs = timed(lambda: llm.generate(work.prompts, params, use_tqdm=args.progress,
-                                                  lora_request=loras))
-    loaded = sorted(llm.list_loras()) if paths is not None else None  # the adapters read
+
+    # benchmarks/lora.py's adapters (LoRA on), or None
+    paths = getattr(args, "lora_paths", None)
+    lora = (
+        {}
+        if paths is None
+        else dict(
+            enable_lora=True, max_loras=max(1, len(paths)), max_lora_rank=args.lora_rank
+        )
+    )
+    llm = LLM(
+        model,
+        max_model_len=args.max_model_len,
+        enforce_eager=args.enforce_eager,
+        attention_backend=backend,
+        tensor_parallel_size=args.tensor_parallel_size,
+        speculative_config=args.speculative_config,
+        max_num_seqs=args.max_num_seqs,
+        trace=args.trace,
+        kv_cache_dtype=args.kv_cache_dtype,
+        **lora,
+    )
+    params = [
+        SamplingParams(temperature=work.temperature, ignore_eos=True, max_tokens=n)
+        for n in work.output_lens
+    ]
+    adapters = [
+        LoRARequest(f"adapter{i}", i + 1, path) for i, path in enumerate(paths or [])
+    ]
+    loras = (
+        [adapters[i % len(adapters)] for i in range(len(work.prompts))]
+        if adapters
+        else None
+    )
+    llm.generate(
+        warmup_prompts(work),
+        params[:4],
+        use_tqdm=False,
+        lora_request=loras and loras[:4],
+    )
+    elapsed, outputs = timed(
+        lambda: llm.generate(
+            work.prompts, params, use_tqdm=args.progress, lora_request=loras
+        )
+    )
+    # the adapters read
+    loaded = sorted(llm.list_loras()) if paths is not None else None
     llm.close()
     stats = llm.stats()
     ttft = [o.metrics.first_token_time - o.metrics.arrival_time for o in outputs]
@@ -39,49 +71,86 @@ def run_nanopaged(model: str, work: Workload, args, backend: str = "auto") -> di
         for o in outputs
     ]
     prompt_tokens = sum(len(p) for p in work.prompts)
-    return dict(elapsed=elapsed, output_tokens=sum(len(o.outputs[0].token_ids) for o in outputs),
-                ttft_median=statistics.median(ttft), ttft_p99=percentile(ttft, 99),
-                tpot_median=statistics.median(tpot), tpot_p99=percentile(tpot, 99),
-                prefix_hit_rate=sum(o.num_cached_tokens for o in outputs) / prompt_tokens,
-                preemptions=stats.num_preemptions, kv_blocks=stats.num_blocks,
-                backend=llm.config.attention_backend, loras=loaded, **speculation_stats(stats))
+    return dict(
+        elapsed=elapsed,
+        output_tokens=sum(len(o.outputs[0].token_ids) for o in outputs),
+        ttft_median=statistics.median(ttft),
+        ttft_p99=percentile(ttft, 99),
+        tpot_median=statistics.median(tpot),
+        tpot_p99=percentile(tpot, 99),
+        prefix_hit_rate=sum(o.num_cached_tokens for o in outputs) / prompt_tokens,
+        preemptions=stats.num_preemptions,
+        kv_blocks=stats.num_blocks,
+        backend=llm.config.attention_backend,
+        loras=loaded,
+        **speculation_stats(stats),
+    )
 
 
 def speculation_stats(stats) -> dict:
-    """vLLM's measures: the share of proposals accepted, and the tokens a sequence gets per
-    step that verifies proposals (1 + accepted / drafts)."""
-    return dict(drafts=stats.num_drafts, proposed=stats.num_proposed_tokens,
-                acceptance_rate=stats.num_accepted_tokens / max(1, stats.num_proposed_tokens),
-                mean_accepted_length=1 + stats.num_accepted_tokens / max(1, stats.num_drafts))
+    """vLLM's measures: the share of proposals accepted, and the tokens a sequence gets
+    per step that verifies proposals (1 + accepted / drafts)."""
+    return dict(
+        drafts=stats.num_drafts,
+        proposed=stats.num_proposed_tokens,
+        acceptance_rate=stats.num_accepted_tokens / max(1, stats.num_proposed_tokens),
+        mean_accepted_length=1 + stats.num_accepted_tokens / max(1, stats.num_drafts),
+    )
 
 
 def run_nano_vllm(model: str, work: Workload, args) -> dict:
     from nanovllm import LLM, SamplingParams
-    llm = LLM(model, enforce_eager=args.enforce_eager, max_model_len=args.max_model_len,
-              tensor_parallel_size=args.tensor_parallel_size)
-    params = [SamplingParams(temperature=work.temperature, ignore_eos=True, max_tokens=n)
-              for n in work.output_lens]
+
+    llm = LLM(
+        model,
+        enforce_eager=args.enforce_eager,
+        max_model_len=args.max_model_len,
+        tensor_parallel_size=args.tensor_parallel_size,
+    )
+    params = [
+        SamplingParams(temperature=work.temperature, ignore_eos=True, max_tokens=n)
+        for n in work.output_lens
+    ]
     llm.generate(warmup_prompts(work), params[:4], use_tqdm=False)
-    elapsed, outputs = timed(lambda: llm.generate(work.prompts, params, use_tqdm=args.progress))
-    return dict(elapsed=elapsed, output_tokens=sum(len(o["token_ids"]) for o in outputs))
+    elapsed, outputs = timed(
+        lambda: llm.generate(work.prompts, params, use_tqdm=args.progress)
+    )
+    return dict(
+        elapsed=elapsed, output_tokens=sum(len(o["token_ids"]) for o in outputs)
+    )
 
 
 def run_vllm(model: str, work: Workload, args) -> dict:
     from vllm import LLM, SamplingParams, TokensPrompt
-    llm = LLM(model, enforce_eager=args.enforce_eager, max_model_len=args.max_model_len,
-              tensor_parallel_size=args.tensor_parallel_size)
-    params = [SamplingParams(temperature=work.temperature, ignore_eos=True, max_tokens=n)
-              for n in work.output_lens]
+
+    llm = LLM(
+        model,
+        enforce_eager=args.enforce_eager,
+        max_model_len=args.max_model_len,
+        tensor_parallel_size=args.tensor_parallel_size,
+    )
+    params = [
+        SamplingParams(temperature=work.temperature, ignore_eos=True, max_tokens=n)
+        for n in work.output_lens
+    ]
     prompts = [TokensPrompt(prompt_token_ids=p) for p in work.prompts]
-    llm.generate([TokensPrompt(prompt_token_ids=p) for p in warmup_prompts(work)], params[:4],
-                 use_tqdm=False)
-    elapsed, outputs = timed(lambda: llm.generate(prompts, params, use_tqdm=args.progress))
-    return dict(elapsed=elapsed, output_tokens=sum(len(o.outputs[0].token_ids) for o in outputs))
+    llm.generate(
+        [TokensPrompt(prompt_token_ids=p) for p in warmup_prompts(work)],
+        params[:4],
+        use_tqdm=False,
+    )
+    elapsed, outputs = timed(
+        lambda: llm.generate(prompts, params, use_tqdm=args.progress)
+    )
+    return dict(
+        elapsed=elapsed, output_tokens=sum(len(o.outputs[0].token_ids) for o in outputs)
+    )
 
 
 def _hf_model(model: str, args):
     import torch
     from transformers import AutoModelForCausalLM
+
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     return AutoModelForCausalLM.from_pretrained(model, dtype=dtype).to(device).eval()
@@ -90,36 +159,62 @@ def _hf_model(model: str, args):
 def run_hf(model: str, work: Workload, args) -> dict:
     """transformers' continuous batching (paged attention), one request per prompt."""
     from transformers import GenerationConfig
-    os.environ["HF_HUB_OFFLINE"] = "1"  # else transformers may look for attention kernels online
+
+    os.environ["HF_HUB_OFFLINE"] = (
+        "1"  # else transformers may look for attention kernels online
+    )
     hf = _hf_model(model, args)
     hf.set_attn_implementation(args.hf_attn)
-    config = GenerationConfig(do_sample=work.temperature > 0, temperature=work.temperature,
-                              max_new_tokens=max(work.output_lens), eos_token_id=-1)
+    config = GenerationConfig(
+        do_sample=work.temperature > 0,
+        temperature=work.temperature,
+        max_new_tokens=max(work.output_lens),
+        eos_token_id=-1,
+    )
     manager = hf.init_continuous_batching(generation_config=config)
     manager.start()
+
     def generate(prompts, lens, progress=False):
         for i, (p, n) in enumerate(zip(prompts, lens)):
-            manager.add_request(p, request_id=f"r{len(p)}-{i}-{time.time()}", max_new_tokens=n,
-                                eos_token_id=-1)
-        results = [manager.get_result(timeout=args.timeout)
-                   for _ in bar(prompts, "Generating", progress)]
+            manager.add_request(
+                p,
+                request_id=f"r{len(p)}-{i}-{time.time()}",
+                max_new_tokens=n,
+                eos_token_id=-1,
+            )
+        results = [
+            manager.get_result(timeout=args.timeout)
+            for _ in bar(prompts, "Generating", progress)
+        ]
         if None in results:
             raise RuntimeError("transformers' continuous batching returned no result")
         return results
+
     generate(warmup_prompts(work), work.output_lens[:4])
-    elapsed, outputs = timed(lambda: generate(work.prompts, work.output_lens, args.progress))
+    elapsed, outputs = timed(
+        lambda: generate(work.prompts, work.output_lens, args.progress)
+    )
     manager.stop(block=True)
-    return dict(elapsed=elapsed, output_tokens=sum(len(o.generated_tokens) for o in outputs),
-                attention=args.hf_attn)
+    return dict(
+        elapsed=elapsed,
+        output_tokens=sum(len(o.generated_tokens) for o in outputs),
+        attention=args.hf_attn,
+    )
 
 
 def run_hf_static(model: str, work: Workload, args) -> dict:
-    """Plain `generate` with a static cache, batches of similar output length (no early exit)."""
+    """Plain `generate` with a static cache, batches of similar output length (no early
+    exit)."""
     import torch
+
     hf = _hf_model(model, args)
     hf.generation_config.eos_token_id = None
     order = sorted(range(len(work.prompts)), key=lambda i: work.output_lens[i])
-    batches = [order[i:i + args.hf_batch_size] for i in range(0, len(order), args.hf_batch_size)]
+    batches = [
+        order[i : i + args.hf_batch_size]
+        for i in range(0, len(order), args.hf_batch_size)
+    ]
+
     def generate(batches, progress=False):
         tokens = 0
         for batch in bar(batches, "Batches", progress):
@@ -131,22 +226,36 @@ def run_hf_static(model: str, work: Workload, args) -> dict:
             )
             mask = (
                 torch.arange(width, device=hf.device)[None, :]
-                >= torch.tensor([width - len(work.prompts[i]) for i in batch], device=hf.device)[
-                    :, None
-                ]
+                >= torch.tensor(
+                    [width - len(work.prompts[i]) for i in batch], device=hf.device
+                )[:, None]
             )
-            hf.generate(ids, attention_mask=mask.long(), max_new_tokens=n, min_new_tokens=n,
-                        do_sample=work.temperature > 0, temperature=work.temperature,
-                        cache_implementation="static", pad_token_id=0)
-            tokens += sum(work.output_lens[i] for i in batch)  # the tokens the requests asked for
+            hf.generate(
+                ids,
+                attention_mask=mask.long(),
+                max_new_tokens=n,
+                min_new_tokens=n,
+                do_sample=work.temperature > 0,
+                temperature=work.temperature,
+                cache_implementation="static",
+                pad_token_id=0,
+            )
+            # the tokens the requests asked for
+            tokens += sum(work.output_lens[i] for i in batch)
         return tokens
+
     generate([batches[0][:2]])
     elapsed, tokens = timed(lambda: generate(batches, args.progress))
     return dict(elapsed=elapsed, output_tokens=tokens, batch_size=args.hf_batch_size)
 
 
-RUNNERS = {"nanopaged": run_nanopaged, "hf": run_hf, "hf-static": run_hf_static,
-           "nano-vllm": run_nano_vllm, "vllm": run_vllm}
+RUNNERS = {
+    "nanopaged": run_nanopaged,
+    "hf": run_hf,
+    "hf-static": run_hf_static,
+    "nano-vllm": run_nano_vllm,
+    "vllm": run_vllm,
+}
 
 
 MODULES = {"nano-vllm": "nanovllm", "vllm": "vllm"}
@@ -162,7 +271,8 @@ def _child(engine: str, model: str, work: Workload, args, queue) -> None:
 
 def _context() -> multiprocessing.context.BaseContext:
     """A fresh process per engine, forked from a server that has imported torch and
-    transformers once (seconds a child would spend again); spawned where fork is missing."""
+    transformers once (seconds a child would spend again); spawned where fork is
+    missing."""
     if "forkserver" not in multiprocessing.get_all_start_methods():
         return multiprocessing.get_context("spawn")
     ctx = multiprocessing.get_context("forkserver")
@@ -182,4 +292,6 @@ def run_engine(engine: str, model: str, work: Workload, args) -> dict:
     if process.is_alive():
         process.kill()
         return {"error": f"no result within {args.timeout} s"}
-    return queue.get() if not queue.empty() else {"error": f"exit code {process.exitcode}"}
+    return (
+        queue.get() if not queue.empty() else {"error": f"exit code {process.exitcode}"}
+    )

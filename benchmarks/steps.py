@@ -1,18 +1,27 @@
-"""One step at a time: decode step time at several batch sizes and prefill tok/s, per attention
-backend, each against its floor."""
+"""One step at a time: decode step time at several batch sizes and prefill tok/s, per
+attention backend, each against its floor."""
+
 import importlib.util
 import statistics
 
-from benchmarks.floor import (engine_dtype, measure_device, model_shape, share_of_floor,
-                              weight_bytes)
+from benchmarks.floor import (
+    engine_dtype,
+    measure_device,
+    model_shape,
+    share_of_floor,
+    weight_bytes,
+)
 from benchmarks.workload import repeated_time, timed
 
 
 def step_times(model: str, args) -> list[dict]:
-    """Decode step time at several batch sizes with `--context`-token contexts, and prefill tok/s,
-    each against its floor: the bytes a decode step must move, the arithmetic of a prefill."""
+    """Decode step time at several batch sizes with `--context`-token contexts, and
+    prefill tok/s, each against its floor: the bytes a decode step must move, the
+    arithmetic of a prefill."""
     import torch
+
     from nanopaged import LLM
+
     dtype = engine_dtype(model)
     device = measure_device(dtype)
     shape = model_shape(model)
@@ -35,25 +44,47 @@ def step_times(model: str, args) -> list[dict]:
             max_num_seqs=max(args.batch_sizes),
             max_model_len=args.context + 64,
             enforce_eager=args.enforce_eager,
-            max_num_batched_tokens=max(args.prefill_seqs * args.context, max(args.batch_sizes)),
+            max_num_batched_tokens=max(
+                args.prefill_seqs * args.context, max(args.batch_sizes)
+            ),
             kv_cache_dtype=args.kv_cache_dtype,
         )
         dtype_bytes = llm.config.dtype.itemsize
         for batch in args.batch_sizes:
             seconds, step = _decode_step_time(llm, batch, args.context)
             moved = weight_bytes(shape, dtype_bytes, device["gpu"]) + (
-                batch * args.context * shape["kv_elements_per_token"]
-                * llm.config.kv_cache_dtype.itemsize)
-            rows.append(dict(backend=backend, kind=f"decode b={batch}", ms=seconds * 1e3,
-                             floor_ms=moved / device["bandwidth"] * 1e3, tokens=len(step.seqs)))
+                batch
+                * args.context
+                * shape["kv_elements_per_token"]
+                * llm.config.kv_cache_dtype.itemsize
+            )
+            rows.append(
+                dict(
+                    backend=backend,
+                    kind=f"decode b={batch}",
+                    ms=seconds * 1e3,
+                    floor_ms=moved / device["bandwidth"] * 1e3,
+                    tokens=len(step.seqs),
+                )
+            )
         seconds, tokens = _prefill_step_time(llm, args.prefill_seqs, args.context)
         flops = (
             2 * shape["active_params"] * tokens
-            + shape["attention_flops_per_pair"] * args.prefill_seqs * args.context**2 // 2
+            + shape["attention_flops_per_pair"]
+            * args.prefill_seqs
+            * args.context**2
+            // 2
         )
-        rows.append(dict(backend=backend, kind=f"prefill {tokens} tok", ms=seconds * 1e3,
-                         floor_ms=flops / device["flops"] * 1e3, tok_per_s=tokens / seconds,
-                         tokens=tokens))
+        rows.append(
+            dict(
+                backend=backend,
+                kind=f"prefill {tokens} tok",
+                ms=seconds * 1e3,
+                floor_ms=flops / device["flops"] * 1e3,
+                tok_per_s=tokens / seconds,
+                tokens=tokens,
+            )
+        )
         llm.close()
         del llm
         torch.cuda.empty_cache() if on_gpu else None
@@ -62,17 +93,22 @@ def step_times(model: str, args) -> list[dict]:
 
 def _random_requests(llm, count: int, context: int, seed: int) -> list[str]:
     import torch
+
     from nanopaged import SamplingParams
+
     g = torch.Generator().manual_seed(seed)
     params = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=64)
     top = min(10000, llm.config.hf_config.vocab_size)
-    return [llm.add_request(torch.randint(0, top, (context,), generator=g).tolist(), params)
-            for _ in range(count)]
+    return [
+        llm.add_request(torch.randint(0, top, (context,), generator=g).tolist(), params)
+        for _ in range(count)
+    ]
 
 
 def _decode_step_time(llm, batch: int, context: int):
-    """The same decode step of `batch` sequences, timed again and again (it rewrites the same
-    cache slots); the prompts are prefilled first, untimed. -> (seconds, the step)"""
+    """The same decode step of `batch` sequences, timed again and again (it rewrites the
+    same cache slots); the prompts are prefilled first, untimed. -> (seconds, the
+    step)"""
     request_ids = _random_requests(llm, batch, context, seed=batch)
     engine = llm.engine
     while engine.scheduler.waiting:
@@ -102,6 +138,8 @@ def _prefill_step_time(llm, count: int, context: int):
 def print_steps(rows: list[dict]) -> None:
     print(f"{'backend':8} {'step':24} {'ms':>9} {'floor ms':>9}  share")
     for r in rows:
-        print(f"{r['backend']:8} {r['kind']:24} {r['ms']:9.3f} {r['floor_ms']:9.3f}  "
-              f"{share_of_floor(r['floor_ms'], r['ms'])}"
-              + (f"  {r['tok_per_s']:,.0f} tok/s" if "tok_per_s" in r else ""))
+        print(
+            f"{r['backend']:8} {r['kind']:24} {r['ms']:9.3f} {r['floor_ms']:9.3f}  "
+            f"{share_of_floor(r['floor_ms'], r['ms'])}"
+            + (f"  {r['tok_per_s']:,.0f} tok/s" if "tok_per_s" in r else "")
+        )

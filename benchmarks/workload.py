@@ -1,5 +1,7 @@
-"""What the benchmarks run: the presets (a model shape, its dtype, the workload's defaults), the
-workload itself (nano-vllm's: random token ids, lengths uniform in ranges), and timing helpers."""
+"""What the benchmarks run: the presets (a model shape, its dtype, the workload's
+defaults), the workload itself (nano-vllm's: random token ids, lengths uniform in
+ranges), and timing helpers."""
+
 import os
 import statistics
 import sys
@@ -8,37 +10,91 @@ from dataclasses import dataclass
 
 from nanopaged.random_checkpoint import TINY_QWEN3
 
-
 CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "nanopaged")
 
 
 # Qwen3-0.6B's published shape, for benchmarks with random weights.
-QWEN3_0_6B = dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_size=1024,
-                  intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
-                  num_key_value_heads=8, head_dim=128, vocab_size=151936,
-                  max_position_embeddings=40960, rms_norm_eps=1e-6, tie_word_embeddings=True,
-                  rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
+QWEN3_0_6B = dict(
+    architectures=["Qwen3ForCausalLM"],
+    model_type="qwen3",
+    hidden_size=1024,
+    intermediate_size=3072,
+    num_hidden_layers=28,
+    num_attention_heads=16,
+    num_key_value_heads=8,
+    head_dim=128,
+    vocab_size=151936,
+    max_position_embeddings=40960,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=True,
+    rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+)
 
 
 # A small model for CPUs: 4 layers of width 256, a 32k vocabulary.
-CPU_QWEN3 = dict(TINY_QWEN3, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
-                 num_attention_heads=4, num_key_value_heads=2, head_dim=64, vocab_size=32000,
-                 max_position_embeddings=4096)
+CPU_QWEN3 = dict(
+    TINY_QWEN3,
+    hidden_size=256,
+    intermediate_size=768,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+    vocab_size=32000,
+    max_position_embeddings=4096,
+)
 
 
 # name: (checkpoint, its shape and dtype, default flags)
 PRESETS = {
-    "default": ("random-qwen3-0.6b", QWEN3_0_6B, "bfloat16", dict(
-        engines="nanopaged,nano-vllm", num_requests=256, prompt_len=[100, 1024],
-        output_len=[100, 1024], max_model_len=4096, batch_sizes=[1, 64, 256], context=1000,
-        prefill_seqs=16, request_rate=[8, 16, 24])),
-    "cpu": ("random-cpu-qwen3", CPU_QWEN3, "float32", dict(
-        engines="nanopaged,hf-static,hf", num_requests=48, prompt_len=[64, 512],
-        output_len=[32, 256], max_model_len=1024, batch_sizes=[1, 16, 48], context=512,
-        prefill_seqs=4, request_rate=[1, 2, 4])),
-    "tiny": ("random-tiny-qwen3", TINY_QWEN3, "float32", dict(
-        engines="nanopaged,nano-vllm", num_requests=8, prompt_len=[8, 64], output_len=[8, 32],
-        max_model_len=512, batch_sizes=[1, 4], context=64, prefill_seqs=2, request_rate=[4, 16])),
+    "default": (
+        "random-qwen3-0.6b",
+        QWEN3_0_6B,
+        "bfloat16",
+        dict(
+            engines="nanopaged,nano-vllm",
+            num_requests=256,
+            prompt_len=[100, 1024],
+            output_len=[100, 1024],
+            max_model_len=4096,
+            batch_sizes=[1, 64, 256],
+            context=1000,
+            prefill_seqs=16,
+            request_rate=[8, 16, 24],
+        ),
+    ),
+    "cpu": (
+        "random-cpu-qwen3",
+        CPU_QWEN3,
+        "float32",
+        dict(
+            engines="nanopaged,hf-static,hf",
+            num_requests=48,
+            prompt_len=[64, 512],
+            output_len=[32, 256],
+            max_model_len=1024,
+            batch_sizes=[1, 16, 48],
+            context=512,
+            prefill_seqs=4,
+            request_rate=[1, 2, 4],
+        ),
+    ),
+    "tiny": (
+        "random-tiny-qwen3",
+        TINY_QWEN3,
+        "float32",
+        dict(
+            engines="nanopaged,nano-vllm",
+            num_requests=8,
+            prompt_len=[8, 64],
+            output_len=[8, 32],
+            max_model_len=512,
+            batch_sizes=[1, 4],
+            context=64,
+            prefill_seqs=2,
+            request_rate=[4, 16],
+        ),
+    ),
 }
 
 
@@ -50,34 +106,49 @@ class Workload:
 
 
 def make_workload(args, vocab_size: int) -> Workload:
-    """nano-vllm's benchmark: random token ids below 10,000, lengths uniform in the ranges."""
+    """nano-vllm's benchmark: random token ids below 10,000, lengths uniform in the
+    ranges."""
     import torch
+
     g = torch.Generator().manual_seed(args.seed)
     top = min(10000, vocab_size)
+
     def uniform(low, high):
         return torch.randint(low, high + 1, (args.num_requests,), generator=g).tolist()
+
     prompt_lens, output_lens = uniform(*args.prompt_len), uniform(*args.output_len)
-    prefixes = [torch.randint(0, top, (args.prefix_len,), generator=g).tolist()
-                for _ in range(args.prefix_groups)]
-    prompts = [prefixes[i % args.prefix_groups] + torch.randint(0, top, (n,), generator=g).tolist()
-               for i, n in enumerate(prompt_lens)]
+    prefixes = [
+        torch.randint(0, top, (args.prefix_len,), generator=g).tolist()
+        for _ in range(args.prefix_groups)
+    ]
+    prompts = [
+        prefixes[i % args.prefix_groups]
+        + torch.randint(0, top, (n,), generator=g).tolist()
+        for i, n in enumerate(prompt_lens)
+    ]
     return Workload(prompts, output_lens, args.temperature)
 
 
 def warmup_prompts(work: Workload) -> list[list[int]]:
-    """Four prompts the timed run does not contain, so the warm-up leaves no prefix-cache hits."""
+    """Four prompts the timed run does not contain, so the warm-up leaves no
+    prefix-cache hits."""
     return [p[::-1] for p in work.prompts[:4]]
 
 
 def repetitive_workload(args, vocab_size: int, num_requests: int = 8) -> Workload:
-    """Prompts that quote a random text twice, greedy: proposals can hit (in the quote, and in
-    the loops a random-weight model falls into)."""
+    """Prompts that quote a random text twice, greedy: proposals can hit (in the quote,
+    and in the loops a random-weight model falls into)."""
     import torch
+
     g = torch.Generator().manual_seed(args.seed)
     low, high = args.prompt_len
-    texts = [torch.randint(0, min(10000, vocab_size), (n,), generator=g).tolist()
-             for n in torch.randint(low // 2, high // 2 + 1, (num_requests,), generator=g)]
-    return Workload([text * 2 for text in texts], [args.output_len[1]] * num_requests, 0.0)
+    texts = [
+        torch.randint(0, min(10000, vocab_size), (n,), generator=g).tolist()
+        for n in torch.randint(low // 2, high // 2 + 1, (num_requests,), generator=g)
+    ]
+    return Workload(
+        [text * 2 for text in texts], [args.output_len[1]] * num_requests, 0.0
+    )
 
 
 def resolve_model(args) -> str:
@@ -85,6 +156,7 @@ def resolve_model(args) -> str:
     if args.model:
         return args.model
     from nanopaged.random_checkpoint import write_random_checkpoint
+
     name, shape, dtype, _ = PRESETS[args.preset]
     path = os.path.join(CACHE_DIR, name)
     if not os.path.exists(os.path.join(path, "model.safetensors")):
@@ -103,6 +175,7 @@ def timed(fn):
 
 def sync() -> None:
     import torch
+
     if torch.cuda.is_available():
         torch.cuda.synchronize()
 
@@ -113,8 +186,8 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def repeated_time(fn, repeat: int = 10, pick=statistics.median) -> float:
-    """`pick` (the median: a slow moment moves it little) of `repeat` timed runs of `fn`, after
-    one to warm up."""
+    """`pick` (the median: a slow moment moves it little) of `repeat` timed runs of
+    `fn`, after one to warm up."""
     fn()
     times = []
     for _ in range(repeat):
@@ -126,4 +199,5 @@ def repeated_time(fn, repeat: int = 10, pick=statistics.median) -> float:
 def bar(items, desc: str, shown: bool):
     """`items`, with a progress bar on stderr when `shown`."""
     from tqdm.auto import tqdm
+
     return tqdm(items, desc=desc, disable=not shown, dynamic_ncols=True)

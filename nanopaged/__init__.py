@@ -1,19 +1,29 @@
 """nanopaged: a small LLM inference engine with paged attention.
 
-The engine every request passes through is `nanopaged/core/`; vLLM's API stands above it.
-Names are imported on first use, so that a command's `--help` loads neither torch nor a model.
-`LLMEngine` is vLLM's name for the engine driven a step at a time (`add_request`, `step`):
-nanopaged's `LLM` has both APIs, so it is the same class (the core's `LLMEngine`, inside it,
-is `nanopaged.core.LLMEngine`). vLLM's other module paths are modules of this package
-(`nanopaged.engine.arg_utils`, `nanopaged.distributed`, `nanopaged.envs`, ...).
+The engine every request passes through is `nanopaged/core/`; vLLM's API stands above
+it. Names are imported on first use, so that a command's `--help` loads neither torch
+nor a model. `LLMEngine` is vLLM's name for the engine driven a step at a time
+(`add_request`, `step`): nanopaged's `LLM` has both APIs, so it is the same class (the
+core's `LLMEngine`, inside it, is `nanopaged.core.LLMEngine`). vLLM's other module paths
+are modules of this package (`nanopaged.engine.arg_utils`, `nanopaged.distributed`,
+`nanopaged.envs`, ...).
 """
+
 import importlib
 
 # public name -> the module that defines it
-NAMES = {"LLM": "llm", "LLMEngine": "engine.llm_engine", "EngineArgs": "engine_args",
-         "SamplingParams": "sampling_params", "TextPrompt": "inputs", "TokensPrompt": "inputs",
-         "CompletionOutput": "outputs", "Logprob": "outputs", "RequestOutput": "outputs",
-         "LoRARequest": "lora.request"}
+NAMES = {
+    "LLM": "llm",
+    "LLMEngine": "engine.llm_engine",
+    "EngineArgs": "engine_args",
+    "SamplingParams": "sampling_params",
+    "TextPrompt": "inputs",
+    "TokensPrompt": "inputs",
+    "CompletionOutput": "outputs",
+    "Logprob": "outputs",
+    "RequestOutput": "outputs",
+    "LoRARequest": "lora.request",
+}
 __all__ = list(NAMES)
 
 

@@ -1,51 +1,74 @@
-"""Conversations in: OpenAI-style messages rendered by the checkpoint's chat template, as vLLM
-renders them for `LLM.chat` and the chat completions endpoint.
+"""Conversations in: OpenAI-style messages rendered by the checkpoint's chat template,
+as vLLM renders them for `LLM.chat` and the chat completions endpoint.
 
-A message's content is a string, None (an assistant message that only calls tools), or a list
-of parts, whose text parts are joined with newlines (vLLM's "string" content format; a text
-model has no use for other parts). An assistant message's `tool_calls` reach the template with
-their JSON `arguments` parsed, as the templates of Qwen, Llama and Mistral expect; `tools` are
-handed to the template, which describes them to the model.
+A message's content is a string, None (an assistant message that only calls tools), or a
+list of parts, whose text parts are joined with newlines (vLLM's "string" content
+format; a text model has no use for other parts). An assistant message's `tool_calls`
+reach the template with their JSON `arguments` parsed, as the templates of Qwen, Llama
+and Mistral expect; `tools` are handed to the template, which describes them to the
+model.
 """
+
 import json
 
 from transformers import PreTrainedTokenizerBase
 
 
 def check_text(text: str, what: str) -> None:
-    """A ValueError naming `what` when `text` cannot be encoded (a lone UTF-16 surrogate)."""
+    """A ValueError naming `what` when `text` cannot be encoded (a lone UTF-16
+    surrogate)."""
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as error:
-        raise ValueError(f"{what} is not valid Unicode: it holds the lone surrogate "
-                         f"{text[error.start]!r} at position {error.start}") from None
+        raise ValueError(
+            f"{what} is not valid Unicode: it holds the lone surrogate "
+            f"{text[error.start]!r} at position {error.start}"
+        ) from None
 
 
-def render(tokenizer: PreTrainedTokenizerBase, messages: list[dict],
-           chat_template: str | None = None, add_generation_prompt: bool = True,
-           continue_final_message: bool = False, tools: list[dict] | None = None,
-           chat_template_kwargs: dict | None = None) -> tuple[str, list[int]]:
+def render(
+    tokenizer: PreTrainedTokenizerBase,
+    messages: list[dict],
+    chat_template: str | None = None,
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
+    tools: list[dict] | None = None,
+    chat_template_kwargs: dict | None = None,
+) -> tuple[str, list[int]]:
     """The text and token ids of a conversation through the chat template."""
     if chat_template is None and not tokenizer.chat_template:
-        raise ValueError("the checkpoint's tokenizer has no chat template; pass chat_template "
-                         "or format the prompt yourself")
+        raise ValueError(
+            "the checkpoint's tokenizer has no chat template; pass chat_template "
+            "or format the prompt yourself"
+        )
     if add_generation_prompt and continue_final_message:
-        raise ValueError("continue_final_message=True continues the last message: it cannot go "
-                         "with add_generation_prompt=True")
+        raise ValueError(
+            "continue_final_message=True continues the last message: it cannot go "
+            "with add_generation_prompt=True"
+        )
     if not isinstance(messages, list) or not messages:
-        raise ValueError(f"messages must be a non-empty list of messages, got {messages!r}")
+        raise ValueError(
+            f"messages must be a non-empty list of messages, got {messages!r}"
+        )
     conversation = [_message(i, message) for i, message in enumerate(messages)]
     if continue_final_message and conversation[-1]["role"] != "assistant":
         raise ValueError("continue_final_message=True needs an assistant message last")
     options = dict(chat_template_kwargs or {})
     try:
         text = tokenizer.apply_chat_template(
-            conversation, chat_template=chat_template, tools=tools, tokenize=False,
+            conversation,
+            chat_template=chat_template,
+            tools=tools,
+            tokenize=False,
             add_generation_prompt=add_generation_prompt,
-            continue_final_message=continue_final_message, **options)
+            continue_final_message=continue_final_message,
+            **options,
+        )
     except Exception as error:
-        raise ValueError(f"cannot render the conversation with the chat template: "
-                         f"{type(error).__name__}: {error}") from None
+        raise ValueError(
+            f"cannot render the conversation with the chat template: "
+            f"{type(error).__name__}: {error}"
+        ) from None
     # the template wrote the special tokens already
     return text, tokenizer.encode(text, add_special_tokens=False)
 
@@ -53,7 +76,9 @@ def render(tokenizer: PreTrainedTokenizerBase, messages: list[dict],
 def _message(i: int, message) -> dict:
     """Message `i` as chat templates take it."""
     if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-        raise ValueError(f"message {i} must be an object with a string role, got {message!r}")
+        raise ValueError(
+            f"message {i} must be an object with a string role, got {message!r}"
+        )
     message = dict(message)
     content = message.get("content")
     if isinstance(content, list):
@@ -61,8 +86,10 @@ def _message(i: int, message) -> dict:
     elif content is None and not message.get("tool_calls"):
         raise ValueError(f"message {i} has no content")
     elif content is not None and not isinstance(content, str):
-        raise ValueError(f"message {i}'s content must be a string or a list of parts, "
-                         f"got {content!r}")
+        raise ValueError(
+            f"message {i}'s content must be a string or a list of parts, "
+            f"got {content!r}"
+        )
     if message.get("tool_calls") is not None:
         message["tool_calls"] = [_tool_call(i, call) for call in message["tool_calls"]]
     for key, value in message.items():
@@ -72,23 +99,32 @@ def _message(i: int, message) -> dict:
 
 
 def _text_part(i: int, part) -> str:
-    if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(
-            part.get("text"), str):
+    if (
+        not isinstance(part, dict)
+        or part.get("type") != "text"
+        or not isinstance(part.get("text"), str)
+    ):
         kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-        raise ValueError(f"message {i} has a content part of type {kind!r}; nanopaged runs "
-                         f"text models and takes only {{'type': 'text', 'text': ...}} parts")
+        raise ValueError(
+            f"message {i} has a content part of type {kind!r}; nanopaged runs "
+            f"text models and takes only {{'type': 'text', 'text': ...}} parts"
+        )
     return part["text"]
 
 
 def _tool_call(i: int, call) -> dict:
     function = call.get("function") if isinstance(call, dict) else None
     if not isinstance(function, dict) or not isinstance(function.get("name"), str):
-        raise ValueError(f"message {i} has a tool call without a function name: {call!r}")
+        raise ValueError(
+            f"message {i} has a tool call without a function name: {call!r}"
+        )
     arguments = function.get("arguments") or {}
     if isinstance(arguments, str):
         try:
             arguments = json.loads(arguments)
         except json.JSONDecodeError:
-            raise ValueError(f"message {i}'s tool call {function['name']!r} has arguments "
-                             f"that are not JSON: {arguments!r}") from None
+            raise ValueError(
+                f"message {i}'s tool call {function['name']!r} has arguments "
+                f"that are not JSON: {arguments!r}"
+            ) from None
     return dict(call, function=dict(function, arguments=arguments))

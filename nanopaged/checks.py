@@ -10,13 +10,15 @@ LAYER_TYPES = {"full_attention", "sliding_attention"}
 
 
 def check_fields(options, choices: dict | None = None, positive: tuple = ()) -> None:
-    """A ValueError naming the first field of the dataclass `options` whose value has not the
-    field's type, is not one of its `choices`, or is below 1 while it should be `positive`."""
+    """A ValueError naming the first field of the dataclass `options` whose value has
+    not the field's type, is not one of its `choices`, or is below 1 while it should be
+    `positive`."""
     for f in filter(lambda f: f.init, fields(options)):
         value = getattr(options, f.name)
         allowed = get_args(f.type) or (f.type,)
-        numbers = allowed + ((int,) if float in allowed else ())  # an int is a number too
-        if (isinstance(value, bool) and bool not in allowed) or not isinstance(value, numbers):
+        numbers = allowed + ((int,) if float in allowed else ())  # an int is a number
+        wrong_bool = isinstance(value, bool) and bool not in allowed
+        if wrong_bool or not isinstance(value, numbers):
             names = " or ".join(
                 "None" if t is type(None) else "a number" if t is float else t.__name__
                 for t in allowed
@@ -32,20 +34,26 @@ def check_fields(options, choices: dict | None = None, positive: tuple = ()) -> 
 
 
 def unsupported_fields(config) -> dict:
-    """The fields of a Qwen- or Llama-like config that ask for what the core's decoder does
-    not do, with their values (a quantization_config is checked apart)."""
-    from nanopaged.core.layers import ROPE_SCALINGS, rope_type  # torch: once a model is read
+    """The fields of a Qwen- or Llama-like config that ask for what the core's decoder
+    does not do, with their values (a quantization_config is checked apart)."""
+    # torch, imported once a model is read
+    from nanopaged.core.layers import ROPE_SCALINGS, rope_type
     from nanopaged.core.model import rope_parameters
 
     ropes = [rope_parameters(config, i) for i in range(config.num_hidden_layers)]
     rope_types = {rope_type(rope) for rope in ropes}
-    partial = {r.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
-               for r in ropes} - {1.0}
+    partial = {
+        r.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
+        for r in ropes
+    } - {1.0}
     act = getattr(config, "hidden_act", "silu")
-    found = {"hidden_act": act if act != "silu" else None,
-             "rope_type": ", ".join(sorted(rope_types - set(ROPE_SCALINGS))) or None,
-             "partial_rotary_factor": partial.pop() if partial else None,
-             "layer_types": set(getattr(config, "layer_types", None) or ()) - LAYER_TYPES or None}
+    found = {
+        "hidden_act": act if act != "silu" else None,
+        "rope_type": ", ".join(sorted(rope_types - set(ROPE_SCALINGS))) or None,
+        "partial_rotary_factor": partial.pop() if partial else None,
+        "layer_types": set(getattr(config, "layer_types", None) or ()) - LAYER_TYPES
+        or None,
+    }
     return {name: value for name, value in found.items() if value is not None}
 
 

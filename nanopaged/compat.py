@@ -1,9 +1,11 @@
-"""The methods of vLLM's `LLM` and `LLMEngine` that vLLM's examples call beyond `generate`,
-`add_request` and `step`, written on those alone, so that one engine and its data-parallel
-replicas (`data_parallel.py`) share them: `chat`, `stream`, `from_engine_args`, and vLLM's
-other names. Nothing here changes what the engine does. Also what vLLM's module paths under
-`nanopaged.` (`engine`, `entrypoints`, `distributed`, `envs`, `profiler`) say of a name vLLM
-has there and nanopaged has not (`lacks`)."""
+"""The methods of vLLM's `LLM` and `LLMEngine` that vLLM's examples call beyond
+`generate`, `add_request` and `step`, written on those alone, so that one engine and its
+data-parallel replicas (`data_parallel.py`) share them: `chat`, `stream`,
+`from_engine_args`, and vLLM's other names. Nothing here changes what the engine does.
+Also what vLLM's module paths under `nanopaged.` (`engine`, `entrypoints`,
+`distributed`, `envs`, `profiler`) say of a name vLLM has there and nanopaged has not
+(`lacks`)."""
+
 import dataclasses
 import os
 import time
@@ -18,53 +20,85 @@ from nanopaged.sampling_params import SamplingParams
 
 
 def lacks(module: str, name: str, instead: str) -> ImportError | AttributeError:
-    """The error for `from module import name` where vLLM has `name` and nanopaged has not: an
-    ImportError saying what to use instead (an AttributeError for a dunder, as Python's)."""
+    """The error for `from module import name` where vLLM has `name` and nanopaged has
+    not: an ImportError saying what to use instead (an AttributeError for a dunder, as
+    Python's)."""
     if name.startswith("__"):
         return AttributeError(name)
-    return ImportError(f"cannot import {name!r} from {module}: vLLM has it there, nanopaged "
-                       f"does not. {instead}")
+    return ImportError(
+        f"cannot import {name!r} from {module}: vLLM has it there, nanopaged "
+        f"does not. {instead}"
+    )
 
 
 class VLLMEngineAPI:
     """A mixin of an engine that has `generate`, `add_request`, `step`, `abort`,
-    `is_finished`, `requests` (the unfinished ones added with `add_request`), `inputs` (its
-    `InputProcessor`) and `_finalizer` (which closes it)."""
+    `is_finished`, `requests` (the unfinished ones added with `add_request`), `inputs`
+    (its `InputProcessor`) and `_finalizer` (which closes it)."""
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs):
         return cls(**dataclasses.asdict(engine_args))
 
-    def chat(self, messages: list[dict] | list[list[dict]],
-             sampling_params: SamplingParams | list[SamplingParams] | None = None,
-             use_tqdm: bool = True, chat_template: str | None = None,
-             add_generation_prompt: bool = True, continue_final_message: bool = False,
-             tools: list[dict] | None = None, chat_template_kwargs: dict | None = None,
-             chat_template_content_format: str = "auto", lora_request=None) -> list:
-        """`generate` for one conversation (a list of messages, see `chat.render`) or a list of
-        them, each rendered by the chat template, as vLLM's `LLM.chat`; each output's `prompt`
-        is the rendered text. Content parts render as a string ("auto" and "string" formats)."""
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict] | None = None,
+        chat_template_kwargs: dict | None = None,
+        chat_template_content_format: str = "auto",
+        lora_request=None,
+    ) -> list:
+        """`generate` for one conversation (a list of messages, see `chat.render`) or a
+        list of them, each rendered by the chat template, as vLLM's `LLM.chat`; each
+        output's `prompt` is the rendered text. Content parts render as a string ("auto"
+        and "string" formats)."""
         if chat_template_content_format not in ("auto", "string"):
-            raise ValueError(f"chat_template_content_format={chat_template_content_format!r} is "
-                             f"not supported: text parts always render as one string")
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+            raise ValueError(
+                f"chat_template_content_format={chat_template_content_format!r} is "
+                f"not supported: text parts always render as one string"
+            )
+        conversations = (
+            [messages] if messages and isinstance(messages[0], dict) else messages
+        )
         prompts = []
-        for conversation in conversations if isinstance(conversations, list) else [None]:
-            text, token_ids = chat.render(self.tokenizer, conversation, chat_template,
-                                          add_generation_prompt, continue_final_message, tools,
-                                          chat_template_kwargs)
+        for conversation in (
+            conversations if isinstance(conversations, list) else [None]
+        ):
+            text, token_ids = chat.render(
+                self.tokenizer,
+                conversation,
+                chat_template,
+                add_generation_prompt,
+                continue_final_message,
+                tools,
+                chat_template_kwargs,
+            )
             prompts.append({"prompt": text, "prompt_token_ids": token_ids})
-        return self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request)
+        return self.generate(
+            prompts, sampling_params, use_tqdm, lora_request=lora_request
+        )
 
-    def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None
-               ) -> Iterator[str]:
-        """Yields the text of one completion as it grows: `for delta in llm.stream(prompt):`.
-        Leaving the loop early aborts the request."""
+    def stream(
+        self, prompt: Prompt, sampling_params: SamplingParams | None = None
+    ) -> Iterator[str]:
+        """Yields the text of one completion as it grows: `for delta in
+        llm.stream(prompt):`. Leaving the loop early aborts the request."""
         self._check_idle("stream")
         if sampling_params is not None and getattr(sampling_params, "n", 1) != 1:
-            raise ValueError("stream() follows one completion; for n > 1 use add_request() "
-                             "and step()")
-        request_id, shown, finished = self.add_request(prompt, sampling_params), 0, False
+            raise ValueError(
+                "stream() follows one completion; for n > 1 use add_request() "
+                "and step()"
+            )
+        request_id, shown, finished = (
+            self.add_request(prompt, sampling_params),
+            0,
+            False,
+        )
         try:
             while not finished:
                 for output in self.step():
@@ -94,18 +128,23 @@ class VLLMEngineAPI:
         return self.tokenizer
 
     def get_default_sampling_params(self) -> SamplingParams:
-        """SamplingParams with the sampling settings of the checkpoint's generation config
-        (unless generation_config="vllm"), as vLLM gives `generate` when none are passed."""
+        """SamplingParams with the sampling settings of the checkpoint's generation
+        config (unless generation_config="vllm"), as vLLM gives `generate` when none are
+        passed."""
         return SamplingParams(**self.default_sampling)
 
     def start_profile(self) -> None:
-        """Starts torch.profiler on this process (rank 0); `stop_profile` writes a Chrome trace
-        into $VLLM_TORCH_PROFILER_DIR (or $NANOPAGED_TORCH_PROFILER_DIR)."""
-        directory = (os.environ.get("VLLM_TORCH_PROFILER_DIR")
-                     or os.environ.get("NANOPAGED_TORCH_PROFILER_DIR"))
+        """Starts torch.profiler on this process (rank 0); `stop_profile` writes a
+        Chrome trace into $VLLM_TORCH_PROFILER_DIR (or
+        $NANOPAGED_TORCH_PROFILER_DIR)."""
+        directory = os.environ.get("VLLM_TORCH_PROFILER_DIR") or os.environ.get(
+            "NANOPAGED_TORCH_PROFILER_DIR"
+        )
         if not directory:
-            raise ValueError("start_profile() writes its trace to the directory named by "
-                             "VLLM_TORCH_PROFILER_DIR; set it first")
+            raise ValueError(
+                "start_profile() writes its trace to the directory named by "
+                "VLLM_TORCH_PROFILER_DIR; set it first"
+            )
         activities = [torch.profiler.ProfilerActivity.CPU]
         if torch.cuda.is_available():
             activities.append(torch.profiler.ProfilerActivity.CUDA)
@@ -119,8 +158,10 @@ class VLLMEngineAPI:
             raise ValueError("stop_profile() without start_profile()")
         self.profiler.stop()
         os.makedirs(self.profiler.directory, exist_ok=True)
-        path = os.path.join(self.profiler.directory, f"nanopaged-{os.getpid()}-{time.time():.0f}"
-                                                     f".trace.json")
+        path = os.path.join(
+            self.profiler.directory,
+            f"nanopaged-{os.getpid()}-{time.time():.0f}.trace.json",
+        )
         self.profiler.export_chrome_trace(path)
         self.profiler = None
         return path
@@ -136,9 +177,11 @@ class VLLMEngineAPI:
     def _check_idle(self, method: str) -> None:
         self._check_open()
         if self.requests:
-            raise ValueError(f"{len(self.requests)} requests added with add_request() are "
-                             f"unfinished; run step() until is_finished() or abort() them "
-                             f"before {method}()")
+            raise ValueError(
+                f"{len(self.requests)} requests added with add_request() are "
+                f"unfinished; run step() until is_finished() or abort() them "
+                f"before {method}()"
+            )
 
     def close(self) -> None:
         """Stops the engine's processes (tensor-parallel workers, replicas), if any. The

@@ -1,26 +1,31 @@
-"""The CPU backend: what makes the engine fast on a CPU, each part measured (docs/cpu.md).
+"""The CPU backend: what makes the engine fast on a CPU, each part measured
+(docs/cpu.md).
 
 `attention_backend="cpu"`, which "auto" picks on a CPU, computes what the plain "torch"
 backend computes (the reference), with these changes:
 
 - Attention reads each sequence's K/V blocks where they lie in the cache, in C
-  (`cpu_kernels.c`: the Triton kernels' online softmax in a loop nest), a query at a time in
-  decode steps and small chunks, in tiles of matrix products in prefills; the plain backend
-  copies every context out of the cache first.
-- The core's fused element-wise functions (RMSNorm, RoPE, SiLU-and-multiply) and sampling run
-  in C too: at decode sizes PyTorch's small operators cost more in dispatch than in arithmetic.
-- Linear layers multiply float32 weights packed in panels by the C kernels' matmul, others
-  with oneDNN's prepacked weights (`torch.ops.mkldnn`): 1.2x to 3x faster than `F.linear` here
-  (most on the LM head of a large vocabulary); the plain weights of the projections are freed.
+  (`cpu_kernels.c`: the Triton kernels' online softmax in a loop nest), a query at a
+  time in decode steps and small chunks, in tiles of matrix products in prefills; the
+  plain backend copies every context out of the cache first.
+- The core's fused element-wise functions (RMSNorm, RoPE, SiLU-and-multiply) and
+  sampling run in C too: at decode sizes PyTorch's small operators cost more in dispatch
+  than in arithmetic.
+- Linear layers multiply float32 weights packed in panels by the C kernels' matmul,
+  others with oneDNN's prepacked weights (`torch.ops.mkldnn`): 1.2x to 3x faster than
+  `F.linear` here (most on the LM head of a large vocabulary); the plain weights of the
+  projections are freed.
 - The KV cache and the panels lie in memory Linux may back by 2 MB pages (transparent
-  huge pages, asked for with madvise: the default "madvise" mode grants them only then). A
-  decode step reads the cache's blocks where they lie and the LM head's tens of MB: with 4 KB
-  pages, a miss in the TLB every 4 KB, each a page-table walk (two levels deep in a VM).
+  huge pages, asked for with madvise: the default "madvise" mode grants them only then).
+  A decode step reads the cache's blocks where they lie and the LM head's tens of MB:
+  with 4 KB pages, a miss in the TLB every 4 KB, each a page-table walk (two levels deep
+  in a VM).
 - The process keeps freed memory for reuse (glibc's mmap and trim thresholds raised): a
-  step's activations are tens of MB, which glibc would otherwise return to the OS after each
-  use and fault in again, page by page; and torch's threads are as many as the cores this
-  process may use (its CPU affinity and cgroup quota), not the machine's.
+  step's activations are tens of MB, which glibc would otherwise return to the OS after
+  each use and fault in again, page by page; and torch's threads are as many as the
+  cores this process may use (its CPU affinity and cgroup quota), not the machine's.
 """
+
 import ctypes
 import functools
 import math
@@ -32,22 +37,35 @@ from torch import nn
 
 from nanopaged import cpu_kernels
 from nanopaged.core import sampler
-from nanopaged.core.attention import (BACKENDS, AttentionMetadata, Backend, decode_torch,
-                                      prefill_torch)
+from nanopaged.core.attention import (
+    BACKENDS,
+    AttentionMetadata,
+    Backend,
+    decode_torch,
+    prefill_torch,
+)
 from nanopaged.core.layers import Kernels, LinearBase, LinearMethod
 
-# Queries a sequence, at most, for which a prefill step attends a query at a time (a speculative
-# verification, a small chunk): more, and tiles of matrix products are faster
+# Queries a sequence, at most, for which a prefill step attends a query at a time (a
+# speculative verification, a small chunk): more, and tiles of matrix products are
+# faster
 KERNEL_QUERIES = 16
 # glibc's mallopt parameters, and the size under which freed memory is kept
-M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, KEEP_BYTES = -1, -3, 2 ** 31 - 1
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, KEEP_BYTES = -1, -3, 2**31 - 1
 
 
 def usable_cores() -> int:
-    """The cores this process may run on: its affinity mask, capped by a cgroup CPU quota."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    for path, scale in (("/sys/fs/cgroup/cpu.max", None),  # cgroup v2: "quota period"
-                        ("/sys/fs/cgroup/cpu/cpu.cfs_quota_us", "cpu.cfs_period_us")):
+    """The cores this process may run on: its affinity mask, capped by a cgroup CPU
+    quota."""
+    cores = (
+        len(os.sched_getaffinity(0))
+        if hasattr(os, "sched_getaffinity")
+        else os.cpu_count()
+    )
+    for path, scale in (
+        ("/sys/fs/cgroup/cpu.max", None),  # cgroup v2: "quota period"
+        ("/sys/fs/cgroup/cpu/cpu.cfs_quota_us", "cpu.cfs_period_us"),
+    ):
         try:
             with open(path) as f:
                 quota, *period = f.read().split()
@@ -64,9 +82,10 @@ def usable_cores() -> int:
 
 @functools.cache
 def tune_process() -> None:
-    """Once a process: no more torch threads than usable cores, and freed memory kept by glibc's
-    allocator for the next step (see the module's docstring)."""
-    if usable_cores() < torch.get_num_threads():  # setting it even unchanged slows small GEMMs
+    """Once a process: no more torch threads than usable cores, and freed memory kept by
+    glibc's allocator for the next step (see the module's docstring)."""
+    # setting it even unchanged slows small GEMMs
+    if usable_cores() < torch.get_num_threads():
         torch.set_num_threads(usable_cores())
     try:
         libc = ctypes.CDLL("libc.so.6")
@@ -78,21 +97,24 @@ def tune_process() -> None:
 
 @functools.cache
 def packable_dtypes() -> tuple[torch.dtype, ...]:
-    """What oneDNN packs here: float32, and bfloat16 on CPUs with its instructions (AVX-512 or
-    AVX-NE-CONVERT; elsewhere a bfloat16 weight stays plain)."""
+    """What oneDNN packs here: float32, and bfloat16 on CPUs with its instructions
+    (AVX-512 or AVX-NE-CONVERT; elsewhere a bfloat16 weight stays plain)."""
     bf16 = torch.ops.mkldnn._is_mkldnn_bf16_supported()
     return (torch.float32, torch.bfloat16) if bf16 else (torch.float32,)
 
 
-def huge_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str = "cpu"
-               ) -> torch.Tensor:
-    """torch.zeros(shape, dtype=dtype) in an anonymous mapping that Linux may back by huge pages
-    (see the module's docstring); its pages cost no memory until written. Elsewhere (no
-    madvise), torch.zeros."""
+def huge_zeros(
+    shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str = "cpu"
+) -> torch.Tensor:
+    """torch.zeros(shape, dtype=dtype) in an anonymous mapping that Linux may back by
+    huge pages (see the module's docstring); its pages cost no memory until written.
+    Elsewhere (no madvise), torch.zeros."""
     count = math.prod(shape)
     if not hasattr(mmap, "MADV_HUGEPAGE") or count == 0:
         return torch.zeros(shape, dtype=dtype, device=device)
-    memory = mmap.mmap(-1, count * dtype.itemsize, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    memory = mmap.mmap(
+        -1, count * dtype.itemsize, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+    )
     try:
         memory.madvise(mmap.MADV_HUGEPAGE)
     except OSError:  # a kernel without transparent huge pages: 4 KB pages, as torch's
@@ -101,9 +123,10 @@ def huge_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device 
 
 
 class PackedLinear(LinearMethod):
-    """`F.linear` with the weight packed once loaded: a float32 weight in the C kernels' panels
-    (`PanelLinear`), else in oneDNN's blocked layout where oneDNN packs its dtype. The
-    projections' plain weights are freed; the LM head's may be the embedding's too."""
+    """`F.linear` with the weight packed once loaded: a float32 weight in the C kernels'
+    panels (`PanelLinear`), else in oneDNN's blocked layout where oneDNN packs its
+    dtype. The projections' plain weights are freed; the LM head's may be the
+    embedding's too."""
 
     def process_weights(self, layer: nn.Module) -> LinearMethod:
         panels = cpu_kernels.pack_panels(layer.weight.data)
@@ -111,7 +134,9 @@ class PackedLinear(LinearMethod):
             layer.panels = huge_zeros(panels.shape, panels.dtype).copy_(panels)
             method = PanelLinear()
         elif layer.weight.dtype in packable_dtypes():
-            layer.packed_weight = torch.ops.mkldnn._reorder_linear_weight(layer.weight.data, 64)
+            layer.packed_weight = torch.ops.mkldnn._reorder_linear_weight(
+                layer.weight.data, 64
+            )
             method = self
         else:
             return LinearMethod()
@@ -120,53 +145,86 @@ class PackedLinear(LinearMethod):
         return method
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, layer.packed_weight, layer.bias, "none",
-                                                  [None], "")
+        return torch.ops.mkldnn._linear_pointwise(
+            x, layer.packed_weight, layer.bias, "none", [None], ""
+        )
 
 
 class PanelLinear(LinearMethod):
-    """The C kernels' matmul over the weight in panels (`cpu_kernels.panel_matmul`): each panel
-    read once for all the rows, 15-30% faster than oneDNN at decode sizes, as fast on a prefill
-    (docs/cpu.md)."""
+    """The C kernels' matmul over the weight in panels (`cpu_kernels.panel_matmul`):
+    each panel read once for all the rows, 15-30% faster than oneDNN at decode sizes, as
+    fast on a prefill (docs/cpu.md)."""
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         out = cpu_kernels.panel_matmul(x, layer.panels)
         return out if layer.bias is None else out.add_(layer.bias)
 
 
-def prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-            meta: AttentionMetadata, scale: float, window: int | None = None) -> torch.Tensor:
-    """Causal attention of each sequence's new queries over its cached context, read in place by
-    the C kernels: a query at a time in a step of at most KERNEL_QUERIES a sequence, else in
-    tiles of matrix products (the plain backend's prefill where they do not apply)."""
-    out = cpu_kernels.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens,
-                                      meta.cu_seqlens_q, scale, window,
-                                      tiled=meta.max_seqlen_q > KERNEL_QUERIES)
-    return prefill_torch(q, k_cache, v_cache, meta, scale, window) if out is None else out
+def prefill(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    window: int | None = None,
+) -> torch.Tensor:
+    """Causal attention of each sequence's new queries over its cached context, read in
+    place by the C kernels: a query at a time in a step of at most KERNEL_QUERIES a
+    sequence, else in tiles of matrix products (the plain backend's prefill where they
+    do not apply)."""
+    out = cpu_kernels.paged_attention(
+        q,
+        k_cache,
+        v_cache,
+        meta.block_tables,
+        meta.context_lens,
+        meta.cu_seqlens_q,
+        scale,
+        window,
+        tiled=meta.max_seqlen_q > KERNEL_QUERIES,
+    )
+    return (
+        prefill_torch(q, k_cache, v_cache, meta, scale, window) if out is None else out
+    )
 
 
-def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-           meta: AttentionMetadata, scale: float, window: int | None = None) -> torch.Tensor:
-    """One query per sequence over its cached context, read in place by the C kernel (the
-    plain backend's decode where it does not apply)."""
-    out = cpu_kernels.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens,
-                                      None, scale, window)
-    return decode_torch(q, k_cache, v_cache, meta, scale, window) if out is None else out
+def decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    window: int | None = None,
+) -> torch.Tensor:
+    """One query per sequence over its cached context, read in place by the C kernel
+    (the plain backend's decode where it does not apply)."""
+    out = cpu_kernels.paged_attention(
+        q, k_cache, v_cache, meta.block_tables, meta.context_lens, None, scale, window
+    )
+    return (
+        decode_torch(q, k_cache, v_cache, meta, scale, window) if out is None else out
+    )
 
 
-def sample(logits: torch.Tensor, temperatures: torch.Tensor, uniform: torch.Tensor
-           ) -> torch.Tensor:
-    """`sampler.sample` by the C kernel: in two levels, chunks first, and never a token of
-    probability 0 (one that top-k, top-p or min-p removed), whatever the rounding."""
+def sample(
+    logits: torch.Tensor, temperatures: torch.Tensor, uniform: torch.Tensor
+) -> torch.Tensor:
+    """`sampler.sample` by the C kernel: in two levels, chunks first, and never a token
+    of probability 0 (one that top-k, top-p or min-p removed), whatever the rounding."""
     tokens = cpu_kernels.sample(logits, temperatures, uniform)
     return sampler.sample(logits, temperatures, uniform) if tokens is None else tokens
 
 
-def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                  v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """k, v: (T, nkv, hs) written to their slots (a CPU runs no CUDA graphs: no padding): by the
-    C kernel into a float32 cache; else into an FP8 cache as bytes, for which index_copy_ has a
-    kernel."""
+def store_kvcache(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """k, v: (T, nkv, hs) written to their slots (a CPU runs no CUDA graphs: no
+    padding): by the C kernel into a float32 cache; else into an FP8 cache as bytes, for
+    which index_copy_ has a kernel."""
     if cpu_kernels.store_kv(k, v, k_cache, v_cache, slot_mapping):
         return
     for new, cache in ((k, k_cache), (v, v_cache)):
@@ -178,8 +236,8 @@ def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
 
 
 def kernels() -> Kernels:
-    """What a model built for this backend computes with: the C kernels where they are built
-    (else PyTorch's), the linear layers packed where oneDNN is."""
+    """What a model built for this backend computes with: the C kernels where they are
+    built (else PyTorch's), the linear layers packed where oneDNN is."""
     tune_process()
     linear = PackedLinear() if torch.backends.mkldnn.is_available() else LinearMethod()
     attention = (store_kvcache, prefill, decode)
@@ -188,5 +246,10 @@ def kernels() -> Kernels:
     return Kernels("cpu", attention, linear, **cpu_kernels.ELEMENTWISE)
 
 
-BACKENDS["cpu"] = Backend(kernels, lambda on_gpu, dtype: "device='cpu'" if on_gpu else None,
-                          ("cpu",), sample, huge_zeros)
+BACKENDS["cpu"] = Backend(
+    kernels,
+    lambda on_gpu, dtype: "device='cpu'" if on_gpu else None,
+    ("cpu",),
+    sample,
+    huge_zeros,
+)

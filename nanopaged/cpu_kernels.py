@@ -1,14 +1,16 @@
-"""The CPU backend's native kernels (`cpu_kernels.c`), compiled once per machine with its C
-compiler, and the functions that call them on torch tensors.
+"""The CPU backend's native kernels (`cpu_kernels.c`), compiled once per machine with
+its C compiler, and the functions that call them on torch tensors.
 
-PyTorch on a CPU has no fused paged attention: the plain path copies every context out of the
-cache (`index_select`) before it attends, and at decode sizes its small operators (a norm is
-six) cost more in dispatch than in arithmetic (docs/cpu.md). The C file is the Triton kernels'
-attention in a loop nest, and the element-wise chains fused. It is built with `$CC` (default
-`cc`) into ~/.cache/nanopaged the first time a process needs it (under a second), linked to the
-OpenMP runtime torch has loaded, so that its threads are torch's. Where it cannot be built
-(no compiler: said once), each function here returns None or runs the plain PyTorch code.
+PyTorch on a CPU has no fused paged attention: the plain path copies every context out
+of the cache (`index_select`) before it attends, and at decode sizes its small operators
+(a norm is six) cost more in dispatch than in arithmetic (docs/cpu.md). The C file is
+the Triton kernels' attention in a loop nest, and the element-wise chains fused. It is
+built with `$CC` (default `cc`) into ~/.cache/nanopaged the first time a process needs
+it (under a second), linked to the OpenMP runtime torch has loaded, so that its threads
+are torch's. Where it cannot be built (no compiler: said once), each function here
+returns None or runs the plain PyTorch code.
 """
+
 import ctypes
 import functools
 import hashlib
@@ -23,17 +25,22 @@ import torch
 from nanopaged.core import layers
 
 SOURCE = os.path.join(os.path.dirname(__file__), "cpu_kernels.c")
-CACHE_DIR = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"),
-                         "nanopaged")
+CACHE_DIR = os.path.join(
+    os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "nanopaged"
+)
 FLAGS = ["-O3", "-march=native", "-fno-trapping-math", "-shared", "-fPIC"]
 # the cache dtypes paged_attention reads (the C file's kv_kind)
 KV_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float8_e4m3fn: 2}
 _P, _L, _I, _F = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_float
 SIGNATURES = {  # the C functions: (return type, argument types)
-    "paged_attention": (_I, [_P, _L, _P, _P, _I, _P, _P, _L, _P, _P] + [_I] * 5
-                        + [_F, _I, _P, _I]),
-    "prefill_attention": (_I, [_P, _L, _P, _P, _I, _P, _P, _L, _P, _P] + [_I] * 5
-                          + [_F, _I, _P, _I]),
+    "paged_attention": (
+        _I,
+        [_P, _L, _P, _P, _I, _P, _P, _L, _P, _P] + [_I] * 5 + [_F, _I, _P, _I],
+    ),
+    "prefill_attention": (
+        _I,
+        [_P, _L, _P, _P, _I, _P, _P, _L, _P, _P] + [_I] * 5 + [_F, _I, _P, _I],
+    ),
     "rms_norm": (None, [_P, _L, _I, _P, _P, _L, _I, _F, _P, _P, _I]),
     "rotary": (None, [_P, _L, _I, _I, _I, _P, _P, _P, _I]),
     "silu_and_mul": (None, [_P, _L, _I, _P, _I]),
@@ -46,7 +53,8 @@ logger = logging.getLogger(__name__)
 
 
 def _cpu_signature() -> str:
-    """What -march=native compiles for: a library built on another CPU may not run here."""
+    """What -march=native compiles for: a library built on another CPU may not run
+    here."""
     try:
         with open("/proc/cpuinfo") as f:
             return next((line for line in f if line.startswith("flags")), "")
@@ -55,19 +63,26 @@ def _cpu_signature() -> str:
 
 
 def _compile(compiler: str, path: str) -> None:
-    """Builds the library at `path`: with OpenMP, else (a compiler without it) on one thread.
-    Raises OSError with what the compiler said."""
+    """Builds the library at `path`: with OpenMP, else (a compiler without it) on one
+    thread. Raises OSError with what the compiler said."""
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(path))
     os.close(fd)
     try:
         for flags in (FLAGS + ["-fopenmp"], FLAGS):
             try:
-                subprocess.run([compiler, *flags, SOURCE, "-o", tmp, "-lm"], check=True,
-                               capture_output=True, timeout=120)
-                os.replace(tmp, path)  # atomic: a concurrent process sees all the file or none
+                subprocess.run(
+                    [compiler, *flags, SOURCE, "-o", tmp, "-lm"],
+                    check=True,
+                    capture_output=True,
+                    timeout=120,
+                )
+                # atomic: a concurrent process sees all the file or none
+                os.replace(tmp, path)
                 return
             except (OSError, subprocess.SubprocessError) as e:
-                said = (getattr(e, "stderr", b"") or b"").decode(errors="replace")[-300:]
+                said = (getattr(e, "stderr", b"") or b"").decode(errors="replace")[
+                    -300:
+                ]
                 error = OSError(f"{e} {said}".strip())
         raise error
     finally:
@@ -77,13 +92,17 @@ def _compile(compiler: str, path: str) -> None:
 
 @functools.cache
 def library() -> ctypes.CDLL | None:
-    """The compiled kernels, built on first use; None where they cannot be built or loaded (a
-    missing compiler, a read-only or noexec cache folder): said once, in the log."""
+    """The compiled kernels, built on first use; None where they cannot be built or
+    loaded (a missing compiler, a read-only or noexec cache folder): said once, in the
+    log."""
     with open(SOURCE, "rb") as f:
         source = f.read()
     compiler = os.environ.get("CC", "cc")
-    key = hashlib.sha256(b"\0".join([source, " ".join([compiler, *FLAGS]).encode(),
-                                     _cpu_signature().encode()])).hexdigest()[:16]
+    key = hashlib.sha256(
+        b"\0".join(
+            [source, " ".join([compiler, *FLAGS]).encode(), _cpu_signature().encode()]
+        )
+    ).hexdigest()[:16]
     path = os.path.join(CACHE_DIR, f"cpu_kernels-{key}.so")
     try:
         if not os.path.exists(path):
@@ -91,8 +110,11 @@ def library() -> ctypes.CDLL | None:
             _compile(compiler, path)
         lib = ctypes.CDLL(path)
     except OSError as error:
-        logger.warning("nanopaged: the CPU backend's C kernels could not be built or loaded "
-                       "(%s); it runs PyTorch's operators instead, slower", error)
+        logger.warning(
+            "nanopaged: the CPU backend's C kernels could not be built or loaded "
+            "(%s); it runs PyTorch's operators instead, slower",
+            error,
+        )
         return None
     for name, (restype, argtypes) in SIGNATURES.items():
         getattr(lib, name).restype = restype
@@ -107,21 +129,33 @@ def _fp8_table() -> torch.Tensor:
 
 
 def _heads(x: torch.Tensor) -> torch.Tensor:
-    """x (T, heads, n) with each token's heads contiguous (its tokens any stride apart)."""
+    """x (T, heads, n) with each token's heads contiguous (its tokens any stride
+    apart)."""
     return x if x.stride(2) == 1 and x.stride(1) == x.shape[2] else x.contiguous()
 
 
-def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    block_tables: torch.Tensor, context_lens: torch.Tensor,
-                    cu_seqlens_q: torch.Tensor | None, scale: float, window: int | None,
-                    tiled: bool = False) -> torch.Tensor | None:
-    """q: (T, nh, hs), the queries of each sequence its last tokens (`cu_seqlens_q`; None: one
-    each) -> (T, nh, hs) attended over its cached context (or its last `window` positions); None
-    where the kernel does not apply (no library, a cache dtype or shape it does not read).
-    `tiled`: by the C file's `prefill_attention` (matrix products: for many queries a sequence),
-    else a query at a time."""
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    cu_seqlens_q: torch.Tensor | None,
+    scale: float,
+    window: int | None,
+    tiled: bool = False,
+) -> torch.Tensor | None:
+    """q: (T, nh, hs), the queries of each sequence its last tokens (`cu_seqlens_q`;
+    None: one each) -> (T, nh, hs) attended over its cached context (or its last
+    `window` positions); None where the kernel does not apply (no library, a cache dtype
+    or shape it does not read). `tiled`: by the C file's `prefill_attention` (matrix
+    products: for many queries a sequence), else a query at a time."""
     lib, kind = library(), KV_KINDS.get(k_cache.dtype)
-    if lib is None or kind is None or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+    if (
+        lib is None
+        or kind is None
+        or not (k_cache.is_contiguous() and v_cache.is_contiguous())
+    ):
         return None
     queries = _heads(q.float())
     block_tables = block_tables.to(torch.int32).contiguous()
@@ -129,11 +163,26 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     cu = None if cu_seqlens_q is None else cu_seqlens_q.to(torch.int32).contiguous()
     out = torch.empty(queries.shape)
     failed = (lib.prefill_attention if tiled else lib.paged_attention)(
-        queries.data_ptr(), queries.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), kind,
-        _fp8_table().data_ptr(), block_tables.data_ptr(), block_tables.stride(0),
-        None if cu is None else cu.data_ptr(), context_lens.data_ptr(), len(context_lens),
-        q.shape[1], k_cache.shape[2], q.shape[2], k_cache.shape[1], scale, window or 0,
-        out.data_ptr(), torch.get_num_threads())
+        queries.data_ptr(),
+        queries.stride(0),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        kind,
+        _fp8_table().data_ptr(),
+        block_tables.data_ptr(),
+        block_tables.stride(0),
+        None if cu is None else cu.data_ptr(),
+        context_lens.data_ptr(),
+        len(context_lens),
+        q.shape[1],
+        k_cache.shape[2],
+        q.shape[2],
+        k_cache.shape[1],
+        scale,
+        window or 0,
+        out.data_ptr(),
+        torch.get_num_threads(),
+    )
     return None if failed else out.to(q.dtype)
 
 
@@ -148,38 +197,69 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     rows = x if x.dim() == 3 else x.reshape(-1, 1, x.shape[-1])
     rows = _heads(rows)
     out = torch.empty(x.shape)
-    library().rms_norm(rows.data_ptr(), rows.stride(0), rows.shape[1], None,
-                       weight.contiguous().data_ptr(), rows.shape[0] * rows.shape[1],
-                       x.shape[-1], eps, out.data_ptr(), None, torch.get_num_threads())
+    library().rms_norm(
+        rows.data_ptr(),
+        rows.stride(0),
+        rows.shape[1],
+        None,
+        weight.contiguous().data_ptr(),
+        rows.shape[0] * rows.shape[1],
+        x.shape[-1],
+        eps,
+        out.data_ptr(),
+        None,
+        torch.get_num_threads(),
+    )
     return out
 
 
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """`layers.add_rms_norm`: (norm(x + residual), x + residual)."""
     if not _float32(x, residual, weight):
         return layers.add_rms_norm(x, residual, weight, eps)
     x, residual = x.contiguous(), residual.contiguous()
     out, total = torch.empty(x.shape), torch.empty(x.shape)
     n = x.shape[-1]
-    library().rms_norm(x.data_ptr(), n, 1, residual.data_ptr(), weight.contiguous().data_ptr(),
-                       x.numel() // n, n, eps, out.data_ptr(), total.data_ptr(),
-                       torch.get_num_threads())
+    library().rms_norm(
+        x.data_ptr(),
+        n,
+        1,
+        residual.data_ptr(),
+        weight.contiguous().data_ptr(),
+        x.numel() // n,
+        n,
+        eps,
+        out.data_ptr(),
+        total.data_ptr(),
+        torch.get_num_threads(),
+    )
     return out, total
 
 
-def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
-                 cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`layers.apply_rotary`: q (T, nh, hs) and k (T, nkv, hs) rotated at `positions`."""
+def apply_rotary(
+    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`layers.apply_rotary`: q (T, nh, hs) and k (T, nkv, hs) rotated at
+    `positions`."""
     if not _float32(q, k, cos_sin):
         return layers.apply_rotary(q, k, positions, cos_sin)
     positions, cos_sin = positions.to(torch.int64).contiguous(), cos_sin.contiguous()
     rotated = []
     for x in (_heads(q), _heads(k)):
         out = torch.empty(x.shape)
-        library().rotary(x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], x.shape[2],
-                         positions.data_ptr(), cos_sin.data_ptr(), out.data_ptr(),
-                         torch.get_num_threads())
+        library().rotary(
+            x.data_ptr(),
+            x.stride(0),
+            x.shape[0],
+            x.shape[1],
+            x.shape[2],
+            positions.data_ptr(),
+            cos_sin.data_ptr(),
+            out.data_ptr(),
+            torch.get_num_threads(),
+        )
         rotated.append(out)
     return rotated[0], rotated[1]
 
@@ -191,42 +271,75 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     gate_up = gate_up.contiguous()
     n = gate_up.shape[-1] // 2
     out = torch.empty(*gate_up.shape[:-1], n)
-    library().silu_and_mul(gate_up.data_ptr(), gate_up.numel() // (2 * n), n, out.data_ptr(),
-                           torch.get_num_threads())
+    library().silu_and_mul(
+        gate_up.data_ptr(),
+        gate_up.numel() // (2 * n),
+        n,
+        out.data_ptr(),
+        torch.get_num_threads(),
+    )
     return out
 
 
-def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slots: torch.Tensor) -> bool:
-    """k, v (T, nkv, hs) into their slots of a float32 cache; False where the kernel does not
-    apply (no library, another dtype)."""
-    if library() is None or not (_float32(k, v, k_cache, v_cache) and k_cache.is_contiguous()
-                                 and v_cache.is_contiguous()):
+def store_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+) -> bool:
+    """k, v (T, nkv, hs) into their slots of a float32 cache; False where the kernel
+    does not apply (no library, another dtype)."""
+    if library() is None or not (
+        _float32(k, v, k_cache, v_cache)
+        and k_cache.is_contiguous()
+        and v_cache.is_contiguous()
+    ):
         return False
     k, v, slots = _heads(k), _heads(v), slots.to(torch.int64).contiguous()
-    library().store_kv(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), k.shape[0],
-                       k.shape[1] * k.shape[2], slots.data_ptr(), k_cache.data_ptr(),
-                       v_cache.data_ptr(), torch.get_num_threads())
+    library().store_kv(
+        k.data_ptr(),
+        k.stride(0),
+        v.data_ptr(),
+        v.stride(0),
+        k.shape[0],
+        k.shape[1] * k.shape[2],
+        slots.data_ptr(),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        torch.get_num_threads(),
+    )
     return True
 
 
-def sample(logits: torch.Tensor, temperatures: torch.Tensor, uniform: torch.Tensor
-           ) -> torch.Tensor | None:
+def sample(
+    logits: torch.Tensor, temperatures: torch.Tensor, uniform: torch.Tensor
+) -> torch.Tensor | None:
     """`sampler.sample` for logits (R, V) (see the C file's `sample`); None without the
     library."""
     if library() is None:
         return None
     logits = logits.float().contiguous()
-    temperatures, uniform = temperatures.float().contiguous(), uniform.float().contiguous()
+    temperatures, uniform = (
+        temperatures.float().contiguous(),
+        uniform.float().contiguous(),
+    )
     tokens = torch.empty(len(logits), dtype=torch.int64)
-    library().sample(logits.data_ptr(), temperatures.data_ptr(), uniform.data_ptr(),
-                     len(logits), logits.shape[1], tokens.data_ptr(), torch.get_num_threads())
+    library().sample(
+        logits.data_ptr(),
+        temperatures.data_ptr(),
+        uniform.data_ptr(),
+        len(logits),
+        logits.shape[1],
+        tokens.data_ptr(),
+        torch.get_num_threads(),
+    )
     return tokens
 
 
 def pack_panels(weight: torch.Tensor) -> torch.Tensor | None:
-    """weight (N, K) as `panel_matmul` reads it, (N / PANEL, K, PANEL); None where it does not
-    apply (no library, not float32, N not a multiple of PANEL)."""
+    """weight (N, K) as `panel_matmul` reads it, (N / PANEL, K, PANEL); None where it
+    does not apply (no library, not float32, N not a multiple of PANEL)."""
     n, k = weight.shape
     if library() is None or weight.dtype != torch.float32 or n % PANEL:
         return None
@@ -239,11 +352,23 @@ def panel_matmul(x: torch.Tensor, panels: torch.Tensor) -> torch.Tensor:
     rows = rows if rows.stride(-1) == 1 else rows.contiguous()
     n = panels.shape[0] * PANEL
     out = torch.empty(len(rows), n)
-    library().panel_matmul(rows.data_ptr(), rows.stride(0), panels.data_ptr(), len(rows),
-                           rows.shape[1], n, out.data_ptr(), torch.get_num_threads())
+    library().panel_matmul(
+        rows.data_ptr(),
+        rows.stride(0),
+        panels.data_ptr(),
+        len(rows),
+        rows.shape[1],
+        n,
+        out.data_ptr(),
+        torch.get_num_threads(),
+    )
     return out.view(*x.shape[:-1], n)
 
 
 # The core's element-wise functions (fields of `layers.Kernels`) by this file's kernels
-ELEMENTWISE = {"rms_norm": rms_norm, "add_rms_norm": add_rms_norm, "rotary": apply_rotary,
-               "silu_and_mul": silu_and_mul}
+ELEMENTWISE = {
+    "rms_norm": rms_norm,
+    "add_rms_norm": add_rms_norm,
+    "rotary": apply_rotary,
+    "silu_and_mul": silu_and_mul,
+}

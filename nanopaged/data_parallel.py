@@ -1,12 +1,15 @@
-"""Data parallelism: `LLM(model, data_parallel_size=N)` runs N replicas of the engine, each in
-a process of its own (with its own GPUs, and itself possibly tensor-parallel), each serving a
-share of the requests. The replicas share nothing: each has its own KV cache and prefix cache.
+"""Data parallelism: `LLM(model, data_parallel_size=N)` runs N replicas of the engine,
+each in a process of its own (with its own GPUs, and itself possibly tensor-parallel),
+each serving a share of the requests. The replicas share nothing: each has its own KV
+cache and prefix cache.
 
-Offline, `generate` checks every request here, deals the prompts out in turn (prompt i to
-replica i mod N), runs the replicas at once and returns every output in order. A step at a
-time, `add_request` sends a request to the replica with the fewest unfinished ones and `step`
-steps every busy replica at once. The server routes each request itself (`router.py`).
+Offline, `generate` checks every request here, deals the prompts out in turn (prompt i
+to replica i mod N), runs the replicas at once and returns every output in order. A step
+at a time, `add_request` sends a request to the replica with the fewest unfinished ones
+and `step` steps every busy replica at once. The server routes each request itself
+(`router.py`).
 """
+
 import multiprocessing as mp
 import os
 import signal
@@ -17,13 +20,11 @@ import torch
 
 from nanopaged.checkpoint import resolve_model
 from nanopaged.compat import VLLMEngineAPI
-from nanopaged.core.config import Config
 from nanopaged.engine_args import make_config, split_options
 from nanopaged.inputs import InputProcessor, as_batch, per_prompt
 from nanopaged.outputs import EngineStats, RequestMetrics, RequestOutput
 from nanopaged.parallel import ParallelConfig, start_method
 from nanopaged.sampling_params import SamplingParams
-
 
 
 class ReplicaDied(RuntimeError):
@@ -32,25 +33,45 @@ class ReplicaDied(RuntimeError):
 
 class Replica:
     """One engine (an `engine_class`) in a child process, called through a pipe:
-    `call(name, *args)` runs `engine.name(*args)` there and returns what it returns, or raises
-    what it raised."""
+    `call(name, *args)` runs `engine.name(*args)` there and returns what it returns, or
+    raises what it raised."""
 
-    def __init__(self, engine_class: type, model: str, options: dict, index: int,
-                 num_replicas: int, gpus: list[str] | None):
-        # a child forked after the parent counted its GPUs cannot choose among them: spawn it
+    def __init__(
+        self,
+        engine_class: type,
+        model: str,
+        options: dict,
+        index: int,
+        num_replicas: int,
+        gpus: list[str] | None,
+    ):
+        # a child forked after the parent counted its GPUs cannot choose among them:
+        # spawn it
         method = "spawn" if gpus else start_method()
         context = mp.get_context(method)
         self.connection, child = context.Pipe()
         self.index, self.lock, self.dead = index, threading.Lock(), False
         self.owed = 1  # answers not yet read: the first says the engine is built
         # not a daemon: a tensor-parallel replica starts worker processes of its own
-        self.process = context.Process(target=_serve, name=f"nanopaged-dp{index}", args=(
-            child, engine_class, model, options, gpus, num_replicas, method == "fork"))
+        self.process = context.Process(
+            target=_serve,
+            name=f"nanopaged-dp{index}",
+            args=(
+                child,
+                engine_class,
+                model,
+                options,
+                gpus,
+                num_replicas,
+                method == "fork",
+            ),
+        )
         self.process.start()
         child.close()
 
     def send(self, name: str, *args, **kwargs) -> None:
-        while self.owed:  # answers whose caller stopped waiting (Ctrl-C): not this call's
+        # answers whose caller stopped waiting (Ctrl-C): not this call's
+        while self.owed:
             try:
                 self.receive()
             except ReplicaDied:
@@ -81,8 +102,10 @@ class Replica:
         """The error that says this replica's process died (now known to be dead)."""
         self.process.join(1)
         self.dead = True
-        return ReplicaDied(f"data-parallel replica {self.index} died (exit code "
-                           f"{self.process.exitcode}); its traceback is printed above")
+        return ReplicaDied(
+            f"data-parallel replica {self.index} died (exit code "
+            f"{self.process.exitcode}); its traceback is printed above"
+        )
 
     def call(self, name: str, *args, **kwargs):
         with self.lock:  # a server's engine loop and its /metrics may both call
@@ -107,16 +130,25 @@ class Replica:
             self.process.join()
 
 
-def _serve(connection, engine_class: type, model: str, options: dict, gpus: list[str] | None,
-           num_replicas: int, forked: bool) -> None:
-    """The life of a replica's process: build the engine (on its own `gpus`), then run each
-    call until told to close or the caller is gone."""
+def _serve(
+    connection,
+    engine_class: type,
+    model: str,
+    options: dict,
+    gpus: list[str] | None,
+    num_replicas: int,
+    forked: bool,
+) -> None:
+    """The life of a replica's process: build the engine (on its own `gpus`), then run
+    each call until told to close or the caller is gone."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the caller's to handle
     if gpus:  # before CUDA starts in this process
         os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
     else:  # share the cores; in a forked child more than one OpenMP thread would hang
         size = options.get("tensor_parallel_size", 1)
-        torch.set_num_threads(1 if forked else max(1, os.cpu_count() // num_replicas // size))
+        torch.set_num_threads(
+            1 if forked else max(1, os.cpu_count() // num_replicas // size)
+        )
     try:
         engine = engine_class(model, **options)
     except BaseException as error:
@@ -147,8 +179,9 @@ def replica_trace(path: str | None, index: int) -> str | None:
 
 class DataParallelLLM(VLLMEngineAPI):
     """`LLM(model, data_parallel_size=N, **options)`: N replicas of the engine (each an
-    `engine_class`); `generate`, `chat`, `stream`, the step-at-a-time calls and `stats` as a
-    single engine's. With `trace`, each replica writes its own (`replica_trace`)."""
+    `engine_class`); `generate`, `chat`, `stream`, the step-at-a-time calls and `stats`
+    as a single engine's. With `trace`, each replica writes its own
+    (`replica_trace`)."""
 
     def __init__(self, engine_class: type, model: str, **options):
         core, parallel, surface = split_options(model, options)
@@ -158,9 +191,17 @@ class DataParallelLLM(VLLMEngineAPI):
         self.inputs = InputProcessor.for_checkpoint(self.config, surface)
         count = self.parallel.data_parallel_size
         replica_options = dict(options, data_parallel_size=1, seed=self.config.seed)
-        self.replicas = [Replica(engine_class, model, dict(
-            replica_options, trace=replica_trace(surface["trace"], i)), i, count, self._gpus(i))
-            for i in range(count)]
+        self.replicas = [
+            Replica(
+                engine_class,
+                model,
+                dict(replica_options, trace=replica_trace(surface["trace"], i)),
+                i,
+                count,
+                self._gpus(i),
+            )
+            for i in range(count)
+        ]
         self._finalizer = weakref.finalize(self, _close_all, self.replicas)
         try:
             for replica in self.replicas:
@@ -168,15 +209,20 @@ class DataParallelLLM(VLLMEngineAPI):
         except BaseException:
             self.close()
             raise
-        self.inputs.num_blocks = min(s.num_blocks for s in self.replica_stats().values())
-        self.requests: dict[str, Replica] = {}  # unfinished ones added one at a time: where
+        self.inputs.num_blocks = min(
+            s.num_blocks for s in self.replica_stats().values()
+        )
+        self.requests: dict[
+            str, Replica
+        ] = {}  # unfinished ones added one at a time: where
 
     def reset_prefix_cache(self) -> bool:
         """Forgets every replica's cached prefixes; False where requests run."""
         return all([replica.call("reset_prefix_cache") for replica in self.live()])
 
     def add_lora(self, lora_request) -> bool:
-        """Reads and checks the adapter on every replica (LoRA adapters: `LLM.add_lora`)."""
+        """Reads and checks the adapter on every replica (LoRA adapters:
+        `LLM.add_lora`)."""
         return all([replica.call("add_lora", lora_request) for replica in self.live()])
 
     def remove_lora(self, lora_id: int) -> bool:
@@ -186,13 +232,18 @@ class DataParallelLLM(VLLMEngineAPI):
         return set().union(*[replica.call("list_loras") for replica in self.live()])
 
     def _gpus(self, index: int) -> list[str] | None:
-        """Replica `index`'s share of the visible GPUs: `tensor_parallel_size` of them."""
+        """Replica `index`'s share of the visible GPUs: `tensor_parallel_size` of
+        them."""
         if self.config.device != "cuda":
             return None
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        gpus = visible.split(",") if visible else list(map(str, range(torch.cuda.device_count())))
+        gpus = (
+            visible.split(",")
+            if visible
+            else list(map(str, range(torch.cuda.device_count())))
+        )
         size = self.parallel.tensor_parallel_size
-        return gpus[index * size:(index + 1) * size]
+        return gpus[index * size : (index + 1) * size]
 
     def live(self) -> list[Replica]:
         """The replicas whose process has not died; a ReplicaDied when none is left."""
@@ -201,10 +252,11 @@ class DataParallelLLM(VLLMEngineAPI):
             raise ReplicaDied("every data-parallel replica died; create a new engine")
         return live
 
-    def generate(self, prompts, sampling_params=None, use_tqdm: bool = True,
-                 lora_request=None) -> list:
-        """Every request checked here first; the i-th live replica runs prompts i, i + N,
-        i + 2N, ...; the outputs come back in the prompts' order."""
+    def generate(
+        self, prompts, sampling_params=None, use_tqdm: bool = True, lora_request=None
+    ) -> list:
+        """Every request checked here first; the i-th live replica runs prompts i, i +
+        N, i + 2N, ...; the outputs come back in the prompts' order."""
         self._check_idle("generate")
         prompts, sampling_params = as_batch(prompts, sampling_params)
         for prompt, params in zip(prompts, sampling_params):
@@ -214,8 +266,13 @@ class DataParallelLLM(VLLMEngineAPI):
         count = len(live)
         busy = [(i, replica) for i, replica in enumerate(live) if prompts[i::count]]
         for i, replica in busy:
-            replica.send("generate", prompts[i::count], sampling_params[i::count],
-                         use_tqdm and i == 0, adapters[i::count])
+            replica.send(
+                "generate",
+                prompts[i::count],
+                sampling_params[i::count],
+                use_tqdm and i == 0,
+                adapters[i::count],
+            )
         shares, error = {}, None
         for i, replica in busy:  # every answer is read, so that the pipes stay in step
             try:
@@ -226,23 +283,39 @@ class DataParallelLLM(VLLMEngineAPI):
             raise error
         return [shares[i % count][i // count] for i in range(len(prompts))]
 
-    def add_request(self, prompt, sampling_params=None, request_id: str | None = None,
-                    lora_request=None) -> str:
+    def add_request(
+        self,
+        prompt,
+        sampling_params=None,
+        request_id: str | None = None,
+        lora_request=None,
+    ) -> str:
         """Queues a request on the least busy live replica. It is known here before the
         replica has it, so that an interrupt or a failure in between can withdraw it."""
         self._check_open()
-        if not isinstance(sampling_params, (SamplingParams, type(None))):  # vLLM's order
+        # vLLM's order
+        if not isinstance(sampling_params, (SamplingParams, type(None))):
             request_id, prompt, sampling_params = prompt, sampling_params, request_id
         replica = min(self.live(), key=lambda r: (self.load(r), r.index))
         if request_id is None:
-            request_id = next(str(i) for i in range(len(self.requests) + 1)
-                              if str(i) not in self.requests)
+            request_id = next(
+                str(i)
+                for i in range(len(self.requests) + 1)
+                if str(i) not in self.requests
+            )
         elif request_id in self.requests:
-            raise ValueError(f"request_id must be a string not in use, got {request_id!r}")
+            raise ValueError(
+                f"request_id must be a string not in use, got {request_id!r}"
+            )
         self.requests[request_id] = replica
         try:
-            replica.call("add_request", prompt, sampling_params, request_id=request_id,
-                         lora_request=lora_request)
+            replica.call(
+                "add_request",
+                prompt,
+                sampling_params,
+                request_id=request_id,
+                lora_request=lora_request,
+            )
         except BaseException:
             self.requests.pop(request_id)
             if replica.alive:  # it may have taken the request before the interrupt
@@ -255,8 +328,8 @@ class DataParallelLLM(VLLMEngineAPI):
 
     def step(self) -> list:
         """One step of every live replica that has unfinished requests, run at once. The
-        requests of a replica that died end, each with an output whose `error` says so; the
-        others go on."""
+        requests of a replica that died end, each with an output whose `error` says so;
+        the others go on."""
         outputs = []
         for replica in self.replicas:  # one that died while idle
             if not replica.alive and self.load(replica):
@@ -270,7 +343,8 @@ class DataParallelLLM(VLLMEngineAPI):
                     outputs += replica.receive()
                 except ReplicaDied as died:
                     outputs += self._fail_requests_of(replica, died)
-        except BaseException:  # outputs may be lost: no request may wait for them forever
+        # outputs may be lost: no request may wait for them forever
+        except BaseException:
             self._abort_all()
             raise
         for output in outputs:
@@ -278,10 +352,27 @@ class DataParallelLLM(VLLMEngineAPI):
                 self.requests.pop(output.request_id, None)
         return outputs
 
-    def _fail_requests_of(self, replica: Replica, died: ReplicaDied) -> list[RequestOutput]:
-        failed = [request_id for request_id, owner in self.requests.items() if owner is replica]
-        return [RequestOutput(request_id, None, [], [], True, 0, RequestMetrics(0.0),
-                              error=f"{type(died).__name__}: {died}") for request_id in failed]
+    def _fail_requests_of(
+        self, replica: Replica, died: ReplicaDied
+    ) -> list[RequestOutput]:
+        failed = [
+            request_id
+            for request_id, owner in self.requests.items()
+            if owner is replica
+        ]
+        return [
+            RequestOutput(
+                request_id,
+                None,
+                [],
+                [],
+                True,
+                0,
+                RequestMetrics(0.0),
+                error=f"{type(died).__name__}: {died}",
+            )
+            for request_id in failed
+        ]
 
     def abort(self, request_id: str) -> None:
         replica = self.requests.pop(request_id, None)
@@ -308,7 +399,9 @@ class DataParallelLLM(VLLMEngineAPI):
 
 def sum_stats(every: list[EngineStats]) -> EngineStats:
     """The replicas' stats added up."""
-    return EngineStats(*(sum(values) for values in zip(*(vars(s).values() for s in every))))
+    return EngineStats(
+        *(sum(values) for values in zip(*(vars(s).values() for s in every)))
+    )
 
 
 def _close_all(replicas: list[Replica]) -> None:

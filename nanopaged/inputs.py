@@ -1,6 +1,8 @@
-"""Requests in: a prompt (a text, token ids, or vLLM's TextPrompt / TokensPrompt) and its
-SamplingParams, checked and made into a `Request` before anything is queued. Bad input is a
-ValueError naming the problem. At vLLM's module path (`vllm.inputs`) for the prompt types."""
+"""Requests in: a prompt (a text, token ids, or vLLM's TextPrompt / TokensPrompt) and
+its SamplingParams, checked and made into a `Request` before anything is queued. Bad
+input is a ValueError naming the problem. At vLLM's module path (`vllm.inputs`) for the
+prompt types."""
+
 import itertools
 import threading
 from typing import TypedDict
@@ -9,7 +11,12 @@ import numpy as np
 from transformers import PreTrainedTokenizerBase
 
 from nanopaged.chat import check_text
-from nanopaged.checkpoint import eos_token_ids, generation_defaults, load_tokenizer, resolve_model
+from nanopaged.checkpoint import (
+    eos_token_ids,
+    generation_defaults,
+    load_tokenizer,
+    resolve_model,
+)
 from nanopaged.core.config import Config
 from nanopaged.core.sequence import Sequence, cdiv
 from nanopaged.logits_processors import SamplingAdjustments
@@ -25,20 +32,26 @@ class TokensPrompt(TypedDict):
     prompt_token_ids: list[int]
 
 
-# A text, token ids, or one of the dicts above (with both keys: token ids rendered from the text)
+# A text, token ids, or one of the dicts above (with both keys: token ids rendered from
+# the text)
 Prompt = str | list[int] | dict
 
 
 class InputProcessor:
-    """Makes requests of one engine: tokenizes their prompts, checks them against the model,
-    the pool and the limits, and gives each sample its sequence: its stop tokens, its logits
-    processors, its seed. The grammars of structured outputs are built on the first request
-    that asks for one (`grammars`). `num_blocks`, the size of the KV pool, is set once the
-    engine has sized it."""
+    """Makes requests of one engine: tokenizes their prompts, checks them against the
+    model, the pool and the limits, and gives each sample its sequence: its stop tokens,
+    its logits processors, its seed. The grammars of structured outputs are built on the
+    first request that asks for one (`grammars`). `num_blocks`, the size of the KV pool,
+    is set once the engine has sized it."""
 
-    def __init__(self, config: Config, tokenizer: PreTrainedTokenizerBase,
-                 eos_token_ids: frozenset[int], default_sampling: dict,
-                 structured_outputs_config: dict | None = None):
+    def __init__(
+        self,
+        config: Config,
+        tokenizer: PreTrainedTokenizerBase,
+        eos_token_ids: frozenset[int],
+        default_sampling: dict,
+        structured_outputs_config: dict | None = None,
+    ):
         self.config, self.tokenizer, self.num_blocks = config, tokenizer, 0
         self.eos_token_ids, self.default_sampling = eos_token_ids, default_sampling
         self.structured_outputs_config = structured_outputs_config or {}
@@ -47,17 +60,25 @@ class InputProcessor:
 
     @classmethod
     def for_checkpoint(cls, config: Config, surface: dict) -> "InputProcessor":
-        """The processor of the checkpoint `config.model` with the surface's options: its
-        tokenizer (or `tokenizer`'s), EOS ids and default sampling settings (checked now)."""
+        """The processor of the checkpoint `config.model` with the surface's options:
+        its tokenizer (or `tokenizer`'s), EOS ids and default sampling settings (checked
+        now)."""
         if surface["tokenizer_mode"] != "auto":
-            raise ValueError(f"tokenizer_mode={surface['tokenizer_mode']!r} is not supported: "
-                             f"nanopaged loads the fast tokenizer (tokenizer.json), as vLLM's "
-                             f"'auto' does")
+            raise ValueError(
+                f"tokenizer_mode={surface['tokenizer_mode']!r} is not supported: "
+                f"nanopaged loads the fast tokenizer (tokenizer.json), as vLLM's "
+                f"'auto' does"
+            )
         tokenizer = load_tokenizer(resolve_model(surface["tokenizer"] or config.model))
         defaults = generation_defaults(config.model, surface["generation_config"])
         SamplingParams(**defaults)
-        return cls(config, tokenizer, eos_token_ids(config.model, config.hf_config, tokenizer),
-                   defaults, surface["structured_outputs_config"])
+        return cls(
+            config,
+            tokenizer,
+            eos_token_ids(config.model, config.hf_config, tokenizer),
+            defaults,
+            surface["structured_outputs_config"],
+        )
 
     def grammars(self):
         """The structured outputs' grammars (llguidance), built on first use."""
@@ -66,75 +87,119 @@ class InputProcessor:
                 try:
                     from nanopaged.structured_outputs import Grammars
                 except ImportError:
-                    raise ValueError("structured outputs need llguidance: pip install "
-                                     "'nanopaged[structured]'") from None
-                self._grammars = Grammars(self.tokenizer, self.config.hf_config.vocab_size,
-                                          self.eos_token_ids, self.structured_outputs_config)
+                    raise ValueError(
+                        "structured outputs need llguidance: pip install "
+                        "'nanopaged[structured]'"
+                    ) from None
+                self._grammars = Grammars(
+                    self.tokenizer,
+                    self.config.hf_config.vocab_size,
+                    self.eos_token_ids,
+                    self.structured_outputs_config,
+                )
         return self._grammars
 
-    def make_request(self, prompt: Prompt, params: SamplingParams | None,
-                     request_id: str | None, ids_in_use) -> Request:
+    def make_request(
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None,
+        request_id: str | None,
+        ids_in_use,
+    ) -> Request:
         params = SamplingParams(**self.default_sampling) if params is None else params
         if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
+            raise ValueError(
+                f"sampling_params must be SamplingParams, got {type(params).__name__}"
+            )
         params.validate()
         text, token_ids = self.tokenize(prompt)
-        token_ids = token_ids[-(params.truncate_prompt_tokens or len(token_ids)):]
+        token_ids = token_ids[-(params.truncate_prompt_tokens or len(token_ids)) :]
         self._check_fits(token_ids, params)
         if request_id is None:  # the first automatic id nobody chose
-            request_id = next(i for i in map(str, self.request_ids) if i not in ids_in_use)
+            request_id = next(
+                i for i in map(str, self.request_ids) if i not in ids_in_use
+            )
         if not isinstance(request_id, str) or request_id in ids_in_use:
-            raise ValueError(f"request_id must be a string not in use, got {request_id!r}")
+            raise ValueError(
+                f"request_id must be a string not in use, got {request_id!r}"
+            )
         spec = params.structured_outputs or params.guided_decoding
-        matchers = self.grammars().matchers(spec, params.n) if spec is not None else None
+        matchers = (
+            self.grammars().matchers(spec, params.n) if spec is not None else None
+        )
         stop_token_ids = frozenset(params.stop_token_ids or ()) | (
-            frozenset() if params.ignore_eos else self.eos_token_ids)
-        adjustments = SamplingAdjustments(params, self.tokenizer) \
-            if SamplingAdjustments.wanted(params) else None
+            frozenset() if params.ignore_eos else self.eos_token_ids
+        )
+        adjustments = (
+            SamplingAdjustments(params, self.tokenizer)
+            if SamplingAdjustments.wanted(params)
+            else None
+        )
         seqs = []
         for i in range(params.n):
-            processors = [p for p in (adjustments, matchers and matchers[i]) if p is not None]
+            processors = [
+                p for p in (adjustments, matchers and matchers[i]) if p is not None
+            ]
             # sample 0 is what n=1 gives; the others get their own, fixed, seeds
-            seed = params.seed if i == 0 or params.seed is None else hash((params.seed, i))
+            seed = (
+                params.seed if i == 0 or params.seed is None else hash((params.seed, i))
+            )
             seq = Sequence(token_ids, params)
             seq.stop_token_ids = stop_token_ids
             seq.logits_processors = processors
             seq.seed = seed
             seq.prompt_logits = params.prompt_logprobs is not None and i == 0
             seqs.append(seq)
-        return Request(request_id, text, token_ids, params, seqs, self.tokenizer, matchers)
+        return Request(
+            request_id, text, token_ids, params, seqs, self.tokenizer, matchers
+        )
 
     def _check_fits(self, token_ids: list[int], params: SamplingParams) -> None:
-        """Whether the engine can ever run the request: its length, its blocks, its samples."""
+        """Whether the engine can ever run the request: its length, its blocks, its
+        samples."""
         config, vocab_size = self.config, self.config.hf_config.vocab_size
         if len(token_ids) >= config.max_model_len:
-            raise ValueError(f"prompt has {len(token_ids)} tokens; it must be shorter than "
-                             f"max_model_len={config.max_model_len}")
-        longest = min(len(token_ids) + (params.max_tokens or config.max_model_len),
-                      config.max_model_len)
+            raise ValueError(
+                f"prompt has {len(token_ids)} tokens; it must be shorter than "
+                f"max_model_len={config.max_model_len}"
+            )
+        longest = min(
+            len(token_ids) + (params.max_tokens or config.max_model_len),
+            config.max_model_len,
+        )
         blocks_needed = cdiv(longest, config.kvcache_block_size)
         if blocks_needed > self.num_blocks:
-            raise ValueError(f"request needs up to {blocks_needed} KV-cache blocks ({longest} "
-                             f"tokens) but the pool has only {self.num_blocks}; lower "
-                             f"max_tokens or give the cache more memory")
+            raise ValueError(
+                f"request needs up to {blocks_needed} KV-cache blocks ({longest} "
+                f"tokens) but the pool has only {self.num_blocks}; lower "
+                f"max_tokens or give the cache more memory"
+            )
         if params.n > config.max_num_seqs:
-            raise ValueError(f"n={params.n} samples cannot run at once with "
-                             f"max_num_seqs={config.max_num_seqs}")
+            raise ValueError(
+                f"n={params.n} samples cannot run at once with "
+                f"max_num_seqs={config.max_num_seqs}"
+            )
         if (params.best_of or params.n) > params.n:
-            raise ValueError(f"best_of={params.best_of} > n={params.n} is not supported (nor by "
-                             f"vLLM's V1 engine); sample n and rank them by cumulative_logprob")
+            raise ValueError(
+                f"best_of={params.best_of} > n={params.n} is not supported (nor by "
+                f"vLLM's V1 engine); sample n and rank them by cumulative_logprob"
+            )
         outside = [t for t in params.all_token_ids() if t >= vocab_size]
         if outside:
-            raise ValueError(f"token ids {outside} (in stop_token_ids, allowed_token_ids or "
-                             f"logit_bias) reach outside the vocabulary [0, {vocab_size})")
+            raise ValueError(
+                f"token ids {outside} (in stop_token_ids, allowed_token_ids or "
+                f"logit_bias) reach outside the vocabulary [0, {vocab_size})"
+            )
 
     def tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         """A prompt's text (None for token ids alone) and its checked token ids."""
         if isinstance(prompt, dict):
             if not prompt or not set(prompt) <= {"prompt", "prompt_token_ids"}:
-                raise ValueError(f"a prompt dict takes the key 'prompt' (a text) or "
-                                 f"'prompt_token_ids', as vLLM's TextPrompt and TokensPrompt; "
-                                 f"got keys {sorted(prompt)}")
+                raise ValueError(
+                    f"a prompt dict takes the key 'prompt' (a text) or "
+                    f"'prompt_token_ids', as vLLM's TextPrompt and TokensPrompt; "
+                    f"got keys {sorted(prompt)}"
+                )
             if len(prompt) == 2:  # the text the token ids came from (a rendered chat)
                 return prompt["prompt"], self.tokenize(prompt["prompt_token_ids"])[1]
             prompt = next(iter(prompt.values()))
@@ -144,36 +209,49 @@ class InputProcessor:
         elif isinstance(prompt, (list, tuple)):
             text, token_ids = None, [_token_id(t) for t in prompt]
         else:
-            raise ValueError(f"a prompt must be a string or a list of token ids, got "
-                             f"{type(prompt).__name__}")
+            raise ValueError(
+                f"a prompt must be a string or a list of token ids, got "
+                f"{type(prompt).__name__}"
+            )
         if not token_ids:
             raise ValueError("prompt is empty")
         vocab_size = self.config.hf_config.vocab_size
         outside = next((t for t in token_ids if not 0 <= t < vocab_size), None)
         if outside is not None:
-            raise ValueError(f"token id {outside} is outside the vocabulary [0, {vocab_size})"
-                             + (": the tokenizer does not match the model" if text else ""))
+            raise ValueError(
+                f"token id {outside} is outside the vocabulary [0, {vocab_size})"
+                + (": the tokenizer does not match the model" if text else "")
+            )
         return text, token_ids
 
 
 def as_batch(prompts, sampling_params) -> tuple[list, list]:
-    """`generate`'s arguments as a list of prompts and a list of as many sampling params."""
-    if isinstance(prompts, (str, dict)) or (isinstance(prompts, (list, tuple)) and prompts
-                                            and isinstance(prompts[0], (int, np.integer))):
+    """`generate`'s arguments as a list of prompts and a list of as many sampling
+    params."""
+    if isinstance(prompts, (str, dict)) or (
+        isinstance(prompts, (list, tuple))
+        and prompts
+        and isinstance(prompts[0], (int, np.integer))
+    ):
         prompts = [prompts]
     if not isinstance(prompts, (list, tuple)):
-        raise ValueError(f"prompts must be a prompt or a list of prompts, got "
-                         f"{type(prompts).__name__}"
-                         + (" (pass array.tolist())" if isinstance(prompts, np.ndarray) else ""))
+        raise ValueError(
+            f"prompts must be a prompt or a list of prompts, got "
+            f"{type(prompts).__name__}"
+            + (" (pass array.tolist())" if isinstance(prompts, np.ndarray) else "")
+        )
     if not isinstance(sampling_params, (list, tuple)):
         sampling_params = [sampling_params] * len(prompts)
     if len(sampling_params) != len(prompts):
-        raise ValueError(f"got {len(prompts)} prompts but {len(sampling_params)} sampling params")
+        raise ValueError(
+            f"got {len(prompts)} prompts but {len(sampling_params)} sampling params"
+        )
     return list(prompts), list(sampling_params)
 
 
 def per_prompt(value, num_prompts: int) -> list:
-    """An argument given once for a batch or as a list of one per prompt, as that list."""
+    """An argument given once for a batch or as a list of one per prompt, as that
+    list."""
     if not isinstance(value, (list, tuple)):
         return [value] * num_prompts
     if len(value) != num_prompts:
@@ -183,5 +261,7 @@ def per_prompt(value, num_prompts: int) -> list:
 
 def _token_id(value) -> int:
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-        raise ValueError(f"token ids must be integers, got {value!r} ({type(value).__name__})")
+        raise ValueError(
+            f"token ids must be integers, got {value!r} ({type(value).__name__})"
+        )
     return int(value)

@@ -1,9 +1,11 @@
-"""vLLM's `LLM` (and `LLMEngine`) over the core engine: requests in, `RequestOutput`s out.
+"""vLLM's `LLM` (and `LLMEngine`) over the core engine: requests in, `RequestOutput`s
+out.
 
-The core (`nanopaged/core/`) runs sequences; this layer owns what a request is beyond its
-sequences: the prompt's text and tokens, its n samples, their text and stop strings, their
-logprobs, the checks before anything is queued, and the engine's counters.
+The core (`nanopaged/core/`) runs sequences; this layer owns what a request is beyond
+its sequences: the prompt's text and tokens, its n samples, their text and stop strings,
+their logprobs, the checks before anything is queued, and the engine's counters.
 """
+
 import time
 import warnings
 import weakref
@@ -12,7 +14,6 @@ from tqdm.auto import tqdm
 
 from nanopaged.checkpoint import resolve_model
 from nanopaged.compat import VLLMEngineAPI
-from nanopaged.core.config import Config
 from nanopaged.core.llm_engine import LLMEngine
 from nanopaged.core.sequence import Sequence
 from nanopaged.core.step import SamplerOutput, ScheduledStep
@@ -28,14 +29,14 @@ class LLM(VLLMEngineAPI):
 
     Requests can also be run a step at a time: `add_request`, then `step()` until
     `is_finished()`; each step returns the outputs of the requests that advanced in it.
-    `generate`, `chat` and `stream` refuse to start while such requests are unfinished (their
-    outputs would be lost). Every request is checked before anything is queued: bad input is a
-    ValueError and leaves the engine as it was. A step that raises (an error, Ctrl-C) aborts
-    every unfinished request; the prefix cache keeps only K/V that was written. A failure in one
-    request's own bookkeeping (its text, its stop strings) ends that request alone, with its
-    `error` set. With `data_parallel_size` > 1, `LLM(...)` returns a `DataParallelLLM` instead
-    (`data_parallel.py`): that many replicas of this engine, each in its own process, behind
-    the same API.
+    `generate`, `chat` and `stream` refuse to start while such requests are unfinished
+    (their outputs would be lost). Every request is checked before anything is queued:
+    bad input is a ValueError and leaves the engine as it was. A step that raises (an
+    error, Ctrl-C) aborts every unfinished request; the prefix cache keeps only K/V that
+    was written. A failure in one request's own bookkeeping (its text, its stop strings)
+    ends that request alone, with its `error` set. With `data_parallel_size` > 1,
+    `LLM(...)` returns a `DataParallelLLM` instead (`data_parallel.py`): that many
+    replicas of this engine, each in its own process, behind the same API.
 
     The features an option asks for are imported when it does (speculative decoding, the
     trace, data parallelism): without them, their files could be deleted.
@@ -45,6 +46,7 @@ class LLM(VLLMEngineAPI):
         size = options.get("data_parallel_size")
         if isinstance(size, int) and not isinstance(size, bool) and size > 1:
             from nanopaged.data_parallel import DataParallelLLM
+
             return DataParallelLLM(cls, model, **options)
         return super().__new__(cls)
 
@@ -56,49 +58,77 @@ class LLM(VLLMEngineAPI):
         spec = surface["speculative_config"]
         if spec:
             from nanopaged import speculative
-            spec = speculative.SpeculativeConfig.from_dict(spec, config,
-                                                           self.parallel.tensor_parallel_size)
+
+            spec = speculative.SpeculativeConfig.from_dict(
+                spec, config, self.parallel.tensor_parallel_size
+            )
             proposer = speculative.make_proposer(spec, config)
         self.inputs = InputProcessor.for_checkpoint(config, surface)
         self.lora = lora = None
         if surface["enable_lora"]:
             from nanopaged.lora.admission import LoRAAdmission
             from nanopaged.lora.runner import LoRAConfig, LoRAExtension
-            lora = LoRAExtension(LoRAConfig(surface["max_loras"], surface["max_lora_rank"],
-                                            surface["max_cpu_loras"]))
+
+            lora = LoRAExtension(
+                LoRAConfig(
+                    surface["max_loras"],
+                    surface["max_lora_rank"],
+                    surface["max_cpu_loras"],
+                )
+            )
             self.lora = LoRAAdmission(lora, surface["max_loras"])
-        runner = make_runner(config, self.parallel, proposer.kv_bytes_per_block() if spec else 0,
-                             lora)
+        runner = make_runner(
+            config, self.parallel, proposer.kv_bytes_per_block() if spec else 0, lora
+        )
         self.requests: dict[str, Request] = {}  # the unfinished ones
-        self.owners: dict[Sequence, tuple[Request, int]] = {}  # a sequence's request, sample
+        self.owners: dict[
+            Sequence, tuple[Request, int]
+        ] = {}  # a sequence's request, sample
         self.tracer = None
         if surface["trace"]:
-            from nanopaged.trace import Tracer, TracedRunner
+            from nanopaged.trace import TracedRunner, Tracer
+
             self.tracer = Tracer(surface["trace"], self)
             runner = TracedRunner(runner, self.tracer)
         # tensor-parallel workers exit when the engine is closed or garbage-collected
         self._finalizer = weakref.finalize(self, runner.close)
-        self.engine = speculative.SpeculativeEngine(config, runner, spec, proposer) if spec \
+        self.engine = (
+            speculative.SpeculativeEngine(config, runner, spec, proposer)
+            if spec
             else LLMEngine(config, runner)
+        )
         if self.tracer:
             self.tracer.attach(self.engine, config)
         self.inputs.num_blocks = self.engine.block_manager.num_blocks
 
     # ---- requests in ----
 
-    def add_request(self, prompt: Prompt, sampling_params: SamplingParams | None = None,
-                    request_id: str | None = None, lora_request=None) -> str:
-        """Queues one request (after checking it); returns its id. vLLM's order of arguments,
-        `add_request(request_id, prompt, params)`, works too. `lora_request`: a LoRARequest
-        (the engine made with `enable_lora`), or None for the base model."""
+    def add_request(
+        self,
+        prompt: Prompt,
+        sampling_params: SamplingParams | None = None,
+        request_id: str | None = None,
+        lora_request=None,
+    ) -> str:
+        """Queues one request (after checking it); returns its id. vLLM's order of
+        arguments, `add_request(request_id, prompt, params)`, works too. `lora_request`:
+        a LoRARequest (the engine made with `enable_lora`), or None for the base
+        model."""
         self._check_open()
-        if not isinstance(sampling_params, (SamplingParams, type(None))):  # vLLM's order
+        # vLLM's order
+        if not isinstance(sampling_params, (SamplingParams, type(None))):
             request_id, prompt, sampling_params = prompt, sampling_params, request_id
-        return self._enqueue(self._make_request(prompt, sampling_params, request_id,
-                                                lora_request))
+        return self._enqueue(
+            self._make_request(prompt, sampling_params, request_id, lora_request)
+        )
 
-    def _make_request(self, prompt: Prompt, params: SamplingParams | None,
-                      request_id: str | None = None, lora_request=None) -> Request:
+    def _make_request(
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None,
+        request_id: str | None = None,
+        lora_request=None,
+    ) -> Request:
         request = self.inputs.make_request(prompt, params, request_id, self.requests)
         if lora_request is not None:
             self._lora().prepare(request, lora_request)
@@ -120,8 +150,10 @@ class LLM(VLLMEngineAPI):
 
     def _lora(self):
         if self.lora is None:
-            raise ValueError("a lora_request needs LoRA enabled: create the engine with "
-                             "enable_lora=True (--enable-lora)")
+            raise ValueError(
+                "a lora_request needs LoRA enabled: create the engine with "
+                "enable_lora=True (--enable-lora)"
+            )
         return self.lora
 
     def _enqueue(self, request: Request) -> str:
@@ -138,7 +170,8 @@ class LLM(VLLMEngineAPI):
             self.engine.add(seq)
 
     def abort(self, request_id: str) -> None:
-        """Drops a request and frees its blocks; an unknown or finished id is ignored."""
+        """Drops a request and frees its blocks; an unknown or finished id is
+        ignored."""
         request = self.requests.pop(request_id, None)
         if request is not None:
             if self.lora is not None and request in self.lora.held:
@@ -153,8 +186,8 @@ class LLM(VLLMEngineAPI):
     # ---- steps ----
 
     def step(self) -> list[RequestOutput]:
-        """Runs one step; returns an output (cumulative so far) for every request that got
-        tokens in it, `finished` on its last. Returns [] when nothing is queued."""
+        """Runs one step; returns an output (cumulative so far) for every request that
+        got tokens in it, `finished` on its last. Returns [] when nothing is queued."""
         requests = self.run_step()[1]
         try:
             return [self._output(request) for request in requests]
@@ -163,9 +196,9 @@ class LLM(VLLMEngineAPI):
             raise
 
     def run_step(self) -> tuple[ScheduledStep, list[Request]]:
-        """`step()` without the outputs: runs a step of the core engine and takes note of what
-        it sampled; returns the step and the requests that got tokens in it. Whatever raises
-        in it (an error, Ctrl-C) aborts every unfinished request."""
+        """`step()` without the outputs: runs a step of the core engine and takes note
+        of what it sampled; returns the step and the requests that got tokens in it.
+        Whatever raises in it (an error, Ctrl-C) aborts every unfinished request."""
         self._check_open()
         if self.tracer:
             self.tracer.begin()
@@ -184,18 +217,24 @@ class LLM(VLLMEngineAPI):
         return step, requests
 
     def _take(self, step: ScheduledStep, sampled: SamplerOutput) -> list[Request]:
-        """Takes note of each sampling row's tokens in its request (grammar, logprobs, stop
-        strings), and of the prompt logprobs asked for. Returns the requests that got tokens,
-        in the order of their first row; a request whose bookkeeping fails ends alone."""
+        """Takes note of each sampling row's tokens in its request (grammar, logprobs,
+        stop strings), and of the prompt logprobs asked for. Returns the requests that
+        got tokens, in the order of their first row; a request whose bookkeeping fails
+        ends alone."""
         now, advanced = time.perf_counter(), {}
-        start = sum(step.sample_counts)  # the prompt rows' logits follow the sampling rows'
+        # the prompt rows' logits follow the sampling rows'
+        start = sum(step.sample_counts)
         for i, count in step.prompt_rows:
-            logits, start = sampled.logits[start:start + count], start + count
+            logits, start = sampled.logits[start : start + count], start + count
             request, _ = self.owners[step.seqs[i]]
-            targets = request.prompt_token_ids[step.starts[i] + 1:][:len(logits)]
+            targets = request.prompt_token_ids[step.starts[i] + 1 :][: len(logits)]
             try:
-                request.record_prompt_logprobs(step.starts[i] + 1, token_logprobs(
-                    logits, targets, [request.params.prompt_logprobs] * len(targets)))
+                request.record_prompt_logprobs(
+                    step.starts[i] + 1,
+                    token_logprobs(
+                        logits, targets, [request.params.prompt_logprobs] * len(targets)
+                    ),
+                )
             except Exception as error:
                 self._fail(request, error)
         logprobs = self._logprobs(step, sampled)
@@ -217,18 +256,30 @@ class LLM(VLLMEngineAPI):
         return list(advanced)
 
     def _logprobs(self, step: ScheduledStep, sampled: SamplerOutput) -> dict[int, list]:
-        """For the sampling rows whose request asks for logprobs, those of their new tokens,
-        each in the model's distribution at the row it came from."""
-        asking = [row for row, seq in enumerate(step.samplers)
-                  if seq.sampling_params.logprobs is not None]
+        """For the sampling rows whose request asks for logprobs, those of their new
+        tokens, each in the model's distribution at the row it came from."""
+        asking = [
+            row
+            for row, seq in enumerate(step.samplers)
+            if seq.sampling_params.logprobs is not None
+        ]
         if not asking:
             return {}
         first_rows = step.first_rows
-        rows = [first_rows[r] + j for r in asking for j in range(len(sampled.token_ids[r]))]
-        entries = iter(token_logprobs(
-            sampled.logits[rows], [t for r in asking for t in sampled.token_ids[r]],
-            [step.samplers[r].sampling_params.logprobs for r in asking
-             for _ in sampled.token_ids[r]]))
+        rows = [
+            first_rows[r] + j for r in asking for j in range(len(sampled.token_ids[r]))
+        ]
+        entries = iter(
+            token_logprobs(
+                sampled.logits[rows],
+                [t for r in asking for t in sampled.token_ids[r]],
+                [
+                    step.samplers[r].sampling_params.logprobs
+                    for r in asking
+                    for _ in sampled.token_ids[r]
+                ],
+            )
+        )
         return {r: [next(entries) for _ in sampled.token_ids[r]] for r in asking}
 
     def _fail(self, request: Request, error: Exception) -> None:
@@ -250,9 +301,13 @@ class LLM(VLLMEngineAPI):
         return output
 
     def _abort_all(self) -> None:
-        """After a failed or interrupted step: every request ends, nothing half-run stays."""
-        # also a sequence that an interrupt left in no queue; abort_all then repairs the pool
-        self.engine.finish([seq for request in self.requests.values() for seq in request.seqs])
+        """After a failed or interrupted step: every request ends, nothing half-run
+        stays."""
+        # also a sequence that an interrupt left in no queue; abort_all then repairs the
+        # pool
+        self.engine.finish(
+            [seq for request in self.requests.values() for seq in request.seqs]
+        )
         self.engine.abort_all()
         self.requests.clear()
         self.owners.clear()
@@ -266,28 +321,47 @@ class LLM(VLLMEngineAPI):
         engine = self.engine
         scheduler, pool = engine.scheduler, engine.block_manager
         # speculative decoding's counters (see speculative.SpeculativeEngine), or none
-        drafts, proposed, accepted = (getattr(engine, name, 0) for name in (
-            "num_drafts", "num_proposed_tokens", "num_accepted_tokens"))
-        return EngineStats(len(self.requests), len(scheduler.waiting), len(scheduler.running),
-                           pool.num_free_blocks, pool.num_blocks, scheduler.num_preemptions,
-                           engine.num_generated_tokens, drafts, proposed, accepted)
+        drafts, proposed, accepted = (
+            getattr(engine, name, 0)
+            for name in ("num_drafts", "num_proposed_tokens", "num_accepted_tokens")
+        )
+        return EngineStats(
+            len(self.requests),
+            len(scheduler.waiting),
+            len(scheduler.running),
+            pool.num_free_blocks,
+            pool.num_blocks,
+            scheduler.num_preemptions,
+            engine.num_generated_tokens,
+            drafts,
+            proposed,
+            accepted,
+        )
 
     def reset_prefix_cache(self) -> bool:
-        """Forgets every cached prefix; False (and nothing forgotten) while requests run."""
+        """Forgets every cached prefix; False (and nothing forgotten) while requests
+        run."""
         return self.engine.block_manager.reset_prefix_cache()
 
     # ---- whole batches ----
 
-    def generate(self, prompts: Prompt | list[Prompt],
-                 sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True, lora_request=None) -> list[RequestOutput]:
-        """Generates the completions of every prompt; returns one output per prompt, in order.
-        `lora_request`: one LoRARequest for every prompt, or a list of one (or None) each."""
+    def generate(
+        self,
+        prompts: Prompt | list[Prompt],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        lora_request=None,
+    ) -> list[RequestOutput]:
+        """Generates the completions of every prompt; returns one output per prompt, in
+        order. `lora_request`: one LoRARequest for every prompt, or a list of one (or
+        None) each."""
         self._check_idle("generate")
         prompts, sampling_params = as_batch(prompts, sampling_params)
         adapters = per_prompt(lora_request, len(prompts))
-        requests = [self._make_request(p, sp, lora_request=lr)
-                    for p, sp, lr in zip(prompts, sampling_params, adapters)]
+        requests = [
+            self._make_request(p, sp, lora_request=lr)
+            for p, sp, lr in zip(prompts, sampling_params, adapters)
+        ]
         try:
             for request in requests:
                 self._enqueue(request)
@@ -299,18 +373,30 @@ class LLM(VLLMEngineAPI):
                     self.abort(request_id)
         for output in outputs:
             if output.error is not None:
-                warnings.warn(f"request {output.request_id} failed: {output.error}")
+                warnings.warn(
+                    f"request {output.request_id} failed: {output.error}", stacklevel=2
+                )
         return outputs
 
     def _run(self, num_requests: int, use_tqdm: bool) -> None:
-        bar = tqdm(total=num_requests, desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
+        bar = tqdm(
+            total=num_requests,
+            desc="Generating",
+            dynamic_ncols=True,
+            disable=not use_tqdm,
+        )
         rates = {"prefill": 0.0, "decode": 0.0}
         with bar:
             while not self.is_finished():
                 start = time.perf_counter()
                 step, advanced = self.run_step()
                 seconds = time.perf_counter() - start
-                rates["prefill" if step.ragged else "decode"] = step.num_scheduled_tokens / seconds
-                bar.set_postfix_str(", ".join(f"{k} {v:,.0f} tok/s" for k, v in rates.items()),
-                                    refresh=False)  # update() redraws, at most every 0.1 s
+                rates["prefill" if step.ragged else "decode"] = (
+                    step.num_scheduled_tokens / seconds
+                )
+                # update() redraws, at most every 0.1 s
+                bar.set_postfix_str(
+                    ", ".join(f"{k} {v:,.0f} tok/s" for k, v in rates.items()),
+                    refresh=False,
+                )
                 bar.update(sum(request.finished for request in advanced))

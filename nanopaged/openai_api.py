@@ -1,36 +1,76 @@
-"""OpenAI's requests for the server: a request's fields become prompts and SamplingParams,
-every field honoured or refused by name (the responses are in `openai_responses.py`).
+"""OpenAI's requests for the server: a request's fields become prompts and
+SamplingParams, every field honoured or refused by name (the responses are in
+`openai_responses.py`).
 
-The completions and chat completions requests take OpenAI's fields and vLLM's extra ones, with
-vLLM's meanings. A field nanopaged does not implement is a ValueError naming it (a 400), never
-silently ignored; `user` (an end-user id for the caller's own records) is the only field taken
-and unused.
+The completions and chat completions requests take OpenAI's fields and vLLM's extra
+ones, with vLLM's meanings. A field nanopaged does not implement is a ValueError naming
+it (a 400), never silently ignored; `user` (an end-user id for the caller's own records)
+is the only field taken and unused.
 """
+
 from dataclasses import dataclass
 
 from nanopaged import chat, tool_calls
 from nanopaged.sampling_params import SamplingParams, StructuredOutputsParams
 
 SAMPLING_FIELDS = {  # request field -> SamplingParams field
-    "n": "n", "temperature": "temperature", "top_p": "top_p", "seed": "seed", "stop": "stop",
-    "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty",
-    "top_k": "top_k", "min_p": "min_p", "repetition_penalty": "repetition_penalty",
-    "min_tokens": "min_tokens", "ignore_eos": "ignore_eos", "stop_token_ids": "stop_token_ids",
-    "include_stop_str_in_output": "include_stop_str_in_output", "best_of": "best_of",
-    "skip_special_tokens": "skip_special_tokens", "prompt_logprobs": "prompt_logprobs",
-    "truncate_prompt_tokens": "truncate_prompt_tokens", "allowed_token_ids": "allowed_token_ids",
-    "bad_words": "bad_words"}
-GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
-                 "guided_grammar": "grammar"}  # vLLM's, before structured_outputs
-COMMON_FIELDS = {"model", "stream", "stream_options", "max_tokens", "logprobs", "logit_bias",
-                 "echo", "add_special_tokens", "user", "response_format", "structured_outputs",
-                 "guided_decoding_backend", "guided_whitespace_pattern", *GUIDED_FIELDS,
-                 *SAMPLING_FIELDS}
+    "n": "n",
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "seed": "seed",
+    "stop": "stop",
+    "presence_penalty": "presence_penalty",
+    "frequency_penalty": "frequency_penalty",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "min_tokens": "min_tokens",
+    "ignore_eos": "ignore_eos",
+    "stop_token_ids": "stop_token_ids",
+    "include_stop_str_in_output": "include_stop_str_in_output",
+    "best_of": "best_of",
+    "skip_special_tokens": "skip_special_tokens",
+    "prompt_logprobs": "prompt_logprobs",
+    "truncate_prompt_tokens": "truncate_prompt_tokens",
+    "allowed_token_ids": "allowed_token_ids",
+    "bad_words": "bad_words",
+}
+GUIDED_FIELDS = {
+    "guided_json": "json",
+    "guided_regex": "regex",
+    "guided_choice": "choice",
+    "guided_grammar": "grammar",
+}  # vLLM's, before structured_outputs
+COMMON_FIELDS = {
+    "model",
+    "stream",
+    "stream_options",
+    "max_tokens",
+    "logprobs",
+    "logit_bias",
+    "echo",
+    "add_special_tokens",
+    "user",
+    "response_format",
+    "structured_outputs",
+    "guided_decoding_backend",
+    "guided_whitespace_pattern",
+    *GUIDED_FIELDS,
+    *SAMPLING_FIELDS,
+}
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "suffix"}
-CHAT_FIELDS = COMMON_FIELDS | {"messages", "top_logprobs", "max_completion_tokens", "tools",
-                               "tool_choice", "parallel_tool_calls", "chat_template",
-                               "chat_template_kwargs", "add_generation_prompt",
-                               "continue_final_message"}
+CHAT_FIELDS = COMMON_FIELDS | {
+    "messages",
+    "top_logprobs",
+    "max_completion_tokens",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+    "chat_template",
+    "chat_template_kwargs",
+    "add_generation_prompt",
+    "continue_final_message",
+}
 # fields taken only at the value that changes nothing, and why others are refused
 ONLY_DEFAULT = {"suffix": ((None, ""), "suffix (fill-in-the-middle) is not supported")}
 
@@ -38,23 +78,28 @@ ONLY_DEFAULT = {"suffix": ((None, ""), "suffix (fill-in-the-middle) is not suppo
 @dataclass
 class ParsedRequest:
     """What a request asks for: one engine request per prompt, all with `params`."""
+
     prompts: list[dict]
     params: SamplingParams
     stream: bool
     include_usage: bool
     echo: bool = False
-    echo_only: bool = False  # max_tokens 0 with echo: the prompt back, nothing generated
+    echo_only: bool = (
+        False  # max_tokens 0 with echo: the prompt back, nothing generated
+    )
     tool_choice: tuple[str, str | None] = ("none", None)  # see tool_calls.choice
 
 
 def parse_request(body: dict, chat_request: bool, llm) -> ParsedRequest:
-    """A request body as prompts (text and token ids) and SamplingParams; a ValueError names
-    the first field that is wrong or not supported."""
+    """A request body as prompts (text and token ids) and SamplingParams; a ValueError
+    names the first field that is wrong or not supported."""
     known = CHAT_FIELDS if chat_request else COMPLETION_FIELDS
     unknown = sorted(set(body) - known)
     if unknown:
-        raise ValueError(f"{unknown[0]} is not supported by this server (nanopaged); the fields "
-                         f"it takes are {', '.join(sorted(known))}")
+        raise ValueError(
+            f"{unknown[0]} is not supported by this server (nanopaged); the fields "
+            f"it takes are {', '.join(sorted(known))}"
+        )
     for name, (allowed, reason) in ONLY_DEFAULT.items():
         if body.get(name) not in allowed:
             raise ValueError(f"{name}: {reason}, got {body[name]!r}")
@@ -68,36 +113,56 @@ def parse_request(body: dict, chat_request: bool, llm) -> ParsedRequest:
     check_context_length(longest, params, llm.config.max_model_len)
     if body.get("stream") and (params.best_of or params.n) > params.n:
         raise ValueError("best_of cannot be streamed")
-    return ParsedRequest(prompts, params, bool(body.get("stream")), stream_options(body),
-                         bool(body.get("echo")), echo_only, tools)
+    return ParsedRequest(
+        prompts,
+        params,
+        bool(body.get("stream")),
+        stream_options(body),
+        bool(body.get("echo")),
+        echo_only,
+        tools,
+    )
 
 
-def structured_output(body: dict, tools: tuple[str, str | None]) -> StructuredOutputsParams | None:
+def structured_output(
+    body: dict, tools: tuple[str, str | None]
+) -> StructuredOutputsParams | None:
     """The one constraint of the request's text, from OpenAI's `response_format`, vLLM's
     `guided_*` or `structured_outputs` fields, or a tool choice that forces a call."""
     found = []
     response_format = body.get("response_format")
     if response_format is not None:
         found.append(_response_format(response_format))
-    guided = {ours: body[theirs] for theirs, ours in GUIDED_FIELDS.items()
-              if body.get(theirs) is not None}
+    guided = {
+        ours: body[theirs]
+        for theirs, ours in GUIDED_FIELDS.items()
+        if body.get(theirs) is not None
+    }
     if guided:
-        found.append(StructuredOutputsParams(
-            **guided, backend=body.get("guided_decoding_backend"),
-            whitespace_pattern=body.get("guided_whitespace_pattern")))
+        found.append(
+            StructuredOutputsParams(
+                **guided,
+                backend=body.get("guided_decoding_backend"),
+                whitespace_pattern=body.get("guided_whitespace_pattern"),
+            )
+        )
     if body.get("structured_outputs") is not None:
         options = body["structured_outputs"]
         if not isinstance(options, dict) or set(options) - set(
             StructuredOutputsParams.__dataclass_fields__
         ):
-            raise ValueError(f"structured_outputs must be an object of vLLM's "
-                             f"StructuredOutputsParams fields, got {options!r}")
+            raise ValueError(
+                f"structured_outputs must be an object of vLLM's "
+                f"StructuredOutputsParams fields, got {options!r}"
+            )
         found.append(StructuredOutputsParams(**options))
     found.append(tool_calls.constraint(body, *tools))
     found = [one for one in found if one is not None]
     if len(found) > 1:
-        raise ValueError("response_format: give one of response_format, guided_*, "
-                         "structured_outputs and a forced tool choice")
+        raise ValueError(
+            "response_format: give one of response_format, guided_*, "
+            "structured_outputs and a forced tool choice"
+        )
     return found[0] if found else None
 
 
@@ -110,20 +175,25 @@ def _response_format(response_format) -> StructuredOutputsParams | None:
     json_schema = response_format.get("json_schema") if kind == "json_schema" else None
     schema = json_schema.get("schema") if isinstance(json_schema, dict) else None
     if not isinstance(schema, dict):
-        raise ValueError(f"response_format must be {{'type': 'text'}}, {{'type': "
-                         f"'json_object'}} or {{'type': 'json_schema', 'json_schema': "
-                         f"{{'name': ..., 'schema': {{...}}}}}}, got {response_format!r}")
+        raise ValueError(
+            f"response_format must be {{'type': 'text'}}, {{'type': "
+            f"'json_object'}} or {{'type': 'json_schema', 'json_schema': "
+            f"{{'name': ..., 'schema': {{...}}}}}}, got {response_format!r}"
+        )
     return StructuredOutputsParams(json=schema)
 
 
 def completion_prompts(body: dict, llm) -> list[dict]:
     prompt = body.get("prompt")
-    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt
-                                   and isinstance(prompt[0], int)):
+    if isinstance(prompt, str) or (
+        isinstance(prompt, list) and prompt and isinstance(prompt[0], int)
+    ):
         prompt = [prompt]
     if not isinstance(prompt, list) or not prompt:
-        raise ValueError(f"prompt must be a string, a list of token ids or a list of those, "
-                         f"got {prompt!r}")
+        raise ValueError(
+            f"prompt must be a string, a list of token ids or a list of those, "
+            f"got {prompt!r}"
+        )
     special = _flag(body, "add_special_tokens", True)
     prompts = []
     for one in prompt:
@@ -132,51 +202,79 @@ def completion_prompts(body: dict, llm) -> list[dict]:
             prompts.append(
                 {
                     "prompt": one,
-                    "prompt_token_ids": llm.tokenizer.encode(one, add_special_tokens=special),
+                    "prompt_token_ids": llm.tokenizer.encode(
+                        one, add_special_tokens=special
+                    ),
                 }
             )
         elif isinstance(one, list) and all(isinstance(t, int) for t in one):
             prompts.append({"prompt_token_ids": one})
         else:
-            raise ValueError(f"prompt must be a string, a list of token ids or a list of those, "
-                             f"got {one!r}")
+            raise ValueError(
+                f"prompt must be a string, a list of token ids or a list of those, "
+                f"got {one!r}"
+            )
     return prompts
 
 
 def chat_prompt(body: dict, llm) -> list[dict]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
-        raise ValueError(f"messages must be a non-empty list of messages, got {messages!r}")
+        raise ValueError(
+            f"messages must be a non-empty list of messages, got {messages!r}"
+        )
     kwargs = body.get("chat_template_kwargs")
     if kwargs is not None and not isinstance(kwargs, dict):
         raise ValueError(f"chat_template_kwargs must be an object, got {kwargs!r}")
     tools = body.get("tools")
-    if tools is not None and not (isinstance(tools, list) and all(
-            isinstance(t, dict) and isinstance(t.get("function"), dict)
-            and isinstance(t["function"].get("name"), str) for t in tools)):
-        raise ValueError(f"tools must be a list of {{'type': 'function', 'function': {{'name', "
-                         f"'parameters'}}}} objects, got {tools!r}")
+    if tools is not None and not (
+        isinstance(tools, list)
+        and all(
+            isinstance(t, dict)
+            and isinstance(t.get("function"), dict)
+            and isinstance(t["function"].get("name"), str)
+            for t in tools
+        )
+    ):
+        raise ValueError(
+            f"tools must be a list of {{'type': 'function', 'function': {{'name', "
+            f"'parameters'}}}} objects, got {tools!r}"
+        )
     text, token_ids = chat.render(
-        llm.tokenizer, messages, body.get("chat_template"),
-        _flag(body, "add_generation_prompt", True), _flag(body, "continue_final_message", False),
-        tools, kwargs)
+        llm.tokenizer,
+        messages,
+        body.get("chat_template"),
+        _flag(body, "add_generation_prompt", True),
+        _flag(body, "continue_final_message", False),
+        tools,
+        kwargs,
+    )
     if body.get("add_special_tokens"):
         token_ids = llm.tokenizer.encode(text, add_special_tokens=True)
     return [{"prompt": text, "prompt_token_ids": token_ids}]
 
 
 def sampling_params(body: dict, chat_request: bool, llm) -> tuple[SamplingParams, bool]:
-    """SamplingParams from the request's fields over the model's default sampling settings;
-    and whether the request only echoes its prompt (max_tokens 0)."""
+    """SamplingParams from the request's fields over the model's default sampling
+    settings; and whether the request only echoes its prompt (max_tokens 0)."""
     settings = dict(llm.default_sampling)
-    settings.update({ours: body[theirs] for theirs, ours in SAMPLING_FIELDS.items()
-                     if body.get(theirs) is not None})
+    settings.update(
+        {
+            ours: body[theirs]
+            for theirs, ours in SAMPLING_FIELDS.items()
+            if body.get(theirs) is not None
+        }
+    )
     logprobs = body.get("logprobs")
     if chat_request:
-        logprobs = (body.get("top_logprobs") or 0) if _flag(body, "logprobs", False) else None
+        logprobs = (
+            (body.get("top_logprobs") or 0) if _flag(body, "logprobs", False) else None
+        )
     settings["logprobs"] = logprobs
     if body.get("echo") and logprobs is not None:
-        settings["prompt_logprobs"] = logprobs  # echoed prompt tokens come with their logprobs
+        settings["prompt_logprobs"] = (
+            logprobs  # echoed prompt tokens come with their logprobs
+        )
     settings["logit_bias"] = _logit_bias(body.get("logit_bias"))
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     if max_tokens is None:
@@ -186,14 +284,18 @@ def sampling_params(body: dict, chat_request: bool, llm) -> tuple[SamplingParams
     return SamplingParams(**settings), echo_only
 
 
-def check_context_length(prompt_tokens: int, params: SamplingParams, max_model_len: int) -> None:
+def check_context_length(
+    prompt_tokens: int, params: SamplingParams, max_model_len: int
+) -> None:
     """As vLLM: a prompt and max_tokens that cannot fit the context are a 400."""
     total = prompt_tokens + (params.max_tokens or 0)
     if prompt_tokens >= max_model_len or total > max_model_len:
-        raise ValueError(f"This model's maximum context length is {max_model_len} tokens. "
-                         f"However, you requested {total} tokens ({prompt_tokens} in the "
-                         f"messages, {params.max_tokens or 0} in the completion). Please reduce "
-                         f"the length of the messages or completion.")
+        raise ValueError(
+            f"This model's maximum context length is {max_model_len} tokens. "
+            f"However, you requested {total} tokens ({prompt_tokens} in the "
+            f"messages, {params.max_tokens or 0} in the completion). Please reduce "
+            f"the length of the messages or completion."
+        )
 
 
 def stream_options(body: dict) -> bool:
@@ -201,9 +303,13 @@ def stream_options(body: dict) -> bool:
     options = body.get("stream_options")
     if options is None:
         return False
-    if not isinstance(options, dict) or set(options) - {"include_usage",
-                                                         "continuous_usage_stats"}:
-        raise ValueError(f"stream_options must be an object with include_usage, got {options!r}")
+    if not isinstance(options, dict) or set(options) - {
+        "include_usage",
+        "continuous_usage_stats",
+    }:
+        raise ValueError(
+            f"stream_options must be an object with include_usage, got {options!r}"
+        )
     if options.get("continuous_usage_stats"):
         raise ValueError("stream_options: continuous_usage_stats is not supported")
     return bool(options.get("include_usage"))
@@ -227,4 +333,6 @@ def _logit_bias(bias) -> dict[int, float] | None:
     try:
         return {int(token_id): value for token_id, value in bias.items()}
     except ValueError:
-        raise ValueError(f"logit_bias must have token ids as keys, got {sorted(bias)}") from None
+        raise ValueError(
+            f"logit_bias must have token ids as keys, got {sorted(bias)}"
+        ) from None

@@ -1,6 +1,8 @@
-"""OpenAI's responses for the server: the engine requests of one HTTP request (one per prompt)
-and their outputs as they come, turned into OpenAI's JSON, whole or as server-sent events; chat
-completions carry tool calls (see `tool_calls.py`); and the errors, in OpenAI's shape."""
+"""OpenAI's responses for the server: the engine requests of one HTTP request (one per
+prompt) and their outputs as they come, turned into OpenAI's JSON, whole or as
+server-sent events; chat completions carry tool calls (see `tool_calls.py`); and the
+errors, in OpenAI's shape."""
+
 import asyncio
 import json
 import re
@@ -18,12 +20,19 @@ LOGPROB_FLOOR = -9999.0  # what vLLM reports for -inf: JSON has no infinities
 
 
 class Response:
-    """One HTTP request's engine requests and their outputs. It holds its place among the
-    waiting requests until each engine request has produced a first output or ended, and aborts
-    what is unfinished when the client goes away or anything fails."""
+    """One HTTP request's engine requests and their outputs. It holds its place among
+    the waiting requests until each engine request has produced a first output or ended,
+    and aborts what is unfinished when the client goes away or anything fails."""
 
-    def __init__(self, request: Request, engine, parsed: ParsedRequest, chat: bool,
-                 model_name: str, lora_request=None):
+    def __init__(
+        self,
+        request: Request,
+        engine,
+        parsed: ParsedRequest,
+        chat: bool,
+        model_name: str,
+        lora_request=None,
+    ):
         self.request, self.engine, self.parsed = request, engine, parsed
         self.chat, self.model_name, self.num_admitted = chat, model_name, 0
         self.lora_request = lora_request  # the adapter `model_name` names, or None
@@ -44,9 +53,12 @@ class Response:
 
     async def submit(self) -> None:
         """Hands every prompt to the engine; on a failure, withdraws them all."""
-        futures = [self.engine.submit(request_id, prompt, self.parsed.params, self.outbox,
-                                      self.lora_request)
-                   for request_id, prompt in zip(self.index, self.parsed.prompts)]
+        futures = [
+            self.engine.submit(
+                request_id, prompt, self.parsed.params, self.outbox, self.lora_request
+            )
+            for request_id, prompt in zip(self.index, self.parsed.prompts)
+        ]
         try:
             for future in futures:
                 await asyncio.wrap_future(future)
@@ -61,7 +73,8 @@ class Response:
             self.engine.abort(request_id)
 
     async def outputs(self):
-        """Yields each output as it comes; aborts what is unfinished if the client goes away."""
+        """Yields each output as it comes; aborts what is unfinished if the client goes
+        away."""
         unfinished, checked = set(self.index), time.monotonic()
         try:
             while unfinished:
@@ -91,53 +104,95 @@ class Response:
 
     def _choices(self, output: RequestOutput) -> list[tuple[int, CompletionOutput]]:
         n = len(output.outputs)
-        return [(self.index[output.request_id] * n + c.index, c) for c in output.outputs]
+        return [
+            (self.index[output.request_id] * n + c.index, c) for c in output.outputs
+        ]
 
     def _envelope(self, choices: list, chunk: bool = False, **extra) -> dict:
-        kind = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat \
+        kind = (
+            ("chat.completion.chunk" if chunk else "chat.completion")
+            if self.chat
             else "text_completion"
-        return {"id": self.id, "object": kind, "created": self.created, "model": self.model_name,
-                "choices": choices, **extra}
+        )
+        return {
+            "id": self.id,
+            "object": kind,
+            "created": self.created,
+            "model": self.model_name,
+            "choices": choices,
+            **extra,
+        }
 
     def _usage(self) -> dict:
         prompt_tokens = sum(len(o.prompt_token_ids) for o in self.latest.values())
-        completion_tokens = sum(len(c.token_ids) for o in self.latest.values() for c in o.outputs)
+        completion_tokens = sum(
+            len(c.token_ids) for o in self.latest.values() for c in o.outputs
+        )
         cached_tokens = sum(o.num_cached_tokens for o in self.latest.values())
-        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                "total_tokens": prompt_tokens + completion_tokens,
-                "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+        return {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens},
+        }
 
     async def whole(self) -> dict:
         async for _ in self.outputs():
             pass
-        choices = [self._chat_choice(i, c) if self.chat else self._completion_choice(i, o, c)
-                   for o in self.latest.values() for i, c in self._choices(o)]
-        return self._envelope(sorted(choices, key=lambda c: c["index"]), usage=self._usage())
+        choices = [
+            self._chat_choice(i, c) if self.chat else self._completion_choice(i, o, c)
+            for o in self.latest.values()
+            for i, c in self._choices(o)
+        ]
+        return self._envelope(
+            sorted(choices, key=lambda c: c["index"]), usage=self._usage()
+        )
 
-    def _completion_choice(self, index: int, output: RequestOutput,
-                           completion: CompletionOutput) -> dict:
+    def _completion_choice(
+        self, index: int, output: RequestOutput, completion: CompletionOutput
+    ) -> dict:
         """With echo, the prompt (and its logprobs) comes first."""
-        text, token_ids, logprobs = completion.text, completion.token_ids, completion.logprobs
+        text, token_ids, logprobs = (
+            completion.text,
+            completion.token_ids,
+            completion.logprobs,
+        )
         if self.parsed.echo_only:
             text, token_ids, logprobs = "", [], [] if logprobs is not None else None
         if self.parsed.echo:
             text = (output.prompt or "") + text
             token_ids = output.prompt_token_ids + token_ids
             logprobs = None if logprobs is None else output.prompt_logprobs + logprobs
-        return {"index": index, "text": text, "finish_reason": self._finish(completion),
-                "stop_reason": completion.stop_reason,
-                "logprobs": None if logprobs is None else completion_logprobs(
-                    logprobs, token_ids, self.parsed.params.logprobs, 0, self.decode),
-                "prompt_logprobs": prompt_logprobs(output.prompt_logprobs)}
+        return {
+            "index": index,
+            "text": text,
+            "finish_reason": self._finish(completion),
+            "stop_reason": completion.stop_reason,
+            "logprobs": None
+            if logprobs is None
+            else completion_logprobs(
+                logprobs, token_ids, self.parsed.params.logprobs, 0, self.decode
+            ),
+            "prompt_logprobs": prompt_logprobs(output.prompt_logprobs),
+        }
 
     def _chat_choice(self, index: int, completion: CompletionOutput) -> dict:
         content, calls = tool_calls.parse(completion.text, *self.parsed.tool_choice)
-        message = {"role": "assistant", "content": content, **(
-            {"tool_calls": calls} if calls else {})}
-        logprobs = completion.logprobs and chat_logprobs(completion, 0, self.parsed.params.logprobs)
-        return {"index": index, "message": message, "logprobs": logprobs,
-                "finish_reason": self._finish(completion, bool(calls)),
-                "stop_reason": completion.stop_reason}
+        message = {
+            "role": "assistant",
+            "content": content,
+            **({"tool_calls": calls} if calls else {}),
+        }
+        logprobs = completion.logprobs and chat_logprobs(
+            completion, 0, self.parsed.params.logprobs
+        )
+        return {
+            "index": index,
+            "message": message,
+            "logprobs": logprobs,
+            "finish_reason": self._finish(completion, bool(calls)),
+            "stop_reason": completion.stop_reason,
+        }
 
     def _finish(self, completion: CompletionOutput, called: bool = False) -> str | None:
         if completion.finish_reason is None:
@@ -148,9 +203,9 @@ class Response:
         return "tool_calls" if called and forced_call else completion.finish_reason
 
     async def events(self):
-        """Server-sent events: chunks for each choice that got tokens in a step (with echo,
-        the prompt first), then the usage if asked for, then [DONE]; an error ends the stream
-        with an error event and [DONE]."""
+        """Server-sent events: chunks for each choice that got tokens in a step (with
+        echo, the prompt first), then the usage if asked for, then [DONE]; an error ends
+        the stream with an error event and [DONE]."""
         sent: dict[int, tuple[int, int]] = {}  # choice -> characters and tokens sent
         streams: dict[int, tool_calls.ToolCallStream] = {}
         try:
@@ -158,105 +213,190 @@ class Response:
                 for index, c in self._choices(output):
                     chars, tokens = sent.get(index, (0, 0))
                     if tokens == len(c.token_ids):
-                        continue  # no new token (another choice of the request advanced)
+                        continue  # no new token (another choice advanced)
                     if self.chat:
-                        stream = streams.setdefault(index, tool_calls.ToolCallStream(
-                            *self.parsed.tool_choice))
+                        stream = streams.setdefault(
+                            index, tool_calls.ToolCallStream(*self.parsed.tool_choice)
+                        )
                         choices = self._chat_chunks(index, c, tokens, stream)
                     else:
-                        choices = [self._completion_chunk(index, output, c, chars, tokens)]
+                        choices = [
+                            self._completion_chunk(index, output, c, chars, tokens)
+                        ]
                     sent[index] = (len(c.text), len(c.token_ids))
                     for choice in choices:
-                        yield f"data: {json.dumps(self._envelope([choice], chunk=True))}\n\n"
+                        chunk = self._envelope([choice], chunk=True)
+                        yield f"data: {json.dumps(chunk)}\n\n"
         except RuntimeError as error:
-            body = {"error": {"message": str(error), "type": "server_error", "param": None,
-                              "code": None}}
+            body = {
+                "error": {
+                    "message": str(error),
+                    "type": "server_error",
+                    "param": None,
+                    "code": None,
+                }
+            }
             yield f"data: {json.dumps(body)}\n\n"
         else:
             if self.parsed.include_usage:
                 usage = self._usage()
-                yield f"data: {json.dumps(self._envelope([], chunk=True, usage=usage))}\n\n"
+                chunk = self._envelope([], chunk=True, usage=usage)
+                yield f"data: {json.dumps(chunk)}\n\n"
         yield "data: [DONE]\n\n"
 
-    def _completion_chunk(self, index: int, output: RequestOutput, completion: CompletionOutput,
-                          chars: int, tokens: int) -> dict:
-        """What `completion` added since `chars` characters and `tokens` tokens (may be empty:
-        a character still incomplete); with echo, the prompt before the first."""
+    def _completion_chunk(
+        self,
+        index: int,
+        output: RequestOutput,
+        completion: CompletionOutput,
+        chars: int,
+        tokens: int,
+    ) -> dict:
+        """What `completion` added since `chars` characters and `tokens` tokens (may be
+        empty: a character still incomplete); with echo, the prompt before the first."""
         echo = (output.prompt or "") if self.parsed.echo and tokens == 0 else ""
         logprobs = completion.logprobs and completion_logprobs(
-            completion.logprobs[tokens:], completion.token_ids[tokens:],
-            self.parsed.params.logprobs, chars, self.decode)
-        return {"index": index, "text": echo + completion.text[chars:], "logprobs": logprobs,
-                "finish_reason": self._finish(completion),
-                **({"prompt_logprobs": prompt_logprobs(output.prompt_logprobs)} if tokens == 0
-                   else {})}
+            completion.logprobs[tokens:],
+            completion.token_ids[tokens:],
+            self.parsed.params.logprobs,
+            chars,
+            self.decode,
+        )
+        return {
+            "index": index,
+            "text": echo + completion.text[chars:],
+            "logprobs": logprobs,
+            "finish_reason": self._finish(completion),
+            **(
+                {"prompt_logprobs": prompt_logprobs(output.prompt_logprobs)}
+                if tokens == 0
+                else {}
+            ),
+        }
 
-    def _chat_chunks(self, index: int, completion: CompletionOutput, tokens: int,
-                     stream: tool_calls.ToolCallStream) -> list[dict]:
-        """The deltas of a step: content, or tool calls as they become known (one chunk even
-        when the text has not grown, so that a client sees every step)."""
+    def _chat_chunks(
+        self,
+        index: int,
+        completion: CompletionOutput,
+        tokens: int,
+        stream: tool_calls.ToolCallStream,
+    ) -> list[dict]:
+        """The deltas of a step: content, or tool calls as they become known (one chunk
+        even when the text has not grown, so that a client sees every step)."""
         finished = completion.finish_reason is not None
         deltas = stream.deltas(completion.text, finished) or [{}]
         if tokens == 0:
             deltas[0] = {"role": "assistant", **deltas[0]}
-        logprobs = completion.logprobs and chat_logprobs(completion, tokens,
-                                                         self.parsed.params.logprobs)
-        chunks = [{"index": index, "delta": delta, "logprobs": logprobs if i == 0 else None,
-                   "finish_reason": None} for i, delta in enumerate(deltas)]
+        logprobs = completion.logprobs and chat_logprobs(
+            completion, tokens, self.parsed.params.logprobs
+        )
+        chunks = [
+            {
+                "index": index,
+                "delta": delta,
+                "logprobs": logprobs if i == 0 else None,
+                "finish_reason": None,
+            }
+            for i, delta in enumerate(deltas)
+        ]
         chunks[-1]["finish_reason"] = self._finish(completion, bool(stream.calls))
         return chunks
 
 
-def completion_logprobs(entries: list[dict[int, Logprob] | None], token_ids: list[int],
-                        top: int, text_offset: int, decode) -> dict:
-    """The completions format: each token's text, logprob, the `top` most likely tokens (and
-    the token itself) by text, and where its text starts (None logprobs for the prompt's first
-    token)."""
+def completion_logprobs(
+    entries: list[dict[int, Logprob] | None],
+    token_ids: list[int],
+    top: int,
+    text_offset: int,
+    decode,
+) -> dict:
+    """The completions format: each token's text, logprob, the `top` most likely tokens
+    (and the token itself) by text, and where its text starts (None logprobs for the
+    prompt's first token)."""
     tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
     for token_id, entry in zip(token_ids, entries):
         text = entry[token_id].decoded_token if entry else decode([token_id])
         tokens.append(text)
         token_logprobs.append(entry and max(entry[token_id].logprob, LOGPROB_FLOOR))
-        top_logprobs.append(entry and {lp.decoded_token: max(lp.logprob, LOGPROB_FLOOR)
-                                       for t, lp in entry.items()
-                                       if t == token_id or lp.rank <= top})
+        top_logprobs.append(
+            entry
+            and {
+                lp.decoded_token: max(lp.logprob, LOGPROB_FLOOR)
+                for t, lp in entry.items()
+                if t == token_id or lp.rank <= top
+            }
+        )
         offsets.append(text_offset)
         text_offset += len(text or "")
-    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
-            "text_offset": offsets}
+    return {
+        "tokens": tokens,
+        "token_logprobs": token_logprobs,
+        "top_logprobs": top_logprobs,
+        "text_offset": offsets,
+    }
 
 
 def prompt_logprobs(entries: list[dict[int, Logprob] | None] | None) -> list | None:
-    """vLLM's `prompt_logprobs`: per prompt token (None for the first), the logprob, rank and
-    text of the token and of the most likely ones, by token id."""
+    """vLLM's `prompt_logprobs`: per prompt token (None for the first), the logprob,
+    rank and text of the token and of the most likely ones, by token id."""
     if entries is None:
         return None
-    return [entry and {str(t): {"logprob": max(lp.logprob, LOGPROB_FLOOR), "rank": lp.rank,
-                                "decoded_token": lp.decoded_token} for t, lp in entry.items()}
-            for entry in entries]
+    return [
+        entry
+        and {
+            str(t): {
+                "logprob": max(lp.logprob, LOGPROB_FLOOR),
+                "rank": lp.rank,
+                "decoded_token": lp.decoded_token,
+            }
+            for t, lp in entry.items()
+        }
+        for entry in entries
+    ]
 
 
 def chat_logprobs(completion: CompletionOutput, start: int, top: int) -> dict:
     """The chat format of the logprobs of a completion's tokens from `start` on."""
+
     def item(lp: Logprob) -> dict:
-        return {"token": lp.decoded_token, "logprob": max(lp.logprob, LOGPROB_FLOOR),
-                "bytes": list(lp.decoded_token.encode())}
+        return {
+            "token": lp.decoded_token,
+            "logprob": max(lp.logprob, LOGPROB_FLOOR),
+            "bytes": list(lp.decoded_token.encode()),
+        }
+
     pairs = zip(completion.token_ids[start:], completion.logprobs[start:])
-    return {"content": [dict(item(entry[t]), top_logprobs=[
-        item(lp) for lp in entry.values() if lp.rank <= top][:top]) for t, entry in pairs]}
+    return {
+        "content": [
+            dict(
+                item(entry[t]),
+                top_logprobs=[item(lp) for lp in entry.values() if lp.rank <= top][
+                    :top
+                ],
+            )
+            for t, entry in pairs
+        ]
+    }
 
 
-def error_response(status: int, message: str, param: str | None = None,
-                   code: str | None = None) -> JSONResponse:
-    kind = ("invalid_request_error" if status < 500 else "server_error") if status != 404 \
+def error_response(
+    status: int, message: str, param: str | None = None, code: str | None = None
+) -> JSONResponse:
+    kind = (
+        ("invalid_request_error" if status < 500 else "server_error")
+        if status != 404
         else "NotFoundError"
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}},
-                        status_code=status)
+    )
+    return JSONResponse(
+        {"error": {"message": message, "type": kind, "param": param, "code": code}},
+        status_code=status,
+    )
 
 
 def bad_request(error: ValueError) -> JSONResponse:
     message = str(error)
-    field = re.match(r"(\w+)(:| must| is not supported)", message)  # messages name the field
+    # messages name the field
+    field = re.match(r"(\w+)(:| must| is not supported)", message)
     param = "messages" if message.startswith("message ") else field and field.group(1)
     return error_response(400, message, param)
 
@@ -265,7 +405,9 @@ async def read_body(request: Request) -> dict | JSONResponse:
     try:
         body = await request.json()
     except (ValueError, RecursionError):
-        return error_response(400, "the request body is not valid JSON (or nests too deep)")
+        return error_response(
+            400, "the request body is not valid JSON (or nests too deep)"
+        )
     if not isinstance(body, dict):
         return error_response(400, "the request body must be a JSON object")
     return body

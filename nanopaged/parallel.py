@@ -1,24 +1,27 @@
-"""Tensor parallelism: one process per rank, joined by torch.distributed; and the options of
-scaling out (`ParallelConfig`).
+"""Tensor parallelism: one process per rank, joined by torch.distributed; and the
+options of scaling out (`ParallelConfig`).
 
-On one machine (the default), rank 0 lives in the caller's process: it schedules, prepares
-each step's inputs and samples. Ranks 1..N-1 are worker processes it starts, holding their own
-shards of the weights and of the KV cache. Every step, rank 0 broadcasts the step's inputs on a
-gloo group (a pickled object, so of any size) and all ranks run the model; the all-reduces
-inside it join the shards.
+On one machine (the default), rank 0 lives in the caller's process: it schedules,
+prepares each step's inputs and samples. Ranks 1..N-1 are worker processes it starts,
+holding their own shards of the weights and of the KV cache. Every step, rank 0
+broadcasts the step's inputs on a gloo group (a pickled object, so of any size) and all
+ranks run the model; the all-reduces inside it join the shards.
 
-Under torchrun (`distributed_executor_backend="external_launcher"`), on one machine or many,
-every rank is a process torchrun started running the same script, and every rank runs the
-whole engine: scheduling is replicated, not broadcast. It stays in step because everything a
-rank decides follows from its inputs, which are the same everywhere: the same requests in the
-same order, the same seeds, and logits that the collectives leave identical on every rank (the
-LM head gathers all of them everywhere). So no step pays a broadcast, and every rank returns
-the same outputs, as vLLM's torchrun_example.py expects. A rank that dies breaks the next
-collective on the others, which raise (gloo) or time out (NCCL) rather than wait forever.
+Under torchrun (`distributed_executor_backend="external_launcher"`), on one machine or
+many, every rank is a process torchrun started running the same script, and every rank
+runs the whole engine: scheduling is replicated, not broadcast. It stays in step because
+everything a rank decides follows from its inputs, which are the same everywhere: the
+same requests in the same order, the same seeds, and logits that the collectives leave
+identical on every rank (the LM head gathers all of them everywhere). So no step pays a
+broadcast, and every rank returns the same outputs, as vLLM's torchrun_example.py
+expects. A rank that dies breaks the next collective on the others, which raise (gloo)
+or time out (NCCL) rather than wait forever.
 
-The core sees none of this: the model's layers shard themselves over the ranks of the default
-process group, and `make_runner` hands the engine a `ModelRunner` whose steps run on every rank.
+The core sees none of this: the model's layers shard themselves over the ranks of the
+default process group, and `make_runner` hands the engine a `ModelRunner` whose steps
+run on every rank.
 """
+
 import datetime
 import gc
 import multiprocessing as mp
@@ -42,10 +45,12 @@ from nanopaged.core.config import Config
 from nanopaged.core.model_runner import ModelRunner, RunnerExtension
 from nanopaged.core.step import SamplerOutput, ScheduledStep, StepInputs
 
-# Workers wait for rank 0's next message for as long as the caller leaves the engine idle.
+# Workers wait for rank 0's next message for as long as the caller leaves the engine
+# idle.
 IDLE_TIMEOUT = datetime.timedelta(days=365)
 SHUTDOWN_TIMEOUT_S = 30
-# Under torchrun, how long a rank waits in a collective for a peer that neither answers nor dies
+# Under torchrun, how long a rank waits in a collective for a peer that neither answers
+# nor dies
 COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=10)
 
 
@@ -59,62 +64,87 @@ class WorkerDied(RuntimeError):
 
 @dataclass
 class ParallelConfig:
-    """How many processes run the engine. `tensor_parallel_size` ranks are processes the engine
-    starts, meeting on `distributed_port` of 127.0.0.1 (a free port when None); with
-    `distributed_executor_backend` "external_launcher" they are the processes torchrun started,
-    on any machines. `data_parallel_size` replicas of the engine each serve a share of the
-    requests (see `data_parallel.py`)."""
+    """How many processes run the engine. `tensor_parallel_size` ranks are processes the
+    engine starts, meeting on `distributed_port` of 127.0.0.1 (a free port when None);
+    with `distributed_executor_backend` "external_launcher" they are the processes
+    torchrun started, on any machines. `data_parallel_size` replicas of the engine each
+    serve a share of the requests (see `data_parallel.py`)."""
+
     tensor_parallel_size: int = 1
     distributed_port: int | None = None
     distributed_executor_backend: str | None = None
     data_parallel_size: int = 1
 
     def __post_init__(self) -> None:
-        check_fields(self, {"distributed_executor_backend": BACKENDS},
-                     ("tensor_parallel_size", "distributed_port", "data_parallel_size"))
+        check_fields(
+            self,
+            {"distributed_executor_backend": BACKENDS},
+            ("tensor_parallel_size", "distributed_port", "data_parallel_size"),
+        )
         if self.distributed_port is not None and self.distributed_port > 65535:
-            raise ValueError(f"distributed_port must be in [1, 65535], "
-                             f"got {self.distributed_port}")
+            raise ValueError(
+                f"distributed_port must be in [1, 65535], got {self.distributed_port}"
+            )
 
     @property
     def external_launcher(self) -> bool:
         return self.distributed_executor_backend == "external_launcher"
 
     def check(self, config: Config) -> None:
-        """Whether the model can be split this way on this machine; picks a free port."""
+        """Whether the model can be split this way on this machine; picks a free
+        port."""
         size = self.tensor_parallel_size
-        for name in ("num_attention_heads", "num_key_value_heads", "vocab_size",
-                     "intermediate_size", "moe_intermediate_size"):  # what the ranks split
+        # what the ranks split
+        for name in (
+            "num_attention_heads",
+            "num_key_value_heads",
+            "vocab_size",
+            "intermediate_size",
+            "moe_intermediate_size",
+        ):
             value = getattr(config.hf_config, name, None)
             if value is not None and value % size:
-                raise ValueError(f"the model's {name}={value} is not divisible by "
-                                 f"tensor_parallel_size={size}")
+                raise ValueError(
+                    f"the model's {name}={value} is not divisible by "
+                    f"tensor_parallel_size={size}"
+                )
         if self.external_launcher:
             self._check_torchrun(config)
             return
         gpus = size * self.data_parallel_size
         if config.device == "cuda" and gpus > torch.cuda.device_count():
-            raise ValueError(f"tensor_parallel_size={size} x data_parallel_size="
-                             f"{self.data_parallel_size} needs {gpus} GPUs but only "
-                             f"{torch.cuda.device_count()} CUDA GPU(s) are visible")
+            raise ValueError(
+                f"tensor_parallel_size={size} x data_parallel_size="
+                f"{self.data_parallel_size} needs {gpus} GPUs but only "
+                f"{torch.cuda.device_count()} CUDA GPU(s) are visible"
+            )
         if size > 1 and self.distributed_port is None:
             self.distributed_port = free_port()
 
     def _check_torchrun(self, config: Config) -> None:
         missing = [name for name in TORCHRUN_VARIABLES if name not in os.environ]
         if missing:
-            raise ValueError(f"distributed_executor_backend='external_launcher' runs under "
-                             f"torchrun, which sets {', '.join(missing)}: launch the script "
-                             f"with torchrun --nproc-per-node N [--nnodes M ...]")
+            raise ValueError(
+                f"distributed_executor_backend='external_launcher' runs under "
+                f"torchrun, which sets {', '.join(missing)}: launch the script "
+                f"with torchrun --nproc-per-node N [--nnodes M ...]"
+            )
         world_size = int(os.environ["WORLD_SIZE"])
         if world_size != self.tensor_parallel_size or self.data_parallel_size != 1:
-            raise ValueError(f"torchrun started {world_size} processes; with "
-                             f"distributed_executor_backend='external_launcher' they are the "
-                             f"tensor_parallel_size={self.tensor_parallel_size} ranks of one "
-                             f"engine (data_parallel_size must be 1: one torchrun job a replica)")
-        if config.device == "cuda" and int(os.environ["LOCAL_RANK"]) >= torch.cuda.device_count():
-            raise ValueError(f"LOCAL_RANK={os.environ['LOCAL_RANK']} but only "
-                             f"{torch.cuda.device_count()} CUDA GPU(s) are visible on this node")
+            raise ValueError(
+                f"torchrun started {world_size} processes; with "
+                f"distributed_executor_backend='external_launcher' they are the "
+                f"tensor_parallel_size={self.tensor_parallel_size} ranks of one "
+                f"engine (data_parallel_size must be 1: one torchrun job a replica)"
+            )
+        if (
+            config.device == "cuda"
+            and int(os.environ["LOCAL_RANK"]) >= torch.cuda.device_count()
+        ):
+            raise ValueError(
+                f"LOCAL_RANK={os.environ['LOCAL_RANK']} but only "
+                f"{torch.cuda.device_count()} CUDA GPU(s) are visible on this node"
+            )
 
 
 def free_port() -> int:
@@ -123,11 +153,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def make_runner(config: Config, parallel: ParallelConfig, extra_kv_bytes_per_block: int = 0,
-                extension: RunnerExtension | None = None) -> ModelRunner:
-    """The engine's model runner: in this process alone, on every rank torchrun started, or on
-    this process (rank 0) and the worker processes it starts. A feature's `extension` (LoRA's)
-    takes part in every rank's runner: each worker gets a copy, made before rank 0's is used."""
+def make_runner(
+    config: Config,
+    parallel: ParallelConfig,
+    extra_kv_bytes_per_block: int = 0,
+    extension: RunnerExtension | None = None,
+) -> ModelRunner:
+    """The engine's model runner: in this process alone, on every rank torchrun started,
+    or on this process (rank 0) and the worker processes it starts. A feature's
+    `extension` (LoRA's) takes part in every rank's runner: each worker gets a copy,
+    made before rank 0's is used."""
     if parallel.tensor_parallel_size == 1:
         return ModelRunner(config, extra_kv_bytes_per_block, extension)
     if parallel.external_launcher:
@@ -136,10 +171,15 @@ def make_runner(config: Config, parallel: ParallelConfig, extra_kv_bytes_per_blo
 
 
 class TorchrunRunner(ModelRunner):
-    """A rank of torchrun's job: it runs the whole engine, and leaves the group when closed."""
+    """A rank of torchrun's job: it runs the whole engine, and leaves the group when
+    closed."""
 
-    def __init__(self, config: Config, extra_kv_bytes_per_block: int = 0,
-                 extension: RunnerExtension | None = None):
+    def __init__(
+        self,
+        config: Config,
+        extra_kv_bytes_per_block: int = 0,
+        extension: RunnerExtension | None = None,
+    ):
         join_torchrun(config)
         super().__init__(config, extra_kv_bytes_per_block, extension)
 
@@ -149,11 +189,17 @@ class TorchrunRunner(ModelRunner):
 
 
 class MultiprocRunner(ModelRunner):
-    """Rank 0 of a tensor-parallel engine on one machine: it starts ranks 1..N-1 (`run_worker`)
-    and, every step, sends them the step's inputs before running its own shard."""
+    """Rank 0 of a tensor-parallel engine on one machine: it starts ranks 1..N-1
+    (`run_worker`) and, every step, sends them the step's inputs before running its own
+    shard."""
 
-    def __init__(self, config: Config, parallel: ParallelConfig,
-                 extra_kv_bytes_per_block: int = 0, extension: RunnerExtension | None = None):
+    def __init__(
+        self,
+        config: Config,
+        parallel: ParallelConfig,
+        extra_kv_bytes_per_block: int = 0,
+        extension: RunnerExtension | None = None,
+    ):
         self.workers = []
         workers = start_workers(config, parallel, extension)
         try:
@@ -185,9 +231,14 @@ class MultiprocRunner(ModelRunner):
         stop_workers(workers, self.group)
 
 
-def run_worker(config: Config, parallel: ParallelConfig, rank: int,
-               extension: RunnerExtension | None) -> None:
-    """The life of a tensor-parallel worker process: run every step rank 0 sends, until `None`."""
+def run_worker(
+    config: Config,
+    parallel: ParallelConfig,
+    rank: int,
+    extension: RunnerExtension | None,
+) -> None:
+    """The life of a tensor-parallel worker process: run every step rank 0 sends, until
+    `None`."""
     load_features()  # a spawned worker starts with the core's registries empty
     group = join_ranks(config, parallel, rank, [])
     runner = ModelRunner(config, extension=extension)
@@ -196,30 +247,37 @@ def run_worker(config: Config, parallel: ParallelConfig, rank: int,
     dist.destroy_process_group()
 
 
-def start_workers(config: Config, parallel: ParallelConfig,
-                  extension: RunnerExtension | None) -> list[mp.Process]:
-    """Starts ranks 1..N-1, each running `run_worker`: forked, as vLLM's
-    workers are, while this process has not initialised CUDA (so a script may create the engine
-    at module level); else spawned (or as $VLLM_WORKER_MULTIPROC_METHOD says), and a spawned
-    worker first imports the caller's script, which must then be a file that creates the engine
-    under `if __name__ == "__main__":`."""
+def start_workers(
+    config: Config, parallel: ParallelConfig, extension: RunnerExtension | None
+) -> list[mp.Process]:
+    """Starts ranks 1..N-1, each running `run_worker`: forked, as vLLM's workers are,
+    while this process has not initialised CUDA (so a script may create the engine at
+    module level); else spawned (or as $VLLM_WORKER_MULTIPROC_METHOD says), and a
+    spawned worker first imports the caller's script, which must then be a file that
+    creates the engine under `if __name__ == "__main__":`."""
     if dist.is_initialized():
-        raise RuntimeError("this process already belongs to a torch.distributed group (another "
-                           "tensor-parallel engine?); close that engine before starting one")
+        raise RuntimeError(
+            "this process already belongs to a torch.distributed group (another "
+            "tensor-parallel engine?); close that engine before starting one"
+        )
     method = start_method()
     script = getattr(sys.modules["__main__"], "__file__", None)
     if method == "spawn" and script is not None and not os.path.exists(script):
-        raise ValueError(f"tensor_parallel_size > 1 after CUDA was initialised spawns workers "
-                         f"that import your script, and {script!r} is not a file they can "
-                         f"import (standard input?): save it to a file and run that")
+        raise ValueError(
+            f"tensor_parallel_size > 1 after CUDA was initialised spawns workers "
+            f"that import your script, and {script!r} is not a file they can "
+            f"import (standard input?): save it to a file and run that"
+        )
     context = mp.get_context(method)
     workers = []
     for rank in range(1, parallel.tensor_parallel_size):
         receiver, sender = context.Pipe(duplex=False)
-        worker = context.Process(target=_worker_main,
-                                 args=(config, parallel, rank, extension, sender,
-                                       method == "fork"),
-                                 daemon=True, name=f"nanopaged-tp{rank}")
+        worker = context.Process(
+            target=_worker_main,
+            args=(config, parallel, rank, extension, sender, method == "fork"),
+            daemon=True,
+            name=f"nanopaged-tp{rank}",
+        )
         worker.start()
         sender.close()  # the worker holds the only sending end now
         worker.errors = receiver
@@ -228,20 +286,30 @@ def start_workers(config: Config, parallel: ParallelConfig,
 
 
 def start_method() -> str:
-    """How to start a child process that runs an engine or a rank: see `start_workers`."""
+    """How to start a child process that runs an engine or a rank: see
+    `start_workers`."""
     return os.environ.get("VLLM_WORKER_MULTIPROC_METHOD") or (
-        "spawn" if torch.cuda.is_initialized() else "fork")
+        "spawn" if torch.cuda.is_initialized() else "fork"
+    )
 
 
-def _worker_main(config: Config, parallel: ParallelConfig, rank: int,
-                 extension: RunnerExtension | None, errors: mp.connection.Connection,
-                 forked: bool) -> None:
-    if forked:  # the parent's unreachable objects stay uncollected here: their finalizers
-        gc.freeze()  # (an engine's close) would act on the parent's processes and groups
+def _worker_main(
+    config: Config,
+    parallel: ParallelConfig,
+    rank: int,
+    extension: RunnerExtension | None,
+    errors: mp.connection.Connection,
+    forked: bool,
+) -> None:
+    if forked:
+        # the parent's unreachable objects stay uncollected here: their finalizers (an
+        # engine's close) would act on the parent's processes and groups
+        gc.freeze()
     # Ctrl-C is rank 0's to handle: it stops the workers
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    if config.device == "cpu":  # share the cores with the other ranks; in a forked child the
-        # parent's OpenMP threads do not exist, and more than one thread would hang
+    # share the cores with the other ranks; in a forked child the parent's OpenMP
+    # threads do not exist, and more than one thread would hang
+    if config.device == "cpu":
         share = max(1, torch.get_num_threads() // parallel.tensor_parallel_size)
         torch.set_num_threads(1 if forked else share)
     try:
@@ -251,20 +319,25 @@ def _worker_main(config: Config, parallel: ParallelConfig, rank: int,
         raise
 
 
-def join_ranks(config: Config, parallel: ParallelConfig, rank: int,
-               workers: list[mp.Process]) -> dist.ProcessGroup:
-    """Joins this process to the others; returns the gloo group that carries rank 0's messages.
-    The model's collectives run on the default group: NCCL on GPUs, gloo on CPU.
+def join_ranks(
+    config: Config, parallel: ParallelConfig, rank: int, workers: list[mp.Process]
+) -> dist.ProcessGroup:
+    """Joins this process to the others; returns the gloo group that carries rank 0's
+    messages. The model's collectives run on the default group: NCCL on GPUs, gloo on
+    CPU.
 
-    Rank 0 serves the rendezvous store and waits until every worker has reached it, raising
-    WorkerDied as soon as one exits instead."""
+    Rank 0 serves the rendezvous store and waits until every worker has reached it,
+    raising WorkerDied as soon as one exits instead."""
     size, port = parallel.tensor_parallel_size, parallel.distributed_port
     if rank == 0:
         try:
-            store = dist.TCPStore("127.0.0.1", port, size, is_master=True, wait_for_workers=False)
+            store = dist.TCPStore(
+                "127.0.0.1", port, size, is_master=True, wait_for_workers=False
+            )
         except RuntimeError as error:
-            raise ValueError(f"cannot listen on 127.0.0.1:{port} (distributed_port): "
-                             f"{error}") from None
+            raise ValueError(
+                f"cannot listen on 127.0.0.1:{port} (distributed_port): {error}"
+            ) from None
         while not store.check([f"worker{r}" for r in range(1, size)]):
             if (dead := _dead_worker(workers)) is not None:
                 raise WorkerDied(_death_notice(dead))
@@ -281,15 +354,17 @@ def join_ranks(config: Config, parallel: ParallelConfig, rank: int,
 
 
 def join_torchrun(config: Config) -> None:
-    """Joins the processes torchrun started: env:// rendezvous (MASTER_ADDR, MASTER_PORT, RANK,
-    WORLD_SIZE), LOCAL_RANK picks this process's GPU. The collectives run on the default group
-    (NCCL on GPUs, gloo on CPU)."""
+    """Joins the processes torchrun started: env:// rendezvous (MASTER_ADDR,
+    MASTER_PORT, RANK, WORLD_SIZE), LOCAL_RANK picks this process's GPU. The collectives
+    run on the default group (NCCL on GPUs, gloo on CPU)."""
     backend = "gloo"
     if config.device == "cuda":
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
         backend = "nccl"
     if not dist.is_initialized():  # a script may have joined already
-        dist.init_process_group(backend, init_method="env://", timeout=COLLECTIVE_TIMEOUT)
+        dist.init_process_group(
+            backend, init_method="env://", timeout=COLLECTIVE_TIMEOUT
+        )
 
 
 def broadcast(message, group: dist.ProcessGroup, workers: list[mp.Process]) -> None:
@@ -306,21 +381,29 @@ def receive(group: dist.ProcessGroup):
 def check_workers(workers: list[mp.Process]) -> None:
     dead = _dead_worker(workers)
     if dead is not None:
-        raise WorkerDied(_death_notice(dead) + "; this engine cannot run any more: close it and "
-                         "create a new one")
+        raise WorkerDied(
+            _death_notice(dead) + "; this engine cannot run any more: close it and "
+            "create a new one"
+        )
 
 
 def _death_notice(worker: mp.Process) -> str:
-    """What is known of a dead worker: its exit code and, if it got to send it, its traceback."""
+    """What is known of a dead worker: its exit code and, if it got to send it, its
+    traceback."""
     try:
         error = worker.errors.recv() if worker.errors.poll() else None
     except EOFError:
         error = None
     if error is None:
-        return (f"tensor-parallel worker {worker.name} died (exit code {worker.exitcode}) before "
-                f"nanopaged ran in it; its traceback, if any, is printed above (a script that "
-                f"creates the engine outside `if __name__ == \"__main__\":`?)")
-    return f"tensor-parallel worker {worker.name} died (exit code {worker.exitcode}):\n{error}"
+        return (
+            f"tensor-parallel worker {worker.name} died (exit code {worker.exitcode}) "
+            "before nanopaged ran in it; its traceback, if any, is printed above (a "
+            'script that creates the engine outside `if __name__ == "__main__":`?)'
+        )
+    return (
+        f"tensor-parallel worker {worker.name} died (exit code {worker.exitcode}):\n"
+        f"{error}"
+    )
 
 
 def _dead_worker(workers: list[mp.Process], wait_s: float = 0) -> mp.Process | None:
@@ -331,15 +414,17 @@ def _dead_worker(workers: list[mp.Process], wait_s: float = 0) -> mp.Process | N
 
 @contextmanager
 def in_lockstep(workers: list[mp.Process]) -> Iterator[None]:
-    """Runs work that every rank does together. If it fails on rank 0, the workers are left
-    somewhere inside it, out of step: kill them, so that the engine refuses further steps
-    instead of running them out of step. A collective that failed because a worker died
-    raises WorkerDied naming it."""
+    """Runs work that every rank does together. If it fails on rank 0, the workers are
+    left somewhere inside it, out of step: kill them, so that the engine refuses further
+    steps instead of running them out of step. A collective that failed because a worker
+    died raises WorkerDied naming it."""
     try:
         yield
     except BaseException as error:
         # a collective can fail a moment before its dead peer's exit is seen
-        dead = _dead_worker(workers, wait_s=1) if isinstance(error, RuntimeError) else None
+        dead = (
+            _dead_worker(workers, wait_s=1) if isinstance(error, RuntimeError) else None
+        )
         for worker in workers:
             worker.kill()
             worker.join()
@@ -349,8 +434,9 @@ def in_lockstep(workers: list[mp.Process]) -> Iterator[None]:
 
 
 def wait_for_gpu(workers: list[mp.Process]) -> None:
-    """Waits for this rank's queued GPU work. A dead worker never joins NCCL's collectives and a
-    CUDA sync would then wait forever, so poll, checking the workers, instead of blocking."""
+    """Waits for this rank's queued GPU work. A dead worker never joins NCCL's
+    collectives and a CUDA sync would then wait forever, so poll, checking the workers,
+    instead of blocking."""
     done = torch.cuda.Event()
     done.record()
     while not done.query():
@@ -358,8 +444,9 @@ def wait_for_gpu(workers: list[mp.Process]) -> None:
 
 
 def stop_workers(workers: list[mp.Process], group: dist.ProcessGroup | None) -> None:
-    """Tells the workers to exit (a `None` message on `group`) and waits for them, or, without
-    a group or with a worker already gone, kills them. Then leaves the process group."""
+    """Tells the workers to exit (a `None` message on `group`) and waits for them, or,
+    without a group or with a worker already gone, kills them. Then leaves the process
+    group."""
     timeout = 0
     if workers and group is not None and all(w.exitcode is None for w in workers):
         try:

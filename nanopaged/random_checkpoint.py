@@ -1,48 +1,104 @@
-"""Writes a random-weight checkpoint (config, safetensors, tokenizer) for offline runs and tests.
+"""Writes a random-weight checkpoint (config, safetensors, tokenizer) for offline runs
+and tests.
 
 No model hub is needed: the model comes from `transformers` with random weights, and the
-tokenizer is a small byte-level BPE trained here with the `tokenizers` library (both imported
-when a checkpoint is written: the shapes below are for a command's arguments, read at once).
+tokenizer is a small byte-level BPE trained here with the `tokenizers` library (both
+imported when a checkpoint is written: the shapes below are for a command's arguments,
+read at once).
 """
+
 import os
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
-                 "{{ m['content'] }}<|im_end|>\n{% endfor %}"
-                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-CORPUS = """Paged attention stores the key and value cache in fixed-size blocks, like pages of
-virtual memory. A block table maps each sequence's logical blocks to physical blocks, so
-sequences that share a prefix can share its blocks. The scheduler admits waiting requests,
-prefills their prompts, then decodes one token per running sequence per step. When the pool of
-blocks runs out, the newest sequence is preempted and recomputed later. Introduce yourself.
-List all prime numbers within 100. Write a short poem about the sea. Explain how a hash chain
-identifies a prefix of tokens."""
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    "{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+CORPUS = (
+    "Paged attention stores the key and value cache in "
+    "fixed-size blocks, like pages of\n"
+    "virtual memory. A block table maps each sequence's logical "
+    "blocks to physical blocks, so\n"
+    "sequences that share a prefix can share its blocks. The "
+    "scheduler admits waiting requests,\n"
+    "prefills their prompts, then decodes one token per running "
+    "sequence per step. When the pool of\n"
+    "blocks runs out, the newest sequence is preempted and "
+    "recomputed later. Introduce yourself.\n"
+    "List all prime numbers within 100. Write a short poem about "
+    "the sea. Explain how a hash chain\n"
+    "identifies a prefix of tokens."
+)
 
 # A model small enough to run anywhere in seconds.
-TINY_QWEN3 = dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_size=64,
-                  intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=16, vocab_size=512,
-                  max_position_embeddings=2048, rms_norm_eps=1e-6, tie_word_embeddings=True,
-                  rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
-_DECODER = {k: v for k, v in TINY_QWEN3.items() if k not in ("architectures", "model_type")}
-# Tiny models of each family, by name: the same width, to try each one offline in seconds.
+TINY_QWEN3 = dict(
+    architectures=["Qwen3ForCausalLM"],
+    model_type="qwen3",
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    vocab_size=512,
+    max_position_embeddings=2048,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=True,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+)
+_DECODER = {
+    k: v for k, v in TINY_QWEN3.items() if k not in ("architectures", "model_type")
+}
+# Tiny models of each family, by name: the same width, to try each one offline in
+# seconds.
 SHAPES = {
     "qwen3": TINY_QWEN3,
-    "qwen3-moe": dict(_DECODER, architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe",
-                      num_hidden_layers=3, moe_intermediate_size=32, num_experts=8,
-                      num_experts_per_tok=2, norm_topk_prob=False, mlp_only_layers=[1]),
-    "mixtral": dict(_DECODER, architectures=["MixtralForCausalLM"], model_type="mixtral",
-                    intermediate_size=32, num_local_experts=4, num_experts_per_tok=2,
-                    tie_word_embeddings=False),
-    "mistral": dict(_DECODER, architectures=["MistralForCausalLM"], model_type="mistral",
-                    sliding_window=24, tie_word_embeddings=False),
-    "gemma3": dict(_DECODER, architectures=["Gemma3ForCausalLM"], model_type="gemma3_text",
-                   num_hidden_layers=3, sliding_window=24, query_pre_attn_scalar=24,
-                   layer_types=["sliding_attention", "sliding_attention", "full_attention"],
-                   hidden_activation="gelu_pytorch_tanh", rope_parameters={
-                       "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
-                       "full_attention": {"rope_type": "linear", "factor": 2.0,
-                                          "rope_theta": 100000.0}}),
+    "qwen3-moe": dict(
+        _DECODER,
+        architectures=["Qwen3MoeForCausalLM"],
+        model_type="qwen3_moe",
+        num_hidden_layers=3,
+        moe_intermediate_size=32,
+        num_experts=8,
+        num_experts_per_tok=2,
+        norm_topk_prob=False,
+        mlp_only_layers=[1],
+    ),
+    "mixtral": dict(
+        _DECODER,
+        architectures=["MixtralForCausalLM"],
+        model_type="mixtral",
+        intermediate_size=32,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        tie_word_embeddings=False,
+    ),
+    "mistral": dict(
+        _DECODER,
+        architectures=["MistralForCausalLM"],
+        model_type="mistral",
+        sliding_window=24,
+        tie_word_embeddings=False,
+    ),
+    "gemma3": dict(
+        _DECODER,
+        architectures=["Gemma3ForCausalLM"],
+        model_type="gemma3_text",
+        num_hidden_layers=3,
+        sliding_window=24,
+        query_pre_attn_scalar=24,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+        hidden_activation="gelu_pytorch_tanh",
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {
+                "rope_type": "linear",
+                "factor": 2.0,
+                "rope_theta": 100000.0,
+            },
+        },
+    ),
 }
 
 
@@ -50,42 +106,62 @@ def build_tokenizer(vocab_size: int):
     """A byte-level BPE tokenizer trained on a paragraph: encodes any text, offline."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
+
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tokenizer.train_from_iterator([CORPUS], trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|im_end|>",
-                                   pad_token="<|endoftext|>", chat_template=CHAT_TEMPLATE)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        chat_template=CHAT_TEMPLATE,
+    )
 
 
-def write_random_checkpoint(path: str, shape: dict, seed: int = 0, dtype="float32",
-                            initializer_range: float = 0.02) -> str:
-    """Writes a checkpoint of the given config with random weights, in `dtype` (a torch.dtype
-    or its name), into `path`; returns it."""
+def write_random_checkpoint(
+    path: str,
+    shape: dict,
+    seed: int = 0,
+    dtype="float32",
+    initializer_range: float = 0.02,
+) -> str:
+    """Writes a checkpoint of the given config with random weights, in `dtype` (a
+    torch.dtype or its name), into `path`; returns it."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     os.makedirs(path, exist_ok=True)
     tokenizer = build_tokenizer(min(shape["vocab_size"], 1000))
-    config = AutoConfig.for_model(**shape, initializer_range=initializer_range,
-                                  eos_token_id=tokenizer.eos_token_id,
-                                  bos_token_id=None, pad_token_id=tokenizer.pad_token_id)
+    config = AutoConfig.for_model(
+        **shape,
+        initializer_range=initializer_range,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,
+        pad_token_id=tokenizer.pad_token_id,
+    )
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    model.generation_config = GenerationConfig(eos_token_id=tokenizer.eos_token_id,
-                                               pad_token_id=tokenizer.pad_token_id)
+    model.generation_config = GenerationConfig(
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
+    )
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
 
 
 def main(argv: list[str] | None = None) -> None:
-    """`python -m nanopaged.random_checkpoint DIR`: a tiny Qwen3-shaped checkpoint (or another
-    family's, `--shape`) in DIR."""
+    """`python -m nanopaged.random_checkpoint DIR`: a tiny Qwen3-shaped checkpoint (or
+    another family's, `--shape`) in DIR."""
     import argparse
+
     parser = argparse.ArgumentParser(description=main.__doc__)
     parser.add_argument("directory")
     parser.add_argument("--shape", choices=SHAPES, default="qwen3")
@@ -93,11 +169,12 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     shape = SHAPES[args.shape]
     path = write_random_checkpoint(args.directory, shape, seed=args.seed)
-    print(f"wrote a random-weight {shape['architectures'][0]} checkpoint "
-          f"({shape['num_hidden_layers']} layers, width 64, vocabulary 512; it prints gibberish "
-          f"by design) to {path}\n"
-          f"try: python example.py --model {path}\n"
-          f"     nanopaged serve {path}")
+    print(
+        f"wrote a random-weight {shape['architectures'][0]} checkpoint "
+        f"({shape['num_hidden_layers']} layers, width 64, vocabulary 512; it prints "
+        f"gibberish by design) to {path}\ntry: python example.py --model {path}\n     "
+        f"nanopaged serve {path}"
+    )
 
 
 if __name__ == "__main__":

@@ -1,4 +1,6 @@
-"""The server's front for several data-parallel replicas: which replica a request goes to."""
+"""The server's front for several data-parallel replicas: which replica a request goes
+to."""
+
 from collections import OrderedDict
 
 from nanopaged.core.block_manager import hash_block
@@ -9,20 +11,27 @@ MAX_REMEMBERED_BLOCKS = 100_000  # per replica
 
 
 class Router:
-    """The server's front for several replicas, each stepped by an engine loop of its own (as
-    `EngineLoop` it submits, aborts and counts the waiting requests). A request goes to the
-    replica that was sent the longest prefix of its prompt before, in whole KV blocks (whose
-    prefix cache then likely holds that prefix's K/V), unless that replica has more than
-    `balance` requests in flight beyond the least busy one's; else to the least busy one.
-    `policy="least"` always takes the least busy. `routed[i]` counts the requests replica i
-    got, by reason."""
+    """The server's front for several replicas, each stepped by an engine loop of its
+    own (as `EngineLoop` it submits, aborts and counts the waiting requests). A request
+    goes to the replica that was sent the longest prefix of its prompt before, in whole
+    KV blocks (whose prefix cache then likely holds that prefix's K/V), unless that
+    replica has more than `balance` requests in flight beyond the least busy one's; else
+    to the least busy one. `policy="least"` always takes the least busy. `routed[i]`
+    counts the requests replica i got, by reason."""
 
-    def __init__(self, llm: DataParallelLLM, loops: list, max_waiting: int,
-                 policy: str = "prefix", balance: int = 4):
+    def __init__(
+        self,
+        llm: DataParallelLLM,
+        loops: list,
+        max_waiting: int,
+        policy: str = "prefix",
+        balance: int = 4,
+    ):
         self.llm, self.loops, self.policy, self.balance = llm, loops, policy, balance
         self.max_waiting, self.num_waiting = max_waiting, 0
         self.block_size = llm.config.kvcache_block_size
-        # per replica: the hashes of the block prefixes it was sent, least recently sent first
+        # per replica: the hashes of the block prefixes it was sent, least recently sent
+        # first
         self.prefixes = [OrderedDict() for _ in loops]
         self.routed = [{"prefix": 0, "least_busy": 0} for _ in loops]
 
@@ -37,7 +46,9 @@ class Router:
         while len(prefixes) > MAX_REMEMBERED_BLOCKS:
             prefixes.popitem(last=False)
         self.routed[index][reason] += 1
-        return self.loops[index].submit(request_id, prompt, params, outbox, lora_request)
+        return self.loops[index].submit(
+            request_id, prompt, params, outbox, lora_request
+        )
 
     def choose(self, hashes: list[int]) -> tuple[int, str]:
         """Among the replicas whose engine loop runs (a dead replica's stops)."""
@@ -45,19 +56,23 @@ class Router:
         alive = [i for i, loop in enumerate(self.loops) if loop.is_alive()] or [0]
         least = min(alive, key=loads.__getitem__)
         if self.policy == "prefix":
-            matched = [next((n for n, h in enumerate(hashes) if h not in prefixes), len(hashes))
-                       for prefixes in self.prefixes]
+            matched = [
+                next(
+                    (n for n, h in enumerate(hashes) if h not in prefixes), len(hashes)
+                )
+                for prefixes in self.prefixes
+            ]
             best = max(alive, key=lambda i: (matched[i], -loads[i]))
             if matched[best] and loads[best] <= loads[least] + self.balance:
                 return best, "prefix"
         return least, "least_busy"
 
     def _block_hashes(self, token_ids: list[int], salt: int | None = None) -> list[int]:
-        """A hash per whole block of the prompt, each of the block and all before it (and of
-        the LoRA adapter that computes them, as the block manager's)."""
+        """A hash per whole block of the prompt, each of the block and all before it
+        (and of the LoRA adapter that computes them, as the block manager's)."""
         hashes, h = [], salt
         for start in range(0, len(token_ids) - self.block_size + 1, self.block_size):
-            h = hash_block(h, token_ids[start:start + self.block_size])
+            h = hash_block(h, token_ids[start : start + self.block_size])
             hashes.append(h)
         return hashes
 

@@ -1,12 +1,13 @@
-"""An OpenAI-compatible HTTP server: `nanopaged serve MODEL`, `python -m nanopaged.server MODEL`,
-or vLLM's `python -m nanopaged.entrypoints.openai.api_server --model MODEL` (the arguments:
-`server_args.py`).
+"""An OpenAI-compatible HTTP server: `nanopaged serve MODEL`, `python -m
+nanopaged.server MODEL`, or vLLM's `python -m nanopaged.entrypoints.openai.api_server
+--model MODEL` (the arguments: `server_args.py`).
 
-One engine loop runs in a thread of its own and is the only caller of the engine: handlers hand
-it requests and aborts through a queue, and after every step it hands each request's outputs to
-the handler waiting for them. The engine admits a request that arrives while others decode at
-its next step. Requests are read in `openai_api.py`, responses written in `openai_responses.py`.
-Needs the `serve` extra: pip install -e ".[serve]".
+One engine loop runs in a thread of its own and is the only caller of the engine:
+handlers hand it requests and aborts through a queue, and after every step it hands each
+request's outputs to the handler waiting for them. The engine admits a request that
+arrives while others decode at its next step. Requests are read in `openai_api.py`,
+responses written in `openai_responses.py`. Needs the `serve` extra: pip install -e
+".[serve]".
 """
 
 import argparse
@@ -37,32 +38,46 @@ from nanopaged.server_args import parse_args
 
 
 class EngineLoop:
-    """Runs the engine's steps in a thread of its own; sleeps while there is nothing to do.
-    It also counts the requests that wait for their first token (`num_waiting`), so that those
-    beyond `max_waiting` are turned away (503) rather than queued without bound."""
+    """Runs the engine's steps in a thread of its own; sleeps while there is nothing to
+    do. It also counts the requests that wait for their first token (`num_waiting`), so
+    that those beyond `max_waiting` are turned away (503) rather than queued without
+    bound."""
 
     def __init__(self, llm: LLM, max_waiting: int):
         self.llm, self.max_waiting, self.num_waiting = llm, max_waiting, 0
-        self.inbox: queue.SimpleQueue = queue.SimpleQueue()  # (function, args) to run on the loop
+        # (function, args) to run on the loop
+        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.outboxes: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self.running = True
-        self.thread = threading.Thread(target=self._run, name="nanopaged-engine", daemon=True)
+        self.thread = threading.Thread(
+            target=self._run, name="nanopaged-engine", daemon=True
+        )
         self.thread.start()
 
-    def submit(self, request_id: str, prompt: dict, params, outbox: asyncio.Queue,
-               lora_request=None) -> Future:
-        """Queues a request; the future is done once the engine took it, or holds the error
-        (a ValueError: the client's fault) that rejected it. Its outputs, and an exception if a
-        step fails, will be put in `outbox`."""
+    def submit(
+        self,
+        request_id: str,
+        prompt: dict,
+        params,
+        outbox: asyncio.Queue,
+        lora_request=None,
+    ) -> Future:
+        """Queues a request; the future is done once the engine took it, or holds the
+        error (a ValueError: the client's fault) that rejected it. Its outputs, and an
+        exception if a step fails, will be put in `outbox`."""
         future: Future = Future()
         loop = asyncio.get_running_loop()
-        self.inbox.put((self._add, (request_id, prompt, params, lora_request, loop, outbox,
-                                    future)))
+        self.inbox.put(
+            (
+                self._add,
+                (request_id, prompt, params, lora_request, loop, outbox, future),
+            )
+        )
         return future
 
     def call(self, method: str, *args) -> Future:
-        """Runs the engine's `method` on the loop (the engine's only caller); the future holds
-        what it returns or raises."""
+        """Runs the engine's `method` on the loop (the engine's only caller); the future
+        holds what it returns or raises."""
         future: Future = Future()
         self.inbox.put((self._call, (getattr(self.llm, method), args, future)))
         return future
@@ -82,16 +97,28 @@ class EngineLoop:
     def is_alive(self) -> bool:
         return self.thread.is_alive()
 
-    def _add(self, request_id: str, prompt, params, lora_request, loop, outbox,
-             future: Future) -> None:
-        if self._call(self.llm.add_request, (prompt, params, request_id, lora_request), future):
+    def _add(
+        self,
+        request_id: str,
+        prompt,
+        params,
+        lora_request,
+        loop,
+        outbox,
+        future: Future,
+    ) -> None:
+        if self._call(
+            self.llm.add_request, (prompt, params, request_id, lora_request), future
+        ):
             self.outboxes[request_id] = (loop, outbox)
 
     @staticmethod
     def _call(function, args: tuple, future: Future) -> bool:
         try:
             future.set_result(function(*args))
-        except Exception as error:  # a ValueError is the client's fault; the loop goes on
+        except (
+            Exception
+        ) as error:  # a ValueError is the client's fault; the loop goes on
             future.set_exception(error)
             return False
         return True
@@ -103,14 +130,15 @@ class EngineLoop:
     def _fail_all(self, error: Exception) -> None:
         for request_id, (loop, outbox) in list(self.outboxes.items()):
             loop.call_soon_threadsafe(outbox.put_nowait, error)
-            if not isinstance(error, ReplicaDied):  # a dead replica has nothing to abort
+            # a dead replica has nothing to abort
+            if not isinstance(error, ReplicaDied):
                 self.llm.abort(request_id)
         self.outboxes.clear()
 
     def _run(self) -> None:
-        """Serves the inbox and steps the engine until stopped. Nothing a request does can end
-        this loop: a failed step fails the requests it held, and the loop goes on (a replica
-        whose process died ends its loop)."""
+        """Serves the inbox and steps the engine until stopped. Nothing a request does
+        can end this loop: a failed step fails the requests it held, and the loop goes
+        on (a replica whose process died ends its loop)."""
         while self.running:
             try:
                 if self.llm.is_finished():
@@ -120,10 +148,13 @@ class EngineLoop:
                     function, args = self.inbox.get()
                     function(*args)
                 outputs = self.llm.step()
-            except Exception as error:  # the engine has aborted every request: tell their handlers
+            except (
+                Exception
+            ) as error:  # the engine has aborted every request: tell their handlers
                 self._fail_all(error)
                 if isinstance(error, ReplicaDied):
-                    return  # /health says so, and the router sends this loop nothing more
+                    # /health says so, and the router sends this loop nothing more
+                    return
                 continue
             for output in outputs:
                 take = self.outboxes.pop if output.finished else self.outboxes.get
@@ -132,23 +163,42 @@ class EngineLoop:
 
 
 def metric_lines(stats: EngineStats, labels: str) -> list[str]:
-    return [f"nanopaged_{name}{labels} {value}\n" for name, value in (
-        ("kv_blocks_free", stats.num_free_blocks), ("kv_blocks_total", stats.num_blocks),
-        ("sequences_running", stats.num_running_seqs),
-        ("preemptions_total", stats.num_preemptions),
-        ("generation_tokens_total", stats.num_generated_tokens),
-        ("spec_decode_num_drafts_total", stats.num_drafts),
-        ("spec_decode_num_draft_tokens_total", stats.num_proposed_tokens),
-        ("spec_decode_num_accepted_tokens_total", stats.num_accepted_tokens))]
+    return [
+        f"nanopaged_{name}{labels} {value}\n"
+        for name, value in (
+            ("kv_blocks_free", stats.num_free_blocks),
+            ("kv_blocks_total", stats.num_blocks),
+            ("sequences_running", stats.num_running_seqs),
+            ("preemptions_total", stats.num_preemptions),
+            ("generation_tokens_total", stats.num_generated_tokens),
+            ("spec_decode_num_drafts_total", stats.num_drafts),
+            ("spec_decode_num_draft_tokens_total", stats.num_proposed_tokens),
+            ("spec_decode_num_accepted_tokens_total", stats.num_accepted_tokens),
+        )
+    ]
 
 
-def create_app(llm: LLM, model_name: str, max_waiting: int, router: str = "prefix",
-               lora_modules: list[LoRARequest] = ()) -> FastAPI:
-    """The app serving `llm` as `model_name`, and each of `lora_modules` (added to the engine
-    already) as a model of its adapter's name."""
-    replicas = getattr(llm, "replicas", None)  # data parallelism: an engine loop per replica
-    engine = EngineLoop(llm, max_waiting) if replicas is None else Router(
-        llm, [EngineLoop(replica, max_waiting) for replica in replicas], max_waiting, router)
+def create_app(
+    llm: LLM,
+    model_name: str,
+    max_waiting: int,
+    router: str = "prefix",
+    lora_modules: list[LoRARequest] = (),
+) -> FastAPI:
+    """The app serving `llm` as `model_name`, and each of `lora_modules` (added to the
+    engine already) as a model of its adapter's name."""
+    # data parallelism: an engine loop per replica
+    replicas = getattr(llm, "replicas", None)
+    engine = (
+        EngineLoop(llm, max_waiting)
+        if replicas is None
+        else Router(
+            llm,
+            [EngineLoop(replica, max_waiting) for replica in replicas],
+            max_waiting,
+            router,
+        )
+    )
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -158,17 +208,27 @@ def create_app(llm: LLM, model_name: str, max_waiting: int, router: str = "prefi
 
     app = FastAPI(title="nanopaged", lifespan=lifespan)
     app.state.engine = engine
-    model_card = {"id": model_name, "object": "model", "created": int(time.time()),
-                  "owned_by": "nanopaged", "root": llm.config.model, "parent": None,
-                  "max_model_len": llm.config.max_model_len}
+    model_card = {
+        "id": model_name,
+        "object": "model",
+        "created": int(time.time()),
+        "owned_by": "nanopaged",
+        "root": llm.config.model,
+        "parent": None,
+        "max_model_len": llm.config.max_model_len,
+    }
     models = ServedModels(engine, model_card, lora_modules)
-    if envs.VLLM_ALLOW_RUNTIME_LORA_UPDATING:  # vLLM's endpoints, behind vLLM's variable
+    # vLLM's endpoints, behind vLLM's variable
+    if envs.VLLM_ALLOW_RUNTIME_LORA_UPDATING:
         models.add_lora_routes(app)
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, error: HTTPException):
-        return error_response(error.status_code, f"{request.method} {request.url.path}: "
-                              f"{error.detail}", code=str(error.status_code))
+        return error_response(
+            error.status_code,
+            f"{request.method} {request.url.path}: {error.detail}",
+            code=str(error.status_code),
+        )
 
     @app.get("/health")
     async def health():
@@ -180,21 +240,29 @@ def create_app(llm: LLM, model_name: str, max_waiting: int, router: str = "prefi
 
     @app.get("/metrics")
     async def metrics():
-        """The engine's counters; with replicas, their sums, then each replica's (labelled), and
-        how many requests the router sent each, by reason."""
-        every = await asyncio.to_thread(llm.replica_stats) if replicas else {0: llm.stats()}
+        """The engine's counters; with replicas, their sums, then each replica's
+        (labelled), and how many requests the router sent each, by reason."""
+        every = (
+            await asyncio.to_thread(llm.replica_stats) if replicas else {0: llm.stats()}
+        )
         lines = metric_lines(sum_stats(list(every.values())), "")
         lines.append(f"nanopaged_requests_waiting {engine.num_waiting}\n")
         if replicas is not None:
             for i, stats in every.items():
                 lines += metric_lines(stats, f'{{replica="{i}"}}')
-                lines += [f'nanopaged_router_requests_total{{replica="{i}",reason="{reason}"}} '
-                          f'{count}\n' for reason, count in engine.routed[i].items()]
+                lines += [
+                    f"nanopaged_router_requests_total"
+                    f'{{replica="{i}",reason="{reason}"}} {count}\n'
+                    for reason, count in engine.routed[i].items()
+                ]
         return PlainTextResponse("".join(lines))
 
     @app.get("/v1/models")
     async def list_models():
-        return {"object": "list", "data": [models.card(name) for name in models.names()]}
+        return {
+            "object": "list",
+            "data": [models.card(name) for name in models.names()],
+        }
 
     @app.get("/v1/models/{model:path}")
     async def model(model: str):
@@ -203,10 +271,15 @@ def create_app(llm: LLM, model_name: str, max_waiting: int, router: str = "prefi
     @app.get("/tokenizer_info")
     async def tokenizer_info():
         tokenizer = llm.tokenizer
-        return {"tokenizer_class": type(tokenizer).__name__, "eos_token": tokenizer.eos_token,
-                "bos_token": tokenizer.bos_token, "pad_token": tokenizer.pad_token,
-                "unk_token": tokenizer.unk_token, "chat_template": tokenizer.chat_template,
-                "model_max_length": llm.config.max_model_len}
+        return {
+            "tokenizer_class": type(tokenizer).__name__,
+            "eos_token": tokenizer.eos_token,
+            "bos_token": tokenizer.bos_token,
+            "pad_token": tokenizer.pad_token,
+            "unk_token": tokenizer.unk_token,
+            "chat_template": tokenizer.chat_template,
+            "model_max_length": llm.config.max_model_len,
+        }
 
     @app.post("/tokenize")
     @app.post("/detokenize")
@@ -232,19 +305,32 @@ def create_app(llm: LLM, model_name: str, max_waiting: int, router: str = "prefi
         if requested not in models:
             return models.not_found(requested)
         try:  # in a worker thread: a grammar or a long prompt never holds up the others
-            parsed = await asyncio.to_thread(openai_api.parse_request, body, chat_request, llm)
+            parsed = await asyncio.to_thread(
+                openai_api.parse_request, body, chat_request, llm
+            )
         except ValueError as error:
             return bad_request(error)
-        return await respond(Response(request, engine, parsed, chat_request, requested,
-                                      models.adapters.get(requested)))
+        return await respond(
+            Response(
+                request,
+                engine,
+                parsed,
+                chat_request,
+                requested,
+                models.adapters.get(requested),
+            )
+        )
 
     return app
 
 
 async def respond(response: Response):
     if not response.admit():
-        return error_response(503, f"more than {response.engine.max_waiting} requests are "
-                                   f"waiting; retry later")
+        return error_response(
+            503,
+            f"more than {response.engine.max_waiting} requests are "
+            f"waiting; retry later",
+        )
     try:
         await response.submit()
     except ValueError as error:
@@ -262,18 +348,28 @@ async def respond(response: Response):
 def tokenize_body(llm: LLM, body: dict) -> dict:
     """vLLM's /tokenize: a prompt, or chat messages through the template."""
     if "messages" in body:
-        _, tokens = chat.render(llm.tokenizer, body["messages"], body.get("chat_template"),
-                                body.get("add_generation_prompt", True),
-                                body.get("continue_final_message", False), body.get("tools"),
-                                body.get("chat_template_kwargs"))
+        _, tokens = chat.render(
+            llm.tokenizer,
+            body["messages"],
+            body.get("chat_template"),
+            body.get("add_generation_prompt", True),
+            body.get("continue_final_message", False),
+            body.get("tools"),
+            body.get("chat_template_kwargs"),
+        )
     else:
         prompt = body.get("prompt")
         if not isinstance(prompt, str):
             raise ValueError(f"prompt must be a string, got {prompt!r}")
         chat.check_text(prompt, "prompt")
-        tokens = llm.tokenizer.encode(prompt, add_special_tokens=body.get("add_special_tokens",
-                                                                           True))
-    result = {"count": len(tokens), "max_model_len": llm.config.max_model_len, "tokens": tokens}
+        tokens = llm.tokenizer.encode(
+            prompt, add_special_tokens=body.get("add_special_tokens", True)
+        )
+    result = {
+        "count": len(tokens),
+        "max_model_len": llm.config.max_model_len,
+        "tokens": tokens,
+    }
     if body.get("return_token_strs"):
         result["token_strs"] = llm.tokenizer.convert_ids_to_tokens(tokens)
     return result
@@ -282,16 +378,18 @@ def tokenize_body(llm: LLM, body: dict) -> dict:
 def detokenize(llm: LLM, body: dict) -> str:
     tokens = body.get("tokens")
     vocab_size = llm.config.hf_config.vocab_size
-    if not isinstance(tokens, list) or not all(isinstance(t, int) and 0 <= t < vocab_size
-                                               for t in tokens):
-        raise ValueError(f"tokens must be a list of token ids in [0, {vocab_size}), "
-                         f"got {tokens!r}")
+    if not isinstance(tokens, list) or not all(
+        isinstance(t, int) and 0 <= t < vocab_size for t in tokens
+    ):
+        raise ValueError(
+            f"tokens must be a list of token ids in [0, {vocab_size}), got {tokens!r}"
+        )
     return llm.tokenizer.decode(tokens)
 
 
 class Server(uvicorn.Server):
-    """uvicorn's server, which on SIGTERM or Ctrl-C first ends every stream with an error
-    event, so that no stream is cut off mid-way."""
+    """uvicorn's server, which on SIGTERM or Ctrl-C first ends every stream with an
+    error event, so that no stream is cut off mid-way."""
 
     def handle_exit(self, sig, frame) -> None:
         self.config.app.state.engine.fail_all("the server is shutting down")
@@ -299,19 +397,30 @@ class Server(uvicorn.Server):
 
 
 def serve(args: argparse.Namespace) -> None:
-    """Runs the server the command line (`server_args.py`) asked for, until SIGTERM or Ctrl-C."""
-    loras = [LoRARequest(name, i + 1, path, base)
-             for i, (name, path, base) in enumerate(args.lora_modules or [])]
+    """Runs the server the command line (`server_args.py`) asked for, until SIGTERM or
+    Ctrl-C."""
+    loras = [
+        LoRARequest(name, i + 1, path, base)
+        for i, (name, path, base) in enumerate(args.lora_modules or [])
+    ]
     try:
         llm = LLM(**dataclasses.asdict(EngineArgs.from_cli_args(args)))
         for lora in loras:
             llm.add_lora(lora)
-    except ValueError as error:  # a wrong option, model or adapter: one line, no traceback
+    except (
+        ValueError
+    ) as error:  # a wrong option, model or adapter: one line, no traceback
         sys.exit(f"nanopaged serve: error: {error}")
-    app = create_app(llm, args.served_model_name or args.model, args.max_waiting, args.router,
-                     loras)
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                            timeout_graceful_shutdown=3)
+    app = create_app(
+        llm, args.served_model_name or args.model, args.max_waiting, args.router, loras
+    )
+    config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        timeout_graceful_shutdown=3,
+    )
     Server(config).run()
 
 

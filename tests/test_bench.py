@@ -1,4 +1,6 @@
-"""bench.py runs end to end on CPU and its flags do what they say (no timing is asserted)."""
+"""bench.py runs end to end on CPU and its flags do what they say (no timing is
+asserted)."""
+
 import importlib
 import importlib.util
 import json
@@ -9,9 +11,9 @@ import sys
 
 import pytest
 
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)  # bench.py and benchmarks/ are importable by name, as bench.py runs them
+# bench.py and benchmarks/ are importable by name, as bench.py runs them
+sys.path.insert(0, ROOT)
 from benchmarks import floor, throughput, workload  # noqa: E402
 
 
@@ -21,9 +23,10 @@ def bench():
 
 
 def test_every_command_the_docs_quote_parses(bench):
-    """The `python bench.py ...` commands of the README and docs/, inline or in their blocks,
-    name flags bench.py has, with values it takes."""
+    """The `python bench.py ...` commands of the README and docs/, inline or in their
+    blocks, name flags bench.py has, with values it takes."""
     from test_readme import PAGES
+
     quoted = []
     for page in PAGES:
         with open(os.path.join(ROOT, page)) as f:
@@ -36,91 +39,158 @@ def test_every_command_the_docs_quote_parses(bench):
 
 
 def test_throughput_with_peers(bench, qwen3_path, tmp_path, capsys, monkeypatch):
-    """Each engine on the same workload, a row printed as soon as it finishes (before the next
-    engine starts); the JSON and the plot of the results."""
+    """Each engine on the same workload, a row printed as soon as it finishes (before
+    the next engine starts); the JSON and the plot of the results."""
     out, order = tmp_path / "bench.json", []
     run_engine = throughput.run_engine
 
     def recording(engine, *args):
         order.append((engine, capsys.readouterr().out))
         return run_engine(engine, *args)
+
     monkeypatch.setattr(throughput, "run_engine", recording)
-    result = bench.main(["--tiny", "--model", qwen3_path, "--no-progress", "--engines",
-                         "nanopaged,hf-static,nano-vllm", "--prefix-len", "16", "--out",
-                         str(out), "--plot", str(tmp_path / "bench.png")])
-    assert order[1][0] == "hf-static" and order[1][1].splitlines()[-1].startswith("nanopaged ")
+    result = bench.main(
+        [
+            "--tiny",
+            "--model",
+            qwen3_path,
+            "--no-progress",
+            "--engines",
+            "nanopaged,hf-static,nano-vllm",
+            "--prefix-len",
+            "16",
+            "--out",
+            str(out),
+            "--plot",
+            str(tmp_path / "bench.png"),
+        ]
+    )
+    assert order[1][0] == "hf-static" and order[1][1].splitlines()[-1].startswith(
+        "nanopaged "
+    )
     assert json.loads(out.read_text()) == json.loads(json.dumps(result))
     nano = result["engines"]["nanopaged"]
     assert nano["output_tokens"] == result["workload"]["output_tokens"]
     assert nano["prefix_hit_rate"] > 0 and nano["kv_blocks"] > 0
-    assert result["engines"]["hf-static"]["output_tokens"] == result["workload"]["output_tokens"]
     assert (
-        "elapsed" in result["engines"]["nano-vllm"] or "skipped" in result["engines"]["nano-vllm"]
+        result["engines"]["hf-static"]["output_tokens"]
+        == result["workload"]["output_tokens"]
+    )
+    assert (
+        "elapsed" in result["engines"]["nano-vllm"]
+        or "skipped" in result["engines"]["nano-vllm"]
     )
     assert result["floor"]["seconds"] > 0 and result["device"]["dtype"] == "float32"
     assert (tmp_path / "bench.png").stat().st_size > 0
 
 
 def test_a_mixture_of_experts_runs_with_its_own_floor(bench, model_path):
-    """`--model` a Qwen3-MoE checkpoint: nanopaged and transformers run it; the floor counts
-    the weights a token runs (its top_k experts), not all of them."""
+    """`--model` a Qwen3-MoE checkpoint: nanopaged and transformers run it; the floor
+    counts the weights a token runs (its top_k experts), not all of them."""
     path = model_path("qwen3-moe")
-    result = bench.main(["--tiny", "--model", path, "--no-progress", "--num-requests", "4",
-                         "--engines", "nanopaged,hf-static"])
+    result = bench.main(
+        [
+            "--tiny",
+            "--model",
+            path,
+            "--no-progress",
+            "--num-requests",
+            "4",
+            "--engines",
+            "nanopaged,hf-static",
+        ]
+    )
     for engine in ("nanopaged", "hf-static"):
-        assert result["engines"][engine]["output_tokens"] == result["workload"]["output_tokens"]
+        assert (
+            result["engines"][engine]["output_tokens"]
+            == result["workload"]["output_tokens"]
+        )
     c = json.load(open(f"{path}/config.json"))
-    attention = c["hidden_size"] * (2 * c["num_attention_heads"] + 2 * c["num_key_value_heads"]) \
+    attention = (
+        c["hidden_size"]
+        * (2 * c["num_attention_heads"] + 2 * c["num_key_value_heads"])
         * c["head_dim"]
+    )
     two_experts = 2 * 3 * c["hidden_size"] * c["moe_intermediate_size"]  # of 8
-    assert floor.model_shape(path)["active_params"] == \
-        c["num_hidden_layers"] * (attention + two_experts) + c["vocab_size"] * c["hidden_size"]
+    assert (
+        floor.model_shape(path)["active_params"]
+        == c["num_hidden_layers"] * (attention + two_experts)
+        + c["vocab_size"] * c["hidden_size"]
+    )
 
 
 def test_the_floor_counts_the_bytes_the_weights_are_kept_in():
-    """Quantized projections at their kept size where a GPU keeps them so (4-bit AWQ/GPTQ with
-    a scale and a zero point per group; FP8 per channel with dynamic activations in bfloat16),
-    dequantized otherwise; the LM head in the model's dtype always."""
+    """Quantized projections at their kept size where a GPU keeps them so (4-bit
+    AWQ/GPTQ with a scale and a zero point per group; FP8 per channel with dynamic
+    activations in bfloat16), dequantized otherwise; the LM head in the model's dtype
+    always."""
     shape = dict(active_params=1000 + 100, lm_head_params=100)
+
     def kept(quant, dtype_bytes=2, on_gpu=True):
         return floor.weight_bytes(dict(shape, quantization=quant), dtype_bytes, on_gpu)
+
     awq = {"quant_method": "awq", "group_size": 128}
     fp8 = {"quant_method": "fp8", "activation_scheme": "dynamic"}
     assert kept(None) == kept(awq, on_gpu=False) == kept(fp8, dtype_bytes=4) / 2 == 2200
     assert kept(awq) == 1000 * (0.5 + 3 / 128) + 200
     assert kept(fp8) == 1000 + 200
-    assert kept(dict(fp8, weight_block_size=[128, 128])) == kept(
-        dict(fp8, activation_scheme="static")) == 2200
-    channel = {"quant_method": "compressed-tensors", "config_groups": {"group_0": {
-        "weights": {"strategy": "channel"}, "input_activations": {"dynamic": True}}}}
+    assert (
+        kept(dict(fp8, weight_block_size=[128, 128]))
+        == kept(dict(fp8, activation_scheme="static"))
+        == 2200
+    )
+    channel = {
+        "quant_method": "compressed-tensors",
+        "config_groups": {
+            "group_0": {
+                "weights": {"strategy": "channel"},
+                "input_activations": {"dynamic": True},
+            }
+        },
+    }
     assert kept(channel) == 1200
 
 
 def test_the_floor_takes_the_machines_fastest_run(monkeypatch, tmp_path):
-    """A slow moment while measuring must not lower the rates (and lengthen the floor): the
-    fastest of the runs counts, where an engine's step times take their median."""
+    """A slow moment while measuring must not lower the rates (and lengthen the floor):
+    the fastest of the runs counts, where an engine's step times take their median."""
     import torch
+
     monkeypatch.setattr(floor, "RATES_FILE", str(tmp_path / "rates.json"))
     picks = []
+
     def recording(fn, repeat=10, pick=workload.statistics.median):
         picks.append(pick)
         return pick([0.004, 0.001, 0.002])
+
     monkeypatch.setattr(floor, "repeated_time", recording)
     device = floor.measure_device(torch.float32)
     assert picks and all(pick is min for pick in picks)
     assert device["bandwidth"] == 2 * (1 << 24) * 4 / 0.001
     times = iter([3.0, 1.0, 2.0])
     monkeypatch.setattr(workload, "timed", lambda fn: (next(times), None))
-    assert workload.repeated_time(lambda: None, repeat=3) == 2.0  # a step time: the median
+    # a step time: the median
+    assert workload.repeated_time(lambda: None, repeat=3) == 2.0
 
 
-def test_the_floor_keeps_the_fastest_rates_this_machine_has_shown(monkeypatch, tmp_path):
-    """A run measured in a slow spell gets the rates of an earlier, faster run here; a faster
-    run raises them; another machine (or dtype) keeps its own."""
+def test_the_floor_keeps_the_fastest_rates_this_machine_has_shown(
+    monkeypatch, tmp_path
+):
+    """A run measured in a slow spell gets the rates of an earlier, faster run here; a
+    faster run raises them; another machine (or dtype) keeps its own."""
     monkeypatch.setattr(floor, "RATES_FILE", str(tmp_path / "cache" / "rates.json"))
+
     def run(bandwidth, flops, name="CPU, 2 threads"):
-        return floor.fastest_seen(dict(device=name, gpu=False, dtype="float32",
-                                       bandwidth=bandwidth, flops=flops))
+        return floor.fastest_seen(
+            dict(
+                device=name,
+                gpu=False,
+                dtype="float32",
+                bandwidth=bandwidth,
+                flops=flops,
+            )
+        )
+
     assert run(20e9, 0.12e12)["flops"] == 0.12e12
     slow = run(15e9, 0.07e12)
     assert (slow["bandwidth"], slow["flops"]) == (20e9, 0.12e12)
@@ -135,10 +205,16 @@ def test_the_floor_reads_an_fp8_kv_cache_at_a_byte_an_element(bench):
     """`--kv-cache-dtype fp8`: nanopaged's K/V at one byte, a quarter of float32's."""
     args = bench.parse_args(["--tiny", "--kv-cache-dtype", "fp8"])
     work = workload.make_workload(args, 512)
-    shape = dict(active_params=1100, lm_head_params=100, kv_elements_per_token=64,
-                 attention_flops_per_pair=0)
+    shape = dict(
+        active_params=1100,
+        lm_head_params=100,
+        kv_elements_per_token=64,
+        attention_flops_per_pair=0,
+    )
     device = dict(gpu=False, bandwidth=1e9, flops=1e12)
-    fp8, fp32 = (floor.physical_floor(shape, work, device, 4, kv)["kv_bytes"] for kv in (1, 4))
+    fp8, fp32 = (
+        floor.physical_floor(shape, work, device, 4, kv)["kv_bytes"] for kv in (1, 4)
+    )
     assert fp32 == 4 * fp8 > 0
 
 
@@ -146,15 +222,22 @@ def test_a_preset_sets_defaults_and_flags_win(bench):
     args = bench.parse_args(["--tiny", "--num-requests", "3", "--prompt-len", "5", "6"])
     assert (args.num_requests, args.prompt_len, args.output_len) == (3, [5, 6], [8, 32])
     args = bench.parse_args(["--cpu", "--output-len", "1", "2"])
-    assert (args.num_requests, args.prompt_len, args.output_len) == (48, [64, 512], [1, 2])
+    assert (args.num_requests, args.prompt_len, args.output_len) == (
+        48,
+        [64, 512],
+        [1, 2],
+    )
     assert args.engines == "nanopaged,hf-static,hf" and args.preset == "cpu"
     assert bench.parse_args([]).num_requests == 256
 
 
 def test_plot_without_matplotlib_says_how_to_get_it(bench, monkeypatch, capsys):
     find_spec = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: None if name == "matplotlib" else find_spec(name, *a))
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "matplotlib" else find_spec(name, *a),
+    )
     with pytest.raises(SystemExit):
         bench.parse_args(["--tiny", "--plot", "x.png"])
     assert 'pip install -e ".[bench]"' in capsys.readouterr().err
@@ -162,44 +245,90 @@ def test_plot_without_matplotlib_says_how_to_get_it(bench, monkeypatch, capsys):
 
 def test_a_time_under_the_floor_is_never_a_share_above_100_percent(bench):
     assert floor.share_of_floor(1.0, 2.0) == "50% of the floor"
-    assert floor.share_of_floor(2.0, 1.0) == "under the floor: the floor model is wrong here"
+    assert (
+        floor.share_of_floor(2.0, 1.0)
+        == "under the floor: the floor model is wrong here"
+    )
     # a floor too small to mean anything is not shown: no "0% of the floor"
     assert floor.share_of_floor(0.001, 2.0) == floor.share_of_floor(0.5, 100.0) == ""
 
 
 def test_rows_come_as_engines_finish_and_the_missing_are_listed_last(qwen3_path):
-    """Run as a person runs it: each engine's row is printed when it is done, before the next
-    engine starts; an engine that is not installed is one line at the end; no floor of 0."""
+    """Run as a person runs it: each engine's row is printed when it is done, before the
+    next engine starts; an engine that is not installed is one line at the end; no floor
+    of 0."""
     import subprocess
+
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     result = subprocess.run(
-        [sys.executable, "bench.py", "--tiny", "--model", qwen3_path, "--no-progress",
-         "--engines", "nanopaged,vllm,hf-static"], cwd=root, capture_output=True, text=True,
-        timeout=600, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+        [
+            sys.executable,
+            "bench.py",
+            "--tiny",
+            "--model",
+            qwen3_path,
+            "--no-progress",
+            "--engines",
+            "nanopaged,vllm,hf-static",
+        ],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=dict(os.environ, PYTHONUNBUFFERED="1"),
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     lines = result.stdout.splitlines()
-    rows = [line.split()[0] for line in lines
-            if len(line.split()) > 2 and line.split()[1].replace(".", "").isdigit()]
+    rows = [
+        line.split()[0]
+        for line in lines
+        if len(line.split()) > 2 and line.split()[1].replace(".", "").isdigit()
+    ]
     assert rows == ["nanopaged", "hf-static"]  # vllm has no row of its own
     assert lines[-1] == "not run: vllm: vllm is not importable"
     assert "0.00 s" not in result.stdout and " 0% of the floor" not in result.stdout
 
 
 def test_step_times(bench, qwen3_path, tmp_path):
-    result = bench.main(["--tiny", "--model", qwen3_path, "--steps", "--backends", "torch",
-                         "--plot", str(tmp_path / "steps.png")])
+    result = bench.main(
+        [
+            "--tiny",
+            "--model",
+            qwen3_path,
+            "--steps",
+            "--backends",
+            "torch",
+            "--plot",
+            str(tmp_path / "steps.png"),
+        ]
+    )
     kinds = [row["kind"] for row in result["steps"]]
     assert kinds == ["decode b=1", "decode b=4", "prefill 128 tok"]
-    # each row measured the step it names: b sequences decoding, or 2 prompts of 64 tokens
+    # each row measured the step it names: b sequences decoding, or 2 prompts of 64
+    # tokens
     assert [row["tokens"] for row in result["steps"]] == [1, 4, 128]
     assert (tmp_path / "steps.png").stat().st_size > 0
 
 
 def test_step_times_fit_a_cpu_pool_at_a_larger_batch(bench, qwen3_path):
-    """32 sequences of 300 tokens fit the CPU pool it sizes: the timed step decodes all 32,
-    the prefill step runs 3 prompts of 300 tokens, each timing is of that step."""
-    result = bench.main(["--tiny", "--model", qwen3_path, "--steps", "--backends", "cpu",
-                         "--batch-sizes", "32", "--context", "300", "--prefill-seqs", "3"])
+    """32 sequences of 300 tokens fit the CPU pool it sizes: the timed step decodes all
+    32, the prefill step runs 3 prompts of 300 tokens, each timing is of that step."""
+    result = bench.main(
+        [
+            "--tiny",
+            "--model",
+            qwen3_path,
+            "--steps",
+            "--backends",
+            "cpu",
+            "--batch-sizes",
+            "32",
+            "--context",
+            "300",
+            "--prefill-seqs",
+            "3",
+        ]
+    )
     decode, prefill = result["steps"]
     assert (decode["backend"], decode["tokens"], prefill["tokens"]) == ("cpu", 32, 900)
     assert prefill["tok_per_s"] == pytest.approx(900 / (prefill["ms"] / 1e3))
@@ -209,15 +338,29 @@ def test_step_times_fit_a_cpu_pool_at_a_larger_batch(bench, qwen3_path):
 def test_host_times(bench, qwen3_path):
     result = bench.main(["--tiny", "--model", qwen3_path, "--host"])
     kinds = [row["kind"] for row in result["host"]]
-    assert kinds == ["decode b=1 block=16", "decode b=1 block=256",
-                     "decode b=4 block=16", "decode b=4 block=256"]
+    assert kinds == [
+        "decode b=1 block=16",
+        "decode b=1 block=256",
+        "decode b=4 block=16",
+        "decode b=4 block=256",
+    ]
     # every timed step was the engine's own step, giving each sequence its next token
     assert [row["tokens_per_step"] for row in result["host"]] == [1, 1, 4, 4]
 
 
 def test_lora_off_on_and_with_adapters(bench, qwen3_path):
-    result = bench.main(["--tiny", "--model", qwen3_path, "--lora", "2", "--lora-rank", "4",
-                         "--no-progress"])
+    result = bench.main(
+        [
+            "--tiny",
+            "--model",
+            qwen3_path,
+            "--lora",
+            "2",
+            "--lora-rank",
+            "4",
+            "--no-progress",
+        ]
+    )
     rows = result["lora"]
     assert [r["lora"] for r in rows] == ["off", "on, base model", "2 adapters"]
     assert [r["loras"] for r in rows] == [None, [], [1, 2]]  # the adapters did run
@@ -225,15 +368,33 @@ def test_lora_off_on_and_with_adapters(bench, qwen3_path):
 
 
 def test_serving_compares_both_policies(bench, qwen3_path, tmp_path):
-    result = bench.main(["--tiny", "--model", qwen3_path, "--serve", "--num-requests", "6",
-                         "--request-rate", "8", "--long-prompt", "300",
-                         "--max-num-batched-tokens", "64", "--plot", str(tmp_path / "serve.png")])
+    result = bench.main(
+        [
+            "--tiny",
+            "--model",
+            qwen3_path,
+            "--serve",
+            "--num-requests",
+            "6",
+            "--request-rate",
+            "8",
+            "--long-prompt",
+            "300",
+            "--max-num-batched-tokens",
+            "64",
+            "--plot",
+            str(tmp_path / "serve.png"),
+        ]
+    )
     assert list(result["serving"]) == ["nanopaged prefill-first", "nanopaged mixed"]
     for rates in result["serving"].values():
         run = rates[8.0]
         # the long prompt's one token is not counted with the workload's
-        assert run["output_tokens"] == sum(workload.make_workload(bench.parse_args(
-            ["--tiny", "--num-requests", "6"]), 512).output_lens)
+        assert run["output_tokens"] == sum(
+            workload.make_workload(
+                bench.parse_args(["--tiny", "--num-requests", "6"]), 512
+            ).output_lens
+        )
         assert 0 < run["ttft_50_ms"] <= run["ttft_99_ms"]
         assert 0 < run["itl_50_ms"] <= run["itl_99_ms"] <= run["itl_max_ms"]
         assert run["long_prompt_ttft_ms"] > 0

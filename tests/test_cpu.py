@@ -1,6 +1,7 @@
-"""The CPU backend (nanopaged/cpu.py, its C kernels in cpu_kernels.c) against the plain-PyTorch
-reference: its attention, fused element-wise functions and sampling, its packed linear layers,
-how the kernels are built, and the process settings it makes."""
+"""The CPU backend (nanopaged/cpu.py, its C kernels in cpu_kernels.c) against the
+plain-PyTorch reference: its attention, fused element-wise functions and sampling, its
+packed linear layers, how the kernels are built, and the process settings it makes."""
+
 import math
 import mmap
 import os
@@ -8,13 +9,17 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
-
-from nanopaged import LLM, SamplingParams
-from nanopaged import cpu, cpu_kernels
-from nanopaged.core.attention import BACKENDS, decode_torch, prefill_torch, store_kvcache_torch
-from nanopaged.core import layers, sampler
-from nanopaged.core.layers import LinearMethod
 from conftest import HEAD_DIM, metadata, paged_cache, random_prompts, relative_error
+
+from nanopaged import LLM, SamplingParams, cpu, cpu_kernels
+from nanopaged.core import layers, sampler
+from nanopaged.core.attention import (
+    BACKENDS,
+    decode_torch,
+    prefill_torch,
+    store_kvcache_torch,
+)
+from nanopaged.core.layers import LinearMethod
 
 CONTEXT_LENS = [1, 17, 300, 64, 129, 130, 31]
 KV_DTYPES = [torch.float32, torch.bfloat16, torch.float8_e4m3fn]
@@ -27,7 +32,8 @@ def no_library(monkeypatch):
 
 
 def test_the_kernels_build_here():
-    """CI has a C compiler: every kernel test below runs the C code, not the fallback."""
+    """CI has a C compiler: every kernel test below runs the C code, not the
+    fallback."""
     assert cpu_kernels.library() is not None
 
 
@@ -35,26 +41,36 @@ def test_the_kernels_build_here():
 @pytest.mark.parametrize("block_size", [16, 8])
 @pytest.mark.parametrize("num_heads, num_kv_heads", [(4, 4), (4, 2), (8, 1)])
 @pytest.mark.parametrize("window", [None, 5, 100])
-def test_decode_matches_the_reference(kv_dtype, block_size, num_heads, num_kv_heads, window):
-    k_cache, v_cache, tables = paged_cache(block_size, CONTEXT_LENS, num_kv_heads, seed=block_size)
+def test_decode_matches_the_reference(
+    kv_dtype, block_size, num_heads, num_kv_heads, window
+):
+    k_cache, v_cache, tables = paged_cache(
+        block_size, CONTEXT_LENS, num_kv_heads, seed=block_size
+    )
     k_cache, v_cache = k_cache.to(kv_dtype), v_cache.to(kv_dtype)
     q = torch.randn(len(CONTEXT_LENS), num_heads, HEAD_DIM)
     meta = metadata(CONTEXT_LENS, tables)
-    out = cpu_kernels.paged_attention(q, k_cache, v_cache, tables, meta.context_lens, None, 0.25,
-                                      window)
-    assert relative_error(out, decode_torch(q, k_cache, v_cache, meta, 0.25, window)) < 1e-6
+    out = cpu_kernels.paged_attention(
+        q, k_cache, v_cache, tables, meta.context_lens, None, 0.25, window
+    )
+    assert (
+        relative_error(out, decode_torch(q, k_cache, v_cache, meta, 0.25, window))
+        < 1e-6
+    )
     assert torch.equal(cpu.decode(q, k_cache, v_cache, meta, 0.25, window), out)
 
 
-@pytest.mark.parametrize("head_dim", [64, 128, 24])  # the kernel's two unrolled sizes, another
+# the kernel's two unrolled sizes, another
+@pytest.mark.parametrize("head_dim", [64, 128, 24])
 def test_decode_matches_the_reference_at_each_head_size(head_dim):
     _, _, tables = paged_cache(16, CONTEXT_LENS, 2, seed=head_dim)
     k_cache, v_cache = torch.randn(2, int(tables.max()) + 1, 16, 2, head_dim).unbind(0)
     q = torch.randn(len(CONTEXT_LENS), 4, head_dim)
     meta = metadata(CONTEXT_LENS, tables)
-    out = cpu_kernels.paged_attention(q, k_cache, v_cache, tables, meta.context_lens, None,
-                                      head_dim ** -0.5, 50)
-    expected = decode_torch(q, k_cache, v_cache, meta, head_dim ** -0.5, 50)
+    out = cpu_kernels.paged_attention(
+        q, k_cache, v_cache, tables, meta.context_lens, None, head_dim**-0.5, 50
+    )
+    expected = decode_torch(q, k_cache, v_cache, meta, head_dim**-0.5, 50)
     assert relative_error(out, expected) < 1e-6
 
 
@@ -69,34 +85,47 @@ def test_bfloat16_queries_come_back_in_bfloat16():
 
 
 def test_shapes_over_the_kernels_limits_take_the_reference(monkeypatch):
-    """65 query heads (the C file's MAX_HEADS is 64): the kernel declines, decode still answers."""
+    """65 query heads (the C file's MAX_HEADS is 64): the kernel declines, decode still
+    answers."""
     k_cache, v_cache, tables = paged_cache(16, [20, 3], 1, seed=6)
     q = torch.randn(2, 65, HEAD_DIM)
     meta = metadata([20, 3], tables)
-    assert cpu_kernels.paged_attention(q, k_cache, v_cache, tables, meta.context_lens, None,
-                                       0.25, None) is None
-    assert torch.equal(cpu.decode(q, k_cache, v_cache, meta, 0.25),
-                       decode_torch(q, k_cache, v_cache, meta, 0.25))
+    assert (
+        cpu_kernels.paged_attention(
+            q, k_cache, v_cache, tables, meta.context_lens, None, 0.25, None
+        )
+        is None
+    )
+    assert torch.equal(
+        cpu.decode(q, k_cache, v_cache, meta, 0.25),
+        decode_torch(q, k_cache, v_cache, meta, 0.25),
+    )
 
 
 def test_without_a_compiler_decode_is_the_reference(no_library):
     k_cache, v_cache, tables = paged_cache(16, CONTEXT_LENS, 2, seed=2)
     meta = metadata(CONTEXT_LENS, tables)
     q = torch.randn(len(CONTEXT_LENS), 4, HEAD_DIM)
-    assert torch.equal(cpu.decode(q, k_cache, v_cache, meta, 0.25),
-                       decode_torch(q, k_cache, v_cache, meta, 0.25))
+    assert torch.equal(
+        cpu.decode(q, k_cache, v_cache, meta, 0.25),
+        decode_torch(q, k_cache, v_cache, meta, 0.25),
+    )
 
 
 # (new query tokens, whole context): fresh prompts, prefix hits, a chunk, one token
-PREFILLS = {"many": [(40, 40), (7, 39), (33, 290), (1, 18), (16, 16)],
-            "few": [(16, 16), (7, 39), (3, 290), (1, 18), (16, 100)]}
+PREFILLS = {
+    "many": [(40, 40), (7, 39), (33, 290), (1, 18), (16, 16)],
+    "few": [(16, 16), (7, 39), (3, 290), (1, 18), (16, 100)],
+}
 
 
 @pytest.mark.parametrize("queries", ["many", "few"])
 @pytest.mark.parametrize("window", [None, 3, 32])
-def test_prefill_matches_the_reference_with_cached_prefixes(queries, window, monkeypatch):
-    """At most KERNEL_QUERIES a sequence: the C kernel a query at a time (which `few` must
-    reach); more: in tiles of matrix products."""
+def test_prefill_matches_the_reference_with_cached_prefixes(
+    queries, window, monkeypatch
+):
+    """At most KERNEL_QUERIES a sequence: the C kernel a query at a time (which `few`
+    must reach); more: in tiles of matrix products."""
     shapes = PREFILLS[queries]
     context_lens = [c for _, c in shapes]
     k_cache, v_cache, tables = paged_cache(16, context_lens, 2, seed=7)
@@ -106,10 +135,16 @@ def test_prefill_matches_the_reference_with_cached_prefixes(queries, window, mon
     meta = metadata(context_lens, tables, cu_seqlens_q=cu, max_seqlen_q=max(q_lens))
     tiled = []
     kernel = cpu_kernels.paged_attention
-    monkeypatch.setattr(cpu_kernels, "paged_attention",
-                        lambda *a, **k: tiled.append(k["tiled"]) or kernel(*a, **k))
+    monkeypatch.setattr(
+        cpu_kernels,
+        "paged_attention",
+        lambda *a, **k: tiled.append(k["tiled"]) or kernel(*a, **k),
+    )
     out = cpu.prefill(q, k_cache, v_cache, meta, 0.25, window)
-    assert relative_error(out, prefill_torch(q, k_cache, v_cache, meta, 0.25, window)) < 1e-6
+    assert (
+        relative_error(out, prefill_torch(q, k_cache, v_cache, meta, 0.25, window))
+        < 1e-6
+    )
     assert tiled == [max(q_lens) > cpu.KERNEL_QUERIES] == [queries == "many"]
 
 
@@ -117,24 +152,33 @@ def test_prefill_matches_the_reference_with_cached_prefixes(queries, window, mon
 @pytest.mark.parametrize("block_size", [16, 8])
 @pytest.mark.parametrize("num_heads, num_kv_heads", [(4, 4), (4, 2), (8, 1), (2, 1)])
 @pytest.mark.parametrize("window", [None, 5, 100])
-def test_tiled_prefill_matches_the_reference(kv_dtype, block_size, num_heads, num_kv_heads,
-                                             window):
-    """Tiles of 16 (token, head) rows: a sequence's last tile part empty, tiles across tokens,
-    blocks part masked (causal, window) or not at all, prompts with a cached prefix."""
+def test_tiled_prefill_matches_the_reference(
+    kv_dtype, block_size, num_heads, num_kv_heads, window
+):
+    """Tiles of 16 (token, head) rows: a sequence's last tile part empty, tiles across
+    tokens, blocks part masked (causal, window) or not at all, prompts with a cached
+    prefix."""
     shapes = [(40, 40), (7, 39), (33, 290), (1, 18), (17, 17), (130, 200)]
     context_lens = [c for _, c in shapes]
-    k_cache, v_cache, tables = paged_cache(block_size, context_lens, num_kv_heads, seed=3)
+    k_cache, v_cache, tables = paged_cache(
+        block_size, context_lens, num_kv_heads, seed=3
+    )
     k_cache, v_cache = k_cache.to(kv_dtype), v_cache.to(kv_dtype)
     q_lens = [n for n, _ in shapes]
     cu = torch.tensor([0] + q_lens).cumsum(0).to(torch.int32)
     q = torch.randn(sum(q_lens), num_heads, HEAD_DIM)
     meta = metadata(context_lens, tables, cu_seqlens_q=cu, max_seqlen_q=max(q_lens))
-    out = cpu_kernels.paged_attention(q, k_cache, v_cache, tables, meta.context_lens, cu, 0.25,
-                                      window, tiled=True)
-    assert relative_error(out, prefill_torch(q, k_cache, v_cache, meta, 0.25, window)) < 1e-6
+    out = cpu_kernels.paged_attention(
+        q, k_cache, v_cache, tables, meta.context_lens, cu, 0.25, window, tiled=True
+    )
+    assert (
+        relative_error(out, prefill_torch(q, k_cache, v_cache, meta, 0.25, window))
+        < 1e-6
+    )
 
 
-@pytest.mark.parametrize("head_dim", [64, 128, 24])  # 24: not whole panels of 16, the reference
+# 24: not whole panels of 16, the reference
+@pytest.mark.parametrize("head_dim", [64, 128, 24])
 def test_tiled_prefill_at_each_head_size(head_dim):
     shapes = [(40, 40), (33, 290)]
     _, _, tables = paged_cache(16, [c for _, c in shapes], 2, seed=head_dim)
@@ -142,12 +186,25 @@ def test_tiled_prefill_at_each_head_size(head_dim):
     cu = torch.tensor([0, 40, 73], dtype=torch.int32)
     q = torch.randn(73, 4, head_dim)
     meta = metadata([40, 290], tables, cu_seqlens_q=cu, max_seqlen_q=40)
-    expected = prefill_torch(q, k_cache, v_cache, meta, head_dim ** -0.5, 50)
-    out = cpu_kernels.paged_attention(q, k_cache, v_cache, tables, meta.context_lens, cu,
-                                      head_dim ** -0.5, 50, tiled=True)
+    expected = prefill_torch(q, k_cache, v_cache, meta, head_dim**-0.5, 50)
+    out = cpu_kernels.paged_attention(
+        q,
+        k_cache,
+        v_cache,
+        tables,
+        meta.context_lens,
+        cu,
+        head_dim**-0.5,
+        50,
+        tiled=True,
+    )
     assert (out is None) == (head_dim % 16 != 0)
-    assert relative_error(cpu.prefill(q, k_cache, v_cache, meta, head_dim ** -0.5, 50),
-                          expected) < 1e-6
+    assert (
+        relative_error(
+            cpu.prefill(q, k_cache, v_cache, meta, head_dim**-0.5, 50), expected
+        )
+        < 1e-6
+    )
 
 
 def test_fused_kernels_match_the_functions_they_replace():
@@ -155,23 +212,32 @@ def test_fused_kernels_match_the_functions_they_replace():
     x, residual = torch.randn(2, 7, 96, generator=g), torch.randn(2, 7, 96, generator=g)
     weight = torch.rand(96, generator=g) + 0.5
     qkv = torch.randn(7, 8 * 16, generator=g) * 3
-    q, k = qkv[:, :64].view(7, 4, 16), qkv[:, 64:96].view(7, 2, 16)  # views, as in the model
+    # views, as in the model
+    q, k = qkv[:, :64].view(7, 4, 16), qkv[:, 64:96].view(7, 2, 16)
     positions, cos_sin = torch.tensor([0, 5, 9, 100, 3, 3, 511]), torch.randn(512, 16)
     gate_up = torch.linspace(-120, 120, 7 * 2 * 40).view(7, 80)  # far into exp's tails
-    cases = [(cpu_kernels.rms_norm, layers.rms_norm, (x, weight, 1e-6)),
-             (cpu_kernels.rms_norm, layers.rms_norm, (q, weight[:16], 1e-6)),
-             (cpu_kernels.add_rms_norm, layers.add_rms_norm, (x, residual, weight, 1e-6)),
-             (cpu_kernels.apply_rotary, layers.apply_rotary, (q, k, positions, cos_sin)),
-             (cpu_kernels.silu_and_mul, layers.silu_and_mul, (gate_up,))]
+    cases = [
+        (cpu_kernels.rms_norm, layers.rms_norm, (x, weight, 1e-6)),
+        (cpu_kernels.rms_norm, layers.rms_norm, (q, weight[:16], 1e-6)),
+        (cpu_kernels.add_rms_norm, layers.add_rms_norm, (x, residual, weight, 1e-6)),
+        (cpu_kernels.apply_rotary, layers.apply_rotary, (q, k, positions, cos_sin)),
+        (cpu_kernels.silu_and_mul, layers.silu_and_mul, (gate_up,)),
+    ]
     for kernel, function, args in cases:
         got, expected = kernel(*args), function(*args)
-        for a, b in zip(*(v if isinstance(v, tuple) else (v,) for v in (got, expected))):
+        for a, b in zip(
+            *(v if isinstance(v, tuple) else (v,) for v in (got, expected))
+        ):
             assert a.shape == b.shape and relative_error(a, b) < 1e-6, function.__name__
     for kernel, function, args in cases:  # other dtypes: the function as written
-        args = tuple(a.bfloat16() if torch.is_tensor(a) and a.is_floating_point() else a
-                     for a in args)
+        args = tuple(
+            a.bfloat16() if torch.is_tensor(a) and a.is_floating_point() else a
+            for a in args
+        )
         got, expected = kernel(*args), function(*args)
-        for a, b in zip(*(v if isinstance(v, tuple) else (v,) for v in (got, expected))):
+        for a, b in zip(
+            *(v if isinstance(v, tuple) else (v,) for v in (got, expected))
+        ):
             assert torch.equal(a, b)
 
 
@@ -180,9 +246,13 @@ ELEMENTWISE = ("rms_norm", "add_rms_norm", "rotary", "silu_and_mul")
 
 def test_a_model_built_for_the_backend_runs_its_kernels():
     kernels = BACKENDS["cpu"].kernels()
-    assert {name: getattr(kernels, name) for name in ELEMENTWISE} == cpu_kernels.ELEMENTWISE
+    assert {
+        name: getattr(kernels, name) for name in ELEMENTWISE
+    } == cpu_kernels.ELEMENTWISE
     norm = layers.RMSNorm(8, 1e-6, kernels)
-    assert norm.norm is cpu_kernels.rms_norm and norm.add_norm is cpu_kernels.add_rms_norm
+    assert (
+        norm.norm is cpu_kernels.rms_norm and norm.add_norm is cpu_kernels.add_rms_norm
+    )
 
 
 def test_without_a_compiler_the_backend_keeps_the_cores_functions(no_library):
@@ -190,10 +260,12 @@ def test_without_a_compiler_the_backend_keeps_the_cores_functions(no_library):
     assert all(getattr(kernels, name) is getattr(plain, name) for name in ELEMENTWISE)
 
 
-def test_a_torch_engine_beside_a_cpu_engine_runs_no_c_kernel(qwen3_path, hf_greedy,
-                                                               monkeypatch):
-    """The kernels belong to the engine's backend, not to the process: once a cpu-backend
-    engine has loaded them, a "torch" engine in the same process still runs PyTorch's code."""
+def test_a_torch_engine_beside_a_cpu_engine_runs_no_c_kernel(
+    qwen3_path, hf_greedy, monkeypatch
+):
+    """The kernels belong to the engine's backend, not to the process: once a
+    cpu-backend engine has loaded them, a "torch" engine in the same process still runs
+    PyTorch's code."""
     prompt = [5, 6, 7, 8]
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     LLM(qwen3_path, attention_backend="cpu").generate([prompt], params, use_tqdm=False)
@@ -202,12 +274,15 @@ def test_a_torch_engine_beside_a_cpu_engine_runs_no_c_kernel(qwen3_path, hf_gree
     class Refusing:
         def __getattr__(self, name):
             raise AssertionError(f"the torch backend called the C kernel {name}")
+
     monkeypatch.setattr(cpu_kernels, "library", lambda: Refusing())
     [output] = torch_engine.generate([prompt], params, use_tqdm=False)
     assert output.outputs[0].token_ids == hf_greedy(qwen3_path, [prompt], 6)[0]
 
 
-def test_a_cache_folder_that_cannot_be_written_means_no_kernels(monkeypatch, tmp_path, caplog):
+def test_a_cache_folder_that_cannot_be_written_means_no_kernels(
+    monkeypatch, tmp_path, caplog
+):
     blocked = tmp_path / "a file, not a folder"
     blocked.write_text("")
     monkeypatch.setattr(cpu_kernels, "CACHE_DIR", str(blocked / "nanopaged"))
@@ -219,7 +294,9 @@ def test_a_cache_folder_that_cannot_be_written_means_no_kernels(monkeypatch, tmp
         cpu_kernels.library.cache_clear()
 
 
-def test_the_library_is_built_once_per_compiler_and_reused(monkeypatch, tmp_path, caplog):
+def test_the_library_is_built_once_per_compiler_and_reused(
+    monkeypatch, tmp_path, caplog
+):
     monkeypatch.setattr(cpu_kernels, "CACHE_DIR", str(tmp_path))
     cpu_kernels.library.cache_clear()
     try:
@@ -227,12 +304,15 @@ def test_the_library_is_built_once_per_compiler_and_reused(monkeypatch, tmp_path
         built = list(tmp_path.iterdir())
         assert len(built) == 1 and built[0].name.startswith("cpu_kernels-")
         cpu_kernels.library.cache_clear()
-        monkeypatch.setattr(cpu_kernels, "_compile", lambda *args: pytest.fail("built again"))
+        monkeypatch.setattr(
+            cpu_kernels, "_compile", lambda *args: pytest.fail("built again")
+        )
         assert cpu_kernels.library() is not None
         cpu_kernels.library.cache_clear()
         monkeypatch.undo()
         monkeypatch.setattr(cpu_kernels, "CACHE_DIR", str(tmp_path))
-        monkeypatch.setenv("CC", "false")  # another compiler (one that fails): another key
+        # another compiler (one that fails): another key
+        monkeypatch.setenv("CC", "false")
         assert cpu_kernels.library() is None
         assert "C kernels could not be built" in caplog.text
         assert list(tmp_path.iterdir()) == built  # nothing half-written left behind
@@ -247,15 +327,19 @@ def test_store_writes_each_token_to_its_slot(kv_dtype, tokens):
     k_cache, v_cache, _ = paged_cache(16, [700], 2, seed=3)
     k_cache, v_cache = k_cache.to(kv_dtype), v_cache.to(kv_dtype)
     qkv = torch.randn(tokens, 8 * HEAD_DIM)
-    k, v = (qkv[:, i * 2 * HEAD_DIM:(i + 1) * 2 * HEAD_DIM].view(tokens, 2, HEAD_DIM)
-            for i in (2, 3))
+    k, v = (
+        qkv[:, i * 2 * HEAD_DIM : (i + 1) * 2 * HEAD_DIM].view(tokens, 2, HEAD_DIM)
+        for i in (2, 3)
+    )
     slots = torch.randperm(700)[:tokens]
     expected_k, expected_v = k_cache.clone(), v_cache.clone()
     store_kvcache_torch(k, v, expected_k, expected_v, slots)
     cpu.store_kvcache(k, v, k_cache, v_cache, slots)
     assert torch.equal(k_cache.float(), expected_k.float())
     assert torch.equal(v_cache.float(), expected_v.float())
-    assert cpu_kernels.store_kv(k, v, k_cache, v_cache, slots) == (kv_dtype == torch.float32)
+    assert cpu_kernels.store_kv(k, v, k_cache, v_cache, slots) == (
+        kv_dtype == torch.float32
+    )
 
 
 def test_the_store_kernel_skips_slots_below_zero():
@@ -271,9 +355,12 @@ def test_the_store_kernel_skips_slots_below_zero():
         assert torch.equal(rows[untouched], rows_before[untouched])
 
 
-@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch without oneDNN")
+@pytest.mark.skipif(
+    not torch.backends.mkldnn.is_available(), reason="torch without oneDNN"
+)
 def test_a_packed_linear_multiplies_as_f_linear_and_frees_the_projections_weight():
     from nanopaged.core.layers import ParallelLMHead, RowParallelLinear
+
     projection = RowParallelLinear(64, 48, True, cpu.PackedLinear())
     head = ParallelLMHead(500, 64, cpu.PackedLinear())
     for layer in (projection, head):
@@ -283,21 +370,26 @@ def test_a_packed_linear_multiplies_as_f_linear_and_frees_the_projections_weight
     for layer in (projection, head):
         layer.method = layer.method.process_weights(layer)
     x = torch.randn(3, 7, 64)
-    assert torch.allclose(projection(x), F.linear(x, weights[0], projection.bias), atol=1e-5)
+    assert torch.allclose(
+        projection(x), F.linear(x, weights[0], projection.bias), atol=1e-5
+    )
     assert torch.allclose(head(x), F.linear(x, weights[1]), atol=1e-5)
     assert projection.weight is None and head.weight is not None  # the embedding's too
 
 
-# tiles of at most 6 rows, as even as can be (27: 6 6 5 5 5); 1 to 3 rows keep more sums a row;
-# 2000 rows of 40: x in 2 blocks of 1000 (the kernel's blocks are 256 KB of x)
+# tiles of at most 6 rows, as even as can be (27: 6 6 5 5 5); 1 to 3 rows keep more sums
+# a row; 2000 rows of 40: x in 2 blocks of 1000 (the kernel's blocks are 256 KB of x)
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 6, 7, 13, 27, 40, 2000])
 def test_the_panel_matmul_is_f_linear(rows):
     g = torch.Generator().manual_seed(rows)
     weight, bias = torch.randn(48, 40, generator=g), torch.randn(48, generator=g)
     panels = cpu_kernels.pack_panels(weight)
     x = torch.randn(2, rows, 80, generator=g)[..., ::2]  # 3-D, its rows not contiguous
-    assert relative_error(cpu_kernels.panel_matmul(x, panels), F.linear(x, weight)) < 1e-6
+    assert (
+        relative_error(cpu_kernels.panel_matmul(x, panels), F.linear(x, weight)) < 1e-6
+    )
     from nanopaged.core.layers import ColumnParallelLinear
+
     layer = ColumnParallelLinear(40, 48, True, cpu.PackedLinear())
     layer.weight.data.copy_(weight)
     layer.bias.data.copy_(bias)
@@ -307,7 +399,8 @@ def test_the_panel_matmul_is_f_linear(rows):
 
 
 def vm_flags(address: int) -> set[str]:
-    """Linux's flags for the mapping that holds `address` (its VmFlags in /proc/self/smaps)."""
+    """Linux's flags for the mapping that holds `address` (its VmFlags in
+    /proc/self/smaps)."""
     inside = False
     with open("/proc/self/smaps") as f:
         for line in f:
@@ -320,19 +413,26 @@ def vm_flags(address: int) -> set[str]:
     return set()
 
 
-@pytest.mark.skipif(not os.path.exists("/proc/self/smaps") or not hasattr(mmap, "MADV_HUGEPAGE"),
-                    reason="Linux's transparent huge pages")
+@pytest.mark.skipif(
+    not os.path.exists("/proc/self/smaps") or not hasattr(mmap, "MADV_HUGEPAGE"),
+    reason="Linux's transparent huge pages",
+)
 def test_the_kv_cache_and_the_panels_ask_for_huge_pages_and_start_zeroed(qwen3_path):
     runner = LLM(qwen3_path).engine.runner
     assert "hg" in vm_flags(runner.kv_cache.data_ptr())  # hg: madvise(MADV_HUGEPAGE)
     assert not runner.kv_cache.any()
-    assert "hg" in vm_flags(runner.model.model.layers[0].mlp.down_proj.panels.data_ptr())
+    assert "hg" in vm_flags(
+        runner.model.model.layers[0].mlp.down_proj.panels.data_ptr()
+    )
     reference = LLM(qwen3_path, attention_backend="torch").engine.runner
-    assert "hg" not in vm_flags(reference.kv_cache.data_ptr())  # torch.zeros: the core's own
+    # torch.zeros: the core's own
+    assert "hg" not in vm_flags(reference.kv_cache.data_ptr())
 
 
 @pytest.mark.parametrize("dtype", KV_DTYPES)
-def test_huge_zeros_are_zeros_also_where_huge_pages_are_missing_or_refused(dtype, monkeypatch):
+def test_huge_zeros_are_zeros_also_where_huge_pages_are_missing_or_refused(
+    dtype, monkeypatch
+):
     class Refusing(mmap.mmap):
         def madvise(self, *args):
             raise OSError(22, "Invalid argument")
@@ -342,6 +442,7 @@ def test_huge_zeros_are_zeros_also_where_huge_pages_are_missing_or_refused(dtype
         assert x.shape == (3, 5) and x.dtype == dtype and not x.float().any()
         x[1, 2] = 1  # writable
         assert x.float().sum() == 1
+
     check()
     monkeypatch.setattr(mmap, "mmap", Refusing)
     check()
@@ -357,18 +458,24 @@ def test_a_width_that_is_not_whole_panels_keeps_onednn():
 def test_half_weights_keep_f_linear():
     """oneDNN packs float32 and bfloat16; other dtypes multiply as before."""
     from nanopaged.core.layers import RowParallelLinear
+
     layer = RowParallelLinear(8, 4, False, cpu.PackedLinear()).half()
     layer.method = layer.method.process_weights(layer)
     assert type(layer.method) is LinearMethod and layer.weight is not None
 
 
 @pytest.mark.parametrize("bf16", [True, False])
-def test_bfloat16_weights_are_packed_only_where_the_cpu_has_its_instructions(bf16, monkeypatch):
+def test_bfloat16_weights_are_packed_only_where_the_cpu_has_its_instructions(
+    bf16, monkeypatch
+):
     """oneDNN's bfloat16 path needs AVX-512 (or AVX-NE-CONVERT): without, it raises."""
     from nanopaged.core.layers import RowParallelLinear
+
     monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: bf16)
     cpu.packable_dtypes.cache_clear()
-    monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", lambda w, _: w.clone())
+    monkeypatch.setattr(
+        torch.ops.mkldnn, "_reorder_linear_weight", lambda w, _: w.clone()
+    )
     layer = RowParallelLinear(8, 4, False, cpu.PackedLinear()).bfloat16()
     layer.method = layer.method.process_weights(layer)
     assert (type(layer.method) is cpu.PackedLinear) == bf16
@@ -377,11 +484,17 @@ def test_bfloat16_weights_are_packed_only_where_the_cpu_has_its_instructions(bf1
 
 def test_auto_picks_the_cpu_backend_on_a_cpu_and_torch_stays_the_reference(qwen3_path):
     llm = LLM(qwen3_path)
-    assert llm.config.attention_backend == "cpu" and llm.engine.runner.sampler.sample is cpu.sample
+    assert (
+        llm.config.attention_backend == "cpu"
+        and llm.engine.runner.sampler.sample is cpu.sample
+    )
     runner = LLM(qwen3_path, attention_backend="torch").engine.runner
     assert runner.sampler.sample is sampler.sample
-    assert all(type(m.method) is LinearMethod for m in runner.model.modules()
-               if hasattr(m, "method"))
+    assert all(
+        type(m.method) is LinearMethod
+        for m in runner.model.modules()
+        if hasattr(m, "method")
+    )
 
 
 def cdf_bounds(logits, temperatures, tokens):
@@ -400,21 +513,24 @@ def test_sample_inverts_the_cumulative_distribution_as_the_sampler_does(vocab_si
     uniform = torch.rand(256, generator=g)
     tokens = cpu.sample(logits, temperatures, uniform)
     before, after = cdf_bounds(logits, temperatures, tokens)
-    # the token's interval of the distribution holds the uniform number, up to float32 rounding
+    # the token's interval of the distribution holds the uniform number, up to float32
+    # rounding
     assert ((before <= uniform + 1e-5) & (uniform <= after + 1e-5)).all()
     agree = tokens == sampler.sample(logits, temperatures, uniform)
     assert agree.float().mean() > 0.99
 
 
 def test_sample_never_picks_a_token_of_probability_zero():
-    """Targets at and next to every chunk's boundary, and uniform numbers next to 1, over rows
-    whose allowed tokens sit at the ends of chunks."""
+    """Targets at and next to every chunk's boundary, and uniform numbers next to 1,
+    over rows whose allowed tokens sit at the ends of chunks."""
     allowed = [0, 127, 128, 255, 300, 383, 511]
     logits = torch.full((1, 512), float("-inf"))
     logits[0, allowed] = torch.randn(len(allowed))
     probs = torch.softmax(logits, dim=-1)
     cuts = probs.cumsum(dim=-1)[0, allowed].tolist()
-    targets = [0.0, 1 - 2 ** -24] + [math.nextafter(c, d) for c in cuts for d in (0, 1)] + cuts
+    targets = (
+        [0.0, 1 - 2**-24] + [math.nextafter(c, d) for c in cuts for d in (0, 1)] + cuts
+    )
     uniform = torch.tensor([t for t in targets if t < 1])
     rows = len(uniform)
     tokens = cpu.sample(logits.expand(rows, -1), torch.ones(rows), uniform)
@@ -422,35 +538,54 @@ def test_sample_never_picks_a_token_of_probability_zero():
 
 
 def test_a_row_with_no_weight_anywhere_still_gets_a_valid_token():
-    """All -inf (a mask that allows nothing) or NaN logits: token 0, beside a normal row."""
-    logits = torch.stack([torch.full((300,), float("-inf")), torch.full((300,), float("nan")),
-                          torch.zeros(300)])
+    """All -inf (a mask that allows nothing) or NaN logits: token 0, beside a normal
+    row."""
+    logits = torch.stack(
+        [
+            torch.full((300,), float("-inf")),
+            torch.full((300,), float("nan")),
+            torch.zeros(300),
+        ]
+    )
     tokens = cpu.sample(logits, torch.ones(3), torch.tensor([0.5, 0.5, 0.5]))
     assert tokens[:2].tolist() == [0, 0] and 0 <= tokens[2] < 300
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "llama"])
-def test_greedy_matches_transformers_with_chunks_preemption_and_prefix_hits(arch, model_path,
-                                                                           hf_greedy):
+def test_greedy_matches_transformers_with_chunks_preemption_and_prefix_hits(
+    arch, model_path, hf_greedy
+):
     from test_models import mixed_run
+
     mixed_run(model_path(arch), hf_greedy, attention_backend="cpu")
 
 
-def test_without_a_compiler_the_backend_still_gives_transformers_tokens(qwen3_path, hf_greedy,
-                                                                        no_library, monkeypatch):
+def test_without_a_compiler_the_backend_still_gives_transformers_tokens(
+    qwen3_path, hf_greedy, no_library, monkeypatch
+):
     from test_models import mixed_run
+
     mixed_run(qwen3_path, hf_greedy, attention_backend="cpu")
 
 
 def test_seeded_samples_equal_the_reference_backends(qwen3_path):
     prompts = random_prompts([5, 40, 300], seed=4)
     params = SamplingParams(temperature=0.8, top_p=0.9, seed=11, max_tokens=12)
-    tokens = [[o.outputs[0].token_ids for o in LLM(qwen3_path, attention_backend=backend)
-               .generate(prompts, params, use_tqdm=False)] for backend in ("cpu", "torch")]
+    tokens = [
+        [
+            o.outputs[0].token_ids
+            for o in LLM(qwen3_path, attention_backend=backend).generate(
+                prompts, params, use_tqdm=False
+            )
+        ]
+        for backend in ("cpu", "torch")
+    ]
     assert tokens[0] == tokens[1]
 
 
-def test_usable_cores_are_the_affinity_capped_by_the_cgroup_quota(monkeypatch, tmp_path):
+def test_usable_cores_are_the_affinity_capped_by_the_cgroup_quota(
+    monkeypatch, tmp_path
+):
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3, 4, 5})
     quota = tmp_path / "cpu.max"
     real_open = open
@@ -461,9 +596,14 @@ def test_usable_cores_are_the_affinity_capped_by_the_cgroup_quota(monkeypatch, t
         if str(path).startswith("/sys/fs/cgroup"):
             raise OSError(path)
         return real_open(path, *args, **kwargs)
+
     monkeypatch.setattr("builtins.open", fake_open)
-    for limit, cores in (("max 100000", 6), ("250000 100000", 3), ("50000 100000", 1),
-                         ("900000 100000", 6)):
+    for limit, cores in (
+        ("max 100000", 6),
+        ("250000 100000", 3),
+        ("50000 100000", 1),
+        ("900000 100000", 6),
+    ):
         quota.write_text(limit)
         assert cpu.usable_cores() == cores
 
@@ -474,6 +614,6 @@ def test_threads_are_lowered_to_the_usable_cores_never_raised(monkeypatch):
     monkeypatch.setattr(torch, "set_num_threads", lambda n: threads.__setitem__(0, n))
     for usable, before, after in ((2, 8, 2), (16, 8, 8)):
         threads[0] = before
-        monkeypatch.setattr(cpu, "usable_cores", lambda: usable)
+        monkeypatch.setattr(cpu, "usable_cores", lambda usable=usable: usable)
         cpu.tune_process.__wrapped__()
         assert threads[0] == after

@@ -1,10 +1,12 @@
-"""Greedy outputs are token-for-token those of transformers, however the engine gets there."""
+"""Greedy outputs are token-for-token those of transformers, however the engine gets
+there."""
+
 import re
 
 import pytest
+from conftest import ARCHITECTURES, added_text, random_prompts
 
 from nanopaged import LLM, SamplingParams
-from conftest import ARCHITECTURES, added_text, random_prompts
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24)
 PROMPTS = random_prompts([1, 5, 17, 40, 100, 3])
@@ -23,24 +25,34 @@ def test_greedy_matches_transformers(arch, model_path, hf_greedy):
 
 def test_outputs_carry_text_and_finish_reason(qwen3_path, hf_greedy):
     llm = LLM(qwen3_path, max_model_len=512)
-    [out] = llm.generate(["Paged attention stores the cache in blocks."],
-                         SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+    [out] = llm.generate(
+        ["Paged attention stores the cache in blocks."],
+        SamplingParams(temperature=0, max_tokens=8),
+        use_tqdm=False,
+    )
     assert out.outputs[0].finish_reason in ("stop", "length")
-    assert out.outputs[0].text == added_text(llm.tokenizer, out.prompt_token_ids,
-                                             out.outputs[0].token_ids)
-    assert out.outputs[0].token_ids == hf_greedy(qwen3_path, [out.prompt_token_ids], 8)[0]
+    assert out.outputs[0].text == added_text(
+        llm.tokenizer, out.prompt_token_ids, out.outputs[0].token_ids
+    )
+    assert (
+        out.outputs[0].token_ids == hf_greedy(qwen3_path, [out.prompt_token_ids], 8)[0]
+    )
 
 
 def test_stops_at_eos_unless_ignore_eos(qwen3_path):
     llm = LLM(qwen3_path, max_model_len=512)
     eos = next(iter(llm.inputs.eos_token_ids))
     prompts = random_prompts([4] * 32, seed=1)
-    outputs = llm.generate(prompts, SamplingParams(temperature=1.0, max_tokens=300, seed=0),
-                           use_tqdm=False)
+    outputs = llm.generate(
+        prompts, SamplingParams(temperature=1.0, max_tokens=300, seed=0), use_tqdm=False
+    )
     stopped = [o for o in outputs if o.outputs[0].finish_reason == "stop"]
     assert stopped and all(o.outputs[0].token_ids[-1] == eos for o in stopped)
-    outputs = llm.generate(prompts, SamplingParams(temperature=1.0, max_tokens=300, seed=0,
-                                                   ignore_eos=True), use_tqdm=False)
+    outputs = llm.generate(
+        prompts,
+        SamplingParams(temperature=1.0, max_tokens=300, seed=0, ignore_eos=True),
+        use_tqdm=False,
+    )
     assert all(
         o.outputs[0].finish_reason == "length" and len(o.outputs[0].token_ids) == 300
         for o in outputs
@@ -49,9 +61,15 @@ def test_stops_at_eos_unless_ignore_eos(qwen3_path):
 
 def test_stops_at_max_model_len(qwen3_path):
     llm = LLM(qwen3_path, max_model_len=64)
-    [out] = llm.generate([list(range(3, 53))], SamplingParams(temperature=0, max_tokens=100,
-                                                              ignore_eos=True), use_tqdm=False)
-    assert out.outputs[0].finish_reason == "length" and len(out.outputs[0].token_ids) == 64 - 50
+    [out] = llm.generate(
+        [list(range(3, 53))],
+        SamplingParams(temperature=0, max_tokens=100, ignore_eos=True),
+        use_tqdm=False,
+    )
+    assert (
+        out.outputs[0].finish_reason == "length"
+        and len(out.outputs[0].token_ids) == 64 - 50
+    )
 
 
 @pytest.mark.parametrize("block_size", [1, 16, 256])
@@ -68,11 +86,14 @@ def test_prefix_cache_hits_give_the_same_tokens(qwen3_path, hf_greedy):
     exact_multiple = random_prompts([2 * block_size], seed=4)[0]
     llm = LLM(qwen3_path, max_model_len=512, kvcache_block_size=block_size)
     first = llm.generate(prompts[:1] + [exact_multiple], GREEDY, use_tqdm=False)
-    second = llm.generate(prompts + [exact_multiple, exact_multiple], GREEDY, use_tqdm=False)
+    second = llm.generate(
+        prompts + [exact_multiple, exact_multiple], GREEDY, use_tqdm=False
+    )
     expected = hf_greedy(qwen3_path, prompts + [exact_multiple] * 2, GREEDY.max_tokens)
     assert token_ids(second) == expected
     assert first[0].outputs[0].token_ids == expected[0]
-    # the shared 40 tokens fill two whole blocks; an exact multiple still computes its last block
+    # the shared 40 tokens fill two whole blocks; an exact multiple still computes its
+    # last block
     assert [o.num_cached_tokens for o in second] == [32, 32, 32, block_size, block_size]
 
 
@@ -88,7 +109,9 @@ def test_preemption_gives_the_same_tokens(qwen3_path, hf_greedy):
     prompts = random_prompts([30, 45, 12, 60, 25, 38], seed=6)
     params = SamplingParams(temperature=0, max_tokens=40)
     # 12 blocks of 16 tokens cannot hold six sequences of 50-100 tokens at once
-    llm = LLM(qwen3_path, max_model_len=512, kvcache_block_size=16, num_kvcache_blocks=12)
+    llm = LLM(
+        qwen3_path, max_model_len=512, kvcache_block_size=16, num_kvcache_blocks=12
+    )
     outputs = llm.generate(prompts, params, use_tqdm=False)
     assert llm.engine.scheduler.num_preemptions > 0
     assert token_ids(outputs) == hf_greedy(qwen3_path, prompts, params.max_tokens)
@@ -97,7 +120,9 @@ def test_preemption_gives_the_same_tokens(qwen3_path, hf_greedy):
 
 def test_chunked_prefill_gives_the_same_tokens(qwen3_path, hf_greedy):
     prompts = random_prompts([100, 37, 64, 5], seed=7)
-    llm = LLM(qwen3_path, max_model_len=512, kvcache_block_size=16, max_num_batched_tokens=24)
+    llm = LLM(
+        qwen3_path, max_model_len=512, kvcache_block_size=16, max_num_batched_tokens=24
+    )
     outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert token_ids(outputs) == hf_greedy(qwen3_path, prompts, GREEDY.max_tokens)
 
@@ -130,14 +155,17 @@ def test_step_api(qwen3_path, hf_greedy):
 def test_generate_refuses_while_step_api_requests_are_unfinished(qwen3_path, hf_greedy):
     llm = LLM(qwen3_path, max_model_len=512)
     request_id = llm.add_request(PROMPTS[0], GREEDY)
-    with pytest.raises(ValueError, match="1 requests added with add_request.* are unfinished"):
+    with pytest.raises(
+        ValueError, match="1 requests added with add_request.* are unfinished"
+    ):
         llm.generate(PROMPTS[1:2], GREEDY, use_tqdm=False)
     outputs = []
     while not llm.is_finished():
         outputs += llm.step()
     assert outputs[-1].request_id == request_id and outputs[-1].finished
     assert (
-        outputs[-1].outputs[0].token_ids == hf_greedy(qwen3_path, PROMPTS[:1], GREEDY.max_tokens)[0]
+        outputs[-1].outputs[0].token_ids
+        == hf_greedy(qwen3_path, PROMPTS[:1], GREEDY.max_tokens)[0]
     )
 
 
@@ -145,27 +173,41 @@ def test_triton_backend_matches_transformers(qwen3_path, hf_greedy):
     pytest.importorskip("triton")
     prompts = PROMPTS[:4]
     params = SamplingParams(temperature=0, max_tokens=8)
-    llm = LLM(qwen3_path, max_model_len=512, attention_backend="triton", kvcache_block_size=16)
+    llm = LLM(
+        qwen3_path, max_model_len=512, attention_backend="triton", kvcache_block_size=16
+    )
     outputs = llm.generate(prompts, params, use_tqdm=False)
     assert token_ids(outputs) == hf_greedy(qwen3_path, prompts, params.max_tokens)
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_mixed_scheduling_gives_the_tokens_of_prefill_first(backend, qwen3_path, hf_greedy):
-    """Requests arrive while others decode; `mixed` runs their prompt chunks beside the decodes."""
+def test_mixed_scheduling_gives_the_tokens_of_prefill_first(
+    backend, qwen3_path, hf_greedy
+):
+    """Requests arrive while others decode; `mixed` runs their prompt chunks beside the
+    decodes."""
     if backend == "triton":
         pytest.importorskip("triton")
     prompts = random_prompts([70, 9, 45, 30], seed=8)
     params = SamplingParams(temperature=0, max_tokens=12)
-    llm = LLM(qwen3_path, max_model_len=512, kvcache_block_size=16, attention_backend=backend,
-              scheduling="mixed", max_num_batched_tokens=32)
+    llm = LLM(
+        qwen3_path,
+        max_model_len=512,
+        kvcache_block_size=16,
+        attention_backend=backend,
+        scheduling="mixed",
+        max_num_batched_tokens=32,
+    )
     run, step_kinds = llm.engine.runner.run, set()
+
     def recording_run(step):
         decodes = any(
-            n == 1 and s.num_completion_tokens for s, n in zip(step.seqs, step.num_tokens)
+            n == 1 and s.num_completion_tokens
+            for s, n in zip(step.seqs, step.num_tokens)
         )
         step_kinds.add((step.ragged, decodes))
         return run(step)
+
     llm.engine.runner.run = recording_run
     ids = [llm.add_request(p, params) for p in prompts[:2]]
     outputs = {}
@@ -173,22 +215,33 @@ def test_mixed_scheduling_gives_the_tokens_of_prefill_first(backend, qwen3_path,
         if step == 3:  # two more arrive while the first two decode
             ids += [llm.add_request(p, params) for p in prompts[2:]]
         outputs.update({o.request_id: o for o in llm.step() if o.finished})
-    assert llm.is_finished() and (True, True) in step_kinds  # a step mixed a prompt and decodes
-    assert [outputs[i].outputs[0].token_ids for i in ids] == hf_greedy(qwen3_path, prompts, 12)
+    # a step mixed a prompt and decodes
+    assert llm.is_finished() and (True, True) in step_kinds
+    assert [outputs[i].outputs[0].token_ids for i in ids] == hf_greedy(
+        qwen3_path, prompts, 12
+    )
 
 
 def test_mixed_steps_of_one_prompt_token_beside_decodes(qwen3_path, hf_greedy):
-    """A budget that leaves one token a step for a prompt: a token inside the prompt, then its
-    last one, whose row its second sample shares, beside the decodes of the others."""
+    """A budget that leaves one token a step for a prompt: a token inside the prompt,
+    then its last one, whose row its second sample shares, beside the decodes of the
+    others."""
     prompts = random_prompts([6, 9, 5], seed=9)
-    llm = LLM(qwen3_path, max_model_len=512, kvcache_block_size=4, scheduling="mixed",
-              max_num_batched_tokens=3)
+    llm = LLM(
+        qwen3_path,
+        max_model_len=512,
+        kvcache_block_size=4,
+        scheduling="mixed",
+        max_num_batched_tokens=3,
+    )
     params = SamplingParams(temperature=0, max_tokens=10)
     ids = [llm.add_request(p, params) for p in prompts[:2]]
     outputs = {}
     for _ in range(8):  # both prompts are in; both decode
         outputs.update({o.request_id: o for o in llm.step()})
-    ids.append(llm.add_request(prompts[2], SamplingParams(temperature=0, max_tokens=10, n=2)))
+    ids.append(
+        llm.add_request(prompts[2], SamplingParams(temperature=0, max_tokens=10, n=2))
+    )
     while not llm.is_finished():
         outputs.update({o.request_id: o for o in llm.step()})
     expected = hf_greedy(qwen3_path, prompts, 10)
@@ -200,16 +253,22 @@ def test_the_progress_bar_shows_the_prefill_and_decode_rates(qwen3_path, capsys)
     LLM(qwen3_path, max_model_len=512).generate(PROMPTS, GREEDY, use_tqdm=True)
     bar = capsys.readouterr().err
     assert "Generating: 100%" in bar and f"{len(PROMPTS)}/{len(PROMPTS)}" in bar
-    prefill, decode = re.findall(r"prefill ([\d,]+) tok/s, decode ([\d,]+) tok/s", bar)[-1]
+    prefill, decode = re.findall(r"prefill ([\d,]+) tok/s, decode ([\d,]+) tok/s", bar)[
+        -1
+    ]
     assert int(prefill.replace(",", "")) > 0 and int(decode.replace(",", "")) > 0
 
 
 def test_chat_and_stream_refuse_too_while_step_api_requests_are_unfinished(qwen3_path):
     llm = LLM(qwen3_path, max_model_len=512)
     llm.add_request(PROMPTS[0], GREEDY)
-    for call in (lambda: llm.chat([{"role": "user", "content": "Hi"}], GREEDY),
-                 lambda: next(llm.stream("Hi", GREEDY))):
-        with pytest.raises(ValueError, match="1 requests added with add_request.* unfinished"):
+    for call in (
+        lambda: llm.chat([{"role": "user", "content": "Hi"}], GREEDY),
+        lambda: next(llm.stream("Hi", GREEDY)),
+    ):
+        with pytest.raises(
+            ValueError, match="1 requests added with add_request.* unfinished"
+        ):
             call()
     assert len(llm.requests) == 1 and len(llm.engine.scheduler.waiting) == 1
 

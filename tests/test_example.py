@@ -1,5 +1,6 @@
-"""`python example.py` runs on a machine with no model and no network, and never passes random
-weights off as a model the user named."""
+"""`python example.py` runs on a machine with no model and no network, and never passes
+random weights off as a model the user named."""
+
 import os
 import subprocess
 import sys
@@ -11,22 +12,33 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def run_example(tmp_path, *args: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, HOME=str(tmp_path), HF_HUB_OFFLINE="1", PYTHONPATH=ROOT)
-    return subprocess.run([sys.executable, "example.py", *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=600)
+    return subprocess.run(
+        [sys.executable, "example.py", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 def test_without_the_default_model_it_runs_on_random_weights(tmp_path):
     result = run_example(tmp_path, "--max-tokens", "48")
     assert result.returncode == 0, result.stderr[-2000:]
     assert "'Qwen/Qwen3-0.6B' is not a local directory" in result.stdout
-    assert "random-weight checkpoint" in result.stdout and "expect gibberish" in result.stdout
+    assert (
+        "random-weight checkpoint" in result.stdout
+        and "expect gibberish" in result.stdout
+    )
     assert "4 requests" in result.stdout and "from the prefix cache" in result.stdout
 
 
 def test_a_model_that_cannot_be_loaded_is_an_error_not_random_text(tmp_path):
     result = run_example(tmp_path, "--model", "someone/missing-model")
     assert result.returncode != 0
-    assert "error: model 'someone/missing-model' is not a local directory" in result.stderr
+    assert (
+        "error: model 'someone/missing-model' is not a local directory" in result.stderr
+    )
     assert "random-weight" not in result.stdout
 
 
@@ -37,10 +49,13 @@ def test_a_path_that_does_not_exist_says_so(tmp_path):
 
 
 def test_stream_prints_the_answer_that_generate_gives(tmp_path, qwen3_path):
-    result = run_example(tmp_path, "--model", qwen3_path, "--stream", "--max-tokens", "16")
+    result = run_example(
+        tmp_path, "--model", qwen3_path, "--stream", "--max-tokens", "16"
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     sys.path.insert(0, ROOT)
     import example
+
     llm = LLM(qwen3_path)
     prompt = llm.tokenizer.apply_chat_template(
         [

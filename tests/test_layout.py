@@ -1,39 +1,100 @@
-"""The shape of the package: a core of at most 1,600 lines that imports no feature, every module
-importing only modules below it (no circles), and an engine that `del` frees at once."""
+"""The shape of the package: a core of at most 1,600 lines that imports no feature,
+every module importing only modules below it (no circles), and an engine that `del`
+frees at once."""
+
 import ast
-import re
 import gc
 import os
+import re
 import weakref
 
 import psutil
 import pytest
+from conftest import random_prompts
 
 from nanopaged import LLM, SamplingParams
 from nanopaged.sampling_params import StructuredOutputsParams
-from conftest import random_prompts
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGE = os.path.join(ROOT, "nanopaged")
-# Every module, lowest layer first: a module may import only modules before it. The core, in
-# the order its files build on each other; then the features, each above what it uses.
+# Every module, lowest layer first: a module may import only modules before it. The
+# core, in the order its files build on each other; then the features, each above what
+# it uses.
 LAYERS = [
-    "core.sequence", "core.block_manager", "core.triton_attention",
-    "core.layers", "core.attention", "core.model", "core.config", "core.loader", "core.step",
-    "core.scheduler", "core.cuda_graphs", "core.sampler", "core.model_runner",
-    "core.llm_engine", "core", "checks", "cpu_kernels", "cpu", "quantization.int4_triton", "quantization.dequantize",
-    "quantization.fp8", "quantization.compressed_tensors", "quantization.awq", "quantization.gptq",
+    "core.sequence",
+    "core.block_manager",
+    "core.triton_attention",
+    "core.layers",
+    "core.attention",
+    "core.model",
+    "core.config",
+    "core.loader",
+    "core.step",
+    "core.scheduler",
+    "core.cuda_graphs",
+    "core.sampler",
+    "core.model_runner",
+    "core.llm_engine",
+    "core",
+    "checks",
+    "cpu_kernels",
+    "cpu",
+    "quantization.int4_triton",
+    "quantization.dequantize",
+    "quantization.fp8",
+    "quantization.compressed_tensors",
+    "quantization.awq",
+    "quantization.gptq",
     "quantization",
-    "models.moe_triton", "models.moe", "models.gemma3", "models.rope", "models",
-    "chat", "checkpoint", "random_checkpoint", "sampling_params", "logits_processors",
-    "outputs", "lora.request", "lora.punica_triton", "lora.punica", "lora.adapter", "lora.runner",
-    "lora.admission", "lora", "structured_outputs", "tool_calls", "parallel", "engine_args",
-    "utils", "inputs",
-    "compat", "speculative", "data_parallel", "router", "trace", "llm", "engine.arg_utils",
-    "engine.llm_engine", "engine", "entrypoints.llm", "entrypoints", "distributed",
-    "distributed.parallel_state", "envs", "profiler", "", "openai_api", "openai_responses",
-    "served_models", "server_args", "server", "cli", "entrypoints.openai.api_server",
-    "entrypoints.openai", "__main__",
+    "models.moe_triton",
+    "models.moe",
+    "models.gemma3",
+    "models.rope",
+    "models",
+    "chat",
+    "checkpoint",
+    "random_checkpoint",
+    "sampling_params",
+    "logits_processors",
+    "outputs",
+    "lora.request",
+    "lora.punica_triton",
+    "lora.punica",
+    "lora.adapter",
+    "lora.runner",
+    "lora.admission",
+    "lora",
+    "structured_outputs",
+    "tool_calls",
+    "parallel",
+    "engine_args",
+    "utils",
+    "inputs",
+    "compat",
+    "speculative",
+    "data_parallel",
+    "router",
+    "trace",
+    "llm",
+    "engine.arg_utils",
+    "engine.llm_engine",
+    "engine",
+    "entrypoints.llm",
+    "entrypoints",
+    "distributed",
+    "distributed.parallel_state",
+    "envs",
+    "profiler",
+    "",
+    "openai_api",
+    "openai_responses",
+    "served_models",
+    "server_args",
+    "server",
+    "cli",
+    "entrypoints.openai.api_server",
+    "entrypoints.openai",
+    "__main__",
 ]
 CORE_BUDGET = 1600  # non-blank lines of the core, its Triton kernels apart
 CORE_FILE_LIMIT = 250
@@ -58,13 +119,16 @@ def imports(path: str, known: dict[str, str]) -> set[str]:
         if isinstance(node, ast.Import):
             names = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom) and node.module:
-            names = [f"{node.module}.{alias.name}" for alias in node.names] + [node.module]
+            names = [f"{node.module}.{alias.name}" for alias in node.names] + [
+                node.module
+            ]
         else:
             continue
         for name in names:
             if name == "nanopaged" or name.startswith("nanopaged."):
                 module = name.removeprefix("nanopaged").lstrip(".")
-                if module in known:  # `from package import module` names the module itself
+                # `from package import module` names the module itself
+                if module in known:
                     found.add(module)
                     break
     return found
@@ -75,7 +139,9 @@ def core_files() -> dict[str, str]:
 
 
 def test_the_core_is_at_most_1600_lines_and_no_file_over_250():
-    sizes = {m: sum(1 for line in open(p) if line.strip()) for m, p in core_files().items()}
+    sizes = {
+        m: sum(1 for line in open(p) if line.strip()) for m, p in core_files().items()
+    }
     kernels = sizes.pop("core.triton_attention")  # a backend, counted apart
     assert sum(sizes.values()) <= CORE_BUDGET, sizes
     assert max(sizes.values()) <= CORE_FILE_LIMIT and kernels <= CORE_FILE_LIMIT, sizes
@@ -84,7 +150,9 @@ def test_the_core_is_at_most_1600_lines_and_no_file_over_250():
 def test_no_core_module_imports_a_feature():
     known = modules()
     for module, path in core_files().items():
-        outside = {m for m in imports(path, known) if m != "core" and not m.startswith("core.")}
+        outside = {
+            m for m in imports(path, known) if m != "core" and not m.startswith("core.")
+        }
         assert not outside, (module, outside)
 
 
@@ -92,7 +160,9 @@ def test_every_module_imports_only_modules_below_it():
     known = modules()
     assert sorted(LAYERS) == sorted(known), "place each module in LAYERS"
     for module, path in known.items():
-        above = [m for m in imports(path, known) if LAYERS.index(m) >= LAYERS.index(module)]
+        above = [
+            m for m in imports(path, known) if LAYERS.index(m) >= LAYERS.index(module)
+        ]
         assert not above, f"{module} imports {above}, which are not below it"
 
 
@@ -105,11 +175,14 @@ def test_a_layer_that_imports_upwards_is_caught(tmp_path):
 
 
 def nanopaged_objects() -> set[int]:
-    """The ids of the live objects of nanopaged's classes (the engine, its modules and layers,
-    its sequences...), unreachable ones in a reference cycle included: with the cyclic
-    collector off, those stay listed."""
-    return {id(o) for o in gc.get_objects()
-            if str(getattr(type(o), "__module__", "")).startswith("nanopaged")}
+    """The ids of the live objects of nanopaged's classes (the engine, its modules and
+    layers, its sequences...), unreachable ones in a reference cycle included: with the
+    cyclic collector off, those stay listed."""
+    return {
+        id(o)
+        for o in gc.get_objects()
+        if str(getattr(type(o), "__module__", "")).startswith("nanopaged")
+    }
 
 
 @pytest.fixture
@@ -121,65 +194,89 @@ def gc_off():
 
 
 def test_del_frees_the_engine_at_once(qwen3_path, gc_off):
-    """No reference cycle keeps an engine alive: its model and KV cache go with the last name,
-    also after requests with logprobs, stop strings, penalties and a grammar, and with a draft
-    model proposing."""
+    """No reference cycle keeps an engine alive: its model and KV cache go with the last
+    name, also after requests with logprobs, stop strings, penalties and a grammar, and
+    with a draft model proposing."""
     grammar = StructuredOutputsParams(regex="[ab]{3,6}")
     before = nanopaged_objects()
-    llm = LLM(qwen3_path, max_model_len=256, num_kvcache_blocks=32,
-              speculative_config={"model": qwen3_path, "num_speculative_tokens": 2})
-    llm.generate(random_prompts([5, 9], seed=3), [
-        SamplingParams(max_tokens=8, logprobs=2, stop=["x"], presence_penalty=0.5, n=2),
-        SamplingParams(max_tokens=8, structured_outputs=grammar)], use_tqdm=False)
+    llm = LLM(
+        qwen3_path,
+        max_model_len=256,
+        num_kvcache_blocks=32,
+        speculative_config={"model": qwen3_path, "num_speculative_tokens": 2},
+    )
+    llm.generate(
+        random_prompts([5, 9], seed=3),
+        [
+            SamplingParams(
+                max_tokens=8, logprobs=2, stop=["x"], presence_penalty=0.5, n=2
+            ),
+            SamplingParams(max_tokens=8, structured_outputs=grammar),
+        ],
+        use_tqdm=False,
+    )
     kv_cache = weakref.ref(llm.engine.runner.kv_cache)
     del llm
     assert kv_cache() is None and nanopaged_objects() <= before
 
 
 def worker_processes() -> list[psutil.Process]:
-    return [p for p in psutil.Process().children(recursive=True)
-            if "resource_tracker" not in " ".join(p.cmdline())]
+    return [
+        p
+        for p in psutil.Process().children(recursive=True)
+        if "resource_tracker" not in " ".join(p.cmdline())
+    ]
 
 
 def test_two_tensor_parallel_engines_one_after_the_other(qwen3_path, gc_off, hf_greedy):
-    """`del llm` stops the workers and leaves the process group at once: the next engine of the
-    same script can start its own."""
+    """`del llm` stops the workers and leaves the process group at once: the next engine
+    of the same script can start its own."""
     prompt = [5, 6, 7]
     want = hf_greedy(qwen3_path, [prompt], 8)[0]
     for _ in range(2):
         before = nanopaged_objects()
         llm = LLM(qwen3_path, max_model_len=256, tensor_parallel_size=2)
-        [output] = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8,
-                                                         ignore_eos=True), use_tqdm=False)
+        [output] = llm.generate(
+            [prompt],
+            SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+            use_tqdm=False,
+        )
         assert output.outputs[0].token_ids == want
         del llm, output
         assert nanopaged_objects() <= before and not worker_processes()
 
 
 def test_no_core_line_assigns_two_fields_at_once():
-    """`self.a, self.b = x, y` packs two facts into a line: one assignment a line in the core
-    (unpacking a function's pair into plain names stays)."""
+    """`self.a, self.b = x, y` packs two facts into a line: one assignment a line in the
+    core (unpacking a function's pair into plain names stays)."""
     for module, path in core_files().items():
         for node in ast.walk(ast.parse(open(path).read())):
             if isinstance(node, ast.Assign):
                 for target in node.targets:
                     if isinstance(target, ast.Tuple):
                         fields = [e for e in target.elts if not isinstance(e, ast.Name)]
-                        assert not fields, f"{module}:{node.lineno} assigns {len(target.elts)}"
+                        assert not fields, (
+                            f"{module}:{node.lineno} assigns {len(target.elts)}"
+                        )
 
 
 def test_speculation_reaches_the_core_through_one_seam(qwen3_path, hf_greedy):
-    """The core knows no proposer: an engine that extends the two ends of a step (here one
-    that proposes transformers' own continuation) gets its proposals verified and applied."""
+    """The core knows no proposer: an engine that extends the two ends of a step (here
+    one that proposes transformers' own continuation) gets its proposals verified and
+    applied."""
+    import inspect
+
     from nanopaged.core.config import Config
     from nanopaged.core.llm_engine import LLMEngine
     from nanopaged.core.model_runner import ModelRunner
     from nanopaged.core.scheduler import Scheduler
     from nanopaged.core.sequence import SamplingOptions, Sequence
-    import inspect
+
     for cls in (Scheduler, ModelRunner, LLMEngine):
-        assert not re.search(r"propos(er|e\()|lookahead|speculat", inspect.getsource(cls)
-                             .split('"""', 2)[2]), cls  # its code, past the docstring
+        assert not re.search(
+            r"propos(er|e\()|lookahead|speculat",
+            inspect.getsource(cls).split('"""', 2)[2],
+        ), cls  # its code, past the docstring
     prompt = [5, 6, 7]
     want = hf_greedy(qwen3_path, [prompt], 12)[0]
 
@@ -190,16 +287,20 @@ def test_speculation_reaches_the_core_through_one_seam(qwen3_path, hf_greedy):
                 done = seq.num_completion_tokens
                 if 0 < done < 9 and step.num_tokens[i] == 1:
                     slots = self.block_manager.reserve(seq, 3)
-                    step.proposals[i] = want[done:done + slots]
+                    step.proposals[i] = want[done : done + slots]
             return step
 
         def apply(self, step, sampled):
-            applied = super().apply(step, sampled)  # the oracle's proposals are all right
+            # the oracle's proposals are all right
+            applied = super().apply(step, sampled)
             for i in step.proposals:
                 self.block_manager.trim(step.seqs[i])
             return applied
-    engine = Oracle(Config(qwen3_path, max_model_len=256), ModelRunner(Config(qwen3_path,
-                                                                             max_model_len=256)))
+
+    engine = Oracle(
+        Config(qwen3_path, max_model_len=256),
+        ModelRunner(Config(qwen3_path, max_model_len=256)),
+    )
     seq = Sequence(prompt, SamplingOptions(temperature=0, max_tokens=12))
     engine.add(seq)
     steps = 0
@@ -209,14 +310,26 @@ def test_speculation_reaches_the_core_through_one_seam(qwen3_path, hf_greedy):
     assert seq.completion_token_ids == want and steps < 12
 
 
-@pytest.mark.parametrize("feature", [
-    "speculative", "trace", "data_parallel", "structured_outputs", "lora", "quantization",
-    "models", "cpu.py cpu_kernels.py cpu_kernels.c"])
-def test_a_feature_deleted_leaves_a_plain_generate_working(feature, tmp_path, qwen3_path,
-                                                           hf_greedy):
+@pytest.mark.parametrize(
+    "feature",
+    [
+        "speculative",
+        "trace",
+        "data_parallel",
+        "structured_outputs",
+        "lora",
+        "quantization",
+        "models",
+        "cpu.py cpu_kernels.py cpu_kernels.c",
+    ],
+)
+def test_a_feature_deleted_leaves_a_plain_generate_working(
+    feature, tmp_path, qwen3_path, hf_greedy
+):
     import shutil
     import subprocess
     import sys
+
     copy = tmp_path / "nanopaged"
     shutil.copytree(PACKAGE, copy, ignore=shutil.ignore_patterns("__pycache__"))
     for name in feature.split():
@@ -224,11 +337,19 @@ def test_a_feature_deleted_leaves_a_plain_generate_working(feature, tmp_path, qw
             shutil.rmtree(copy / name)
         else:
             (copy / (name if "." in name else f"{name}.py")).unlink()
-    script = ("from nanopaged import LLM, SamplingParams\n"
-              f"llm = LLM({qwen3_path!r}, max_model_len=128)\n"
-              "params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)\n"
-              "print(llm.generate([[5, 6, 7]], params, use_tqdm=False)[0].outputs[0].token_ids)")
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                            env=dict(os.environ, PYTHONPATH=str(tmp_path)), timeout=300)
+    script = (
+        "from nanopaged import LLM, SamplingParams\n"
+        f"llm = LLM({qwen3_path!r}, max_model_len=128)\n"
+        "params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)\n"
+        "print(llm.generate([[5, 6, 7]], params, "
+        "use_tqdm=False)[0].outputs[0].token_ids)"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=str(tmp_path)),
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip() == str(hf_greedy(qwen3_path, [[5, 6, 7]], 6)[0])

@@ -1,6 +1,8 @@
 """LoRA adapters (nanopaged/lora/): the tokens of base + adapters in one batch equal
-transformers + peft's merged model on the same weights; the kernels equal their definition;
-the slots, the admission and the prefix cache keep adapters apart; bad adapters are refused."""
+transformers + peft's merged model on the same weights; the kernels equal their
+definition; the slots, the admission and the prefix cache keep adapters apart; bad
+adapters are refused."""
+
 import concurrent.futures
 import functools
 import json
@@ -12,24 +14,29 @@ import sys
 import numpy as np
 import pytest
 import torch
+from conftest import checkpoint, random_prompts
 from peft import LoraConfig, PeftModel, get_peft_model
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from nanopaged import LLM, LoRARequest, SamplingParams
-from nanopaged.lora.punica import lora_delta_reference, lora_delta_torch, lora_delta_triton
+from nanopaged.lora.punica import (
+    lora_delta_reference,
+    lora_delta_torch,
+    lora_delta_triton,
+)
 from nanopaged.lora.runner import LoRALinear, RowSlots
-from conftest import checkpoint, random_prompts
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16)
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
 EVERY = ATTENTION + ["gate_proj", "up_proj", "down_proj"]
 
 
-def write_adapter(base: str, path: str, rank: int, targets: list[str], seed: int,
-                  **options) -> str:
-    """A peft adapter of `base` as peft saves one, its A and B random (not B = 0: it must
-    change the tokens)."""
+def write_adapter(
+    base: str, path: str, rank: int, targets: list[str], seed: int, **options
+) -> str:
+    """A peft adapter of `base` as peft saves one, its A and B random (not B = 0: it
+    must change the tokens)."""
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     config = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets, **options)
@@ -51,16 +58,21 @@ def _merged(base: str, adapter: str | None):
 
 
 @functools.cache
-def _peft_greedy(base: str, adapter: str | None, prompt: tuple, max_tokens: int) -> list[int]:
+def _peft_greedy(
+    base: str, adapter: str | None, prompt: tuple, max_tokens: int
+) -> list[int]:
     with torch.no_grad():
-        out = _merged(base, adapter).generate(torch.tensor([prompt]), max_new_tokens=max_tokens,
-                                               do_sample=False)
-    return out[0, len(prompt):].tolist()
+        out = _merged(base, adapter).generate(
+            torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False
+        )
+    return out[0, len(prompt) :].tolist()
 
 
 def peft_greedy(base, requests, prompts, max_tokens=GREEDY.max_tokens):
-    return [_peft_greedy(base, r and r.lora_path, tuple(p), max_tokens)
-            for r, p in zip(requests, prompts)]
+    return [
+        _peft_greedy(base, r and r.lora_path, tuple(p), max_tokens)
+        for r, p in zip(requests, prompts)
+    ]
 
 
 def token_ids(outputs):
@@ -69,40 +81,60 @@ def token_ids(outputs):
 
 @pytest.fixture(scope="module")
 def adapters(checkpoint_root, tmp_path_factory):
-    """adapters(arch) -> (base path, [a LoRARequest of rank 8 on q/v/down, one of rank 4 with
-    rslora on every projection]); for a mixture of experts, on attention alone."""
+    """adapters(arch) -> (base path, [a LoRARequest of rank 8 on q/v/down, one of rank 4
+    with rslora on every projection]); for a mixture of experts, on attention alone."""
     root = tmp_path_factory.mktemp("adapters")
 
     @functools.cache
     def make(arch: str):
         base = checkpoint(arch, checkpoint_root)
         moe = "moe" in arch or arch == "mixtral"
-        first = write_adapter(base, f"{root}/{arch}-a", 8,
-                              ["q_proj", "v_proj"] if moe else ["q_proj", "v_proj", "down_proj"], 1)
-        second = write_adapter(base, f"{root}/{arch}-b", 4, ATTENTION if moe else EVERY, 2,
-                               use_rslora=True)
-        return base, [LoRARequest(f"{arch}-a", 1, first), LoRARequest(f"{arch}-b", 2, second)]
+        first = write_adapter(
+            base,
+            f"{root}/{arch}-a",
+            8,
+            ["q_proj", "v_proj"] if moe else ["q_proj", "v_proj", "down_proj"],
+            1,
+        )
+        second = write_adapter(
+            base, f"{root}/{arch}-b", 4, ATTENTION if moe else EVERY, 2, use_rslora=True
+        )
+        return base, [
+            LoRARequest(f"{arch}-a", 1, first),
+            LoRARequest(f"{arch}-b", 2, second),
+        ]
+
     return make
 
 
 def mixed_batch(requests, prompts):
     """Each prompt under the base model and every adapter: (prompts, lora requests)."""
-    return ([p for p in prompts for _ in range(3)],
-            [r for _ in prompts for r in [None, *requests]])
+    return (
+        [p for p in prompts for _ in range(3)],
+        [r for _ in prompts for r in [None, *requests]],
+    )
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "llama", "qwen3-moe"])
 def test_base_and_two_adapters_in_one_batch_give_peft_merged_tokens(arch, adapters):
-    """The same prompt under the base model and two adapters, in one batch with prefix caching
-    on: each gets its own model's tokens (a block one computed is not served to another)."""
+    """The same prompt under the base model and two adapters, in one batch with prefix
+    caching on: each gets its own model's tokens (a block one computed is not served to
+    another)."""
     base, requests = adapters(arch)
     prompts, loras = mixed_batch(requests, random_prompts([40, 21], seed=11))
-    llm = LLM(base, enable_lora=True, max_loras=2, max_lora_rank=8, kvcache_block_size=16,
-              max_model_len=256)
+    llm = LLM(
+        base,
+        enable_lora=True,
+        max_loras=2,
+        max_lora_rank=8,
+        kvcache_block_size=16,
+        max_model_len=256,
+    )
     outputs = llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=loras)
     expected = peft_greedy(base, loras, prompts)
     assert token_ids(outputs) == expected
-    assert expected[0] != expected[1] and expected[0] != expected[2]  # the adapters matter
+    # the adapters matter
+    assert expected[0] != expected[1] and expected[0] != expected[2]
     # the same prompt again: each adapter's (and the base's) own blocks are hits
     again = llm.generate(prompts[:3], GREEDY, use_tqdm=False, lora_request=loras[:3])
     assert token_ids(again) == expected[:3]
@@ -113,21 +145,44 @@ def test_preemption_chunked_prefill_and_n_samples(adapters):
     base, requests = adapters("qwen3")
     prompts, loras = mixed_batch(requests, random_prompts([60, 33, 45], seed=12))
     params = SamplingParams(temperature=0, max_tokens=24, n=2)
-    llm = LLM(base, enable_lora=True, max_loras=2, max_lora_rank=8, kvcache_block_size=16,
-              num_kvcache_blocks=14, max_num_batched_tokens=32, max_model_len=256)
+    llm = LLM(
+        base,
+        enable_lora=True,
+        max_loras=2,
+        max_lora_rank=8,
+        kvcache_block_size=16,
+        num_kvcache_blocks=14,
+        max_num_batched_tokens=32,
+        max_model_len=256,
+    )
     outputs = llm.generate(prompts, params, use_tqdm=False, lora_request=loras)
     assert llm.engine.scheduler.num_preemptions > 0
     expected = peft_greedy(base, loras, prompts, params.max_tokens)
-    assert [[c.token_ids for c in o.outputs] for o in outputs] == [[e, e] for e in expected]
+    assert [[c.token_ids for c in o.outputs] for o in outputs] == [
+        [e, e] for e in expected
+    ]
 
 
 def test_speculative_decoding_verifies_under_each_rows_adapter(adapters):
-    """n-gram drafts verified in one step per sequence: each of its tokens under its adapter."""
+    """n-gram drafts verified in one step per sequence: each of its tokens under its
+    adapter."""
     base, requests = adapters("qwen3")
-    prompts, loras = mixed_batch(requests, [p * 3 for p in random_prompts([10, 12], seed=18)])
-    llm = LLM(base, enable_lora=True, max_loras=2, max_lora_rank=8, max_model_len=256,
-              speculative_config={"method": "ngram", "num_speculative_tokens": 3,
-                                  "prompt_lookup_min": 2, "prompt_lookup_max": 4})
+    prompts, loras = mixed_batch(
+        requests, [p * 3 for p in random_prompts([10, 12], seed=18)]
+    )
+    llm = LLM(
+        base,
+        enable_lora=True,
+        max_loras=2,
+        max_lora_rank=8,
+        max_model_len=256,
+        speculative_config={
+            "method": "ngram",
+            "num_speculative_tokens": 3,
+            "prompt_lookup_min": 2,
+            "prompt_lookup_max": 4,
+        },
+    )
     outputs = llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=loras)
     assert token_ids(outputs) == peft_greedy(base, loras, prompts)
     assert llm.stats().num_drafts > 0
@@ -136,15 +191,23 @@ def test_speculative_decoding_verifies_under_each_rows_adapter(adapters):
 def test_two_tensor_parallel_ranks_give_peft_merged_tokens(adapters):
     base, requests = adapters("qwen3")
     prompts, loras = mixed_batch(requests, random_prompts([40, 19], seed=13))
-    with LLM(base, enable_lora=True, max_loras=2, max_lora_rank=8, tensor_parallel_size=2,
-             kvcache_block_size=16, max_model_len=256) as llm:
+    with LLM(
+        base,
+        enable_lora=True,
+        max_loras=2,
+        max_lora_rank=8,
+        tensor_parallel_size=2,
+        kvcache_block_size=16,
+        max_model_len=256,
+    ) as llm:
         outputs = llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=loras)
     assert token_ids(outputs) == peft_greedy(base, loras, prompts)
 
 
 def test_one_slot_serves_two_adapters_in_turn(adapters):
-    """With max_loras=1 the engine holds one adapter's sequences at a time (the others wait
-    above it, in order); the base model's run beside them. Each gets its own tokens."""
+    """With max_loras=1 the engine holds one adapter's sequences at a time (the others
+    wait above it, in order); the base model's run beside them. Each gets its own
+    tokens."""
     base, requests = adapters("qwen3")
     prompts, loras = mixed_batch(requests, random_prompts([30, 17], seed=14))
     llm = LLM(base, enable_lora=True, max_loras=1, max_lora_rank=8, max_model_len=256)
@@ -153,8 +216,12 @@ def test_one_slot_serves_two_adapters_in_turn(adapters):
 
     def record(step):
         inputs = prepare(step)
-        steps.append({llm.engine.runner.extension.adapters.get(seq) for seq in step.seqs} - {None})
+        steps.append(
+            {llm.engine.runner.extension.adapters.get(seq) for seq in step.seqs}
+            - {None}
+        )
         return inputs
+
     llm.engine.runner.prepare_inputs = record
     outputs = llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=loras)
     assert token_ids(outputs) == peft_greedy(base, loras, prompts)
@@ -179,21 +246,33 @@ def test_a_request_waiting_for_a_slot_can_be_aborted(adapters):
 
 def test_slots_are_refilled_least_recently_used_first(adapters, tmp_path):
     base, (first, second) = adapters("qwen3")
-    third = LoRARequest("third", 3, write_adapter(base, str(tmp_path / "c"), 2, ["o_proj"], 3))
-    llm = LLM(base, enable_lora=True, max_loras=2, max_lora_rank=8, max_cpu_loras=2,
-              max_model_len=256)
+    third = LoRARequest(
+        "third", 3, write_adapter(base, str(tmp_path / "c"), 2, ["o_proj"], 3)
+    )
+    llm = LLM(
+        base,
+        enable_lora=True,
+        max_loras=2,
+        max_lora_rank=8,
+        max_cpu_loras=2,
+        max_model_len=256,
+    )
     runner = llm.engine.runner.extension
     prompt = random_prompts([20], seed=15)
     loads = []
     load = runner._load
-    runner._load = lambda slot, request: loads.append((slot, request.lora_name)) or load(
-        slot, request)
+    runner._load = lambda slot, request: (
+        loads.append((slot, request.lora_name)) or load(slot, request)
+    )
     for request in (first, second, first, third, first, second):
         output = llm.generate(prompt, GREEDY, use_tqdm=False, lora_request=request)
         assert token_ids(output) == peft_greedy(base, [request], prompt)
     # third evicts second (used before first's second run); second then evicts third
     assert loads == [(0, "qwen3-a"), (1, "qwen3-b"), (1, "third"), (1, "qwen3-b")]
-    assert [key[0] for key in runner.staged] == ["qwen3-a", "qwen3-b"]  # max_cpu_loras=2
+    assert [key[0] for key in runner.staged] == [
+        "qwen3-a",
+        "qwen3-b",
+    ]  # max_cpu_loras=2
 
 
 def test_rows_slots_stay_in_the_tensor_a_cuda_graph_reads():
@@ -204,16 +283,21 @@ def test_rows_slots_stay_in_the_tensor_a_cuda_graph_reads():
     assert rows.active
     rows.set(np.array([-1, -1]))
     assert not rows.active  # on CPU a batch of the base model skips the delta
-    rows.set(np.arange(10) % 2)  # a longer (eager) step: its own tensor, the graphs' untouched
-    assert rows.slots.tolist() == (np.arange(10) % 2).tolist() and rows.slots is not buffer
+    # a longer (eager) step: its own tensor, the graphs' untouched
+    rows.set(np.arange(10) % 2)
+    assert (
+        rows.slots.tolist() == (np.arange(10) % 2).tolist() and rows.slots is not buffer
+    )
 
 
 @pytest.mark.parametrize("delta", [lora_delta_torch, lora_delta_triton])
-@pytest.mark.parametrize("rows, dtype", [(1, torch.float32), (7, torch.float32),
-                                         (70, torch.bfloat16)])
+@pytest.mark.parametrize(
+    "rows, dtype", [(1, torch.float32), (7, torch.float32), (70, torch.bfloat16)]
+)
 def test_the_batched_delta_is_each_rows_own_adapter(delta, rows, dtype):
-    """y += B[slot] A[slot] x for each row (slot -1: nothing), the torch path and the Triton
-    kernels (under TRITON_INTERPRET=1 on CPU), tiles part-filled (in 72, out 130, ranks 20)."""
+    """y += B[slot] A[slot] x for each row (slot -1: nothing), the torch path and the
+    Triton kernels (under TRITON_INTERPRET=1 on CPU), tiles part-filled (in 72, out 130,
+    ranks 20)."""
     g = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, 72, generator=g).to(dtype)
     a = torch.randn(3, 20, 72, generator=g).to(dtype)
@@ -235,23 +319,32 @@ def test_the_batched_delta_is_each_rows_own_adapter(delta, rows, dtype):
 def test_lora_off_leaves_the_projections_alone(qwen3_path):
     llm = LLM(qwen3_path, max_model_len=128)
     assert llm.lora is None
-    assert not any(isinstance(getattr(m, "method", None), LoRALinear)
-                   for m in llm.engine.runner.model.modules())
-    with pytest.raises(ValueError, match="lora_request needs LoRA enabled: create the engine "
-                                         "with enable_lora=True"):
+    assert not any(
+        isinstance(getattr(m, "method", None), LoRALinear)
+        for m in llm.engine.runner.model.modules()
+    )
+    with pytest.raises(
+        ValueError,
+        match="lora_request needs LoRA enabled: create the engine "
+        "with enable_lora=True",
+    ):
         llm.generate([1, 2, 3], GREEDY, lora_request=LoRARequest("a", 1, "/nowhere"))
 
 
 def _broken(source: str, path, config=None, tensors=None) -> str:
-    """A copy of the adapter at `source` with its config updated and tensors replaced."""
+    """A copy of the adapter at `source` with its config updated and tensors
+    replaced."""
     os.makedirs(path)
     with open(f"{source}/adapter_config.json") as f:
         data = json.load(f)
     with open(f"{path}/adapter_config.json", "w") as f:
         json.dump({**data, **(config or {})}, f)
-    save_file(tensors if tensors is not None else
-              load_file(f"{source}/adapter_model.safetensors"),
-              f"{path}/adapter_model.safetensors")
+    save_file(
+        tensors
+        if tensors is not None
+        else load_file(f"{source}/adapter_model.safetensors"),
+        f"{path}/adapter_model.safetensors",
+    )
     return str(path)
 
 
@@ -262,52 +355,93 @@ def test_bad_adapters_are_refused_when_added_and_the_engine_goes_on(adapters, tm
     small = load_file(f"{second.lora_path}/adapter_model.safetensors")
     cases = {
         "cannot read .*adapter_config.json": str(tmp_path / "missing"),
-        "use_dora=True is not supported": _broken(first.lora_path, tmp_path / "dora",
-                                                  {"use_dora": True}),
-        "bias='all' is not supported": _broken(first.lora_path, tmp_path / "bias",
-                                               {"bias": "all"}),
-        "modules_to_save=.* is not supported": _broken(first.lora_path, tmp_path / "save",
-                                                       {"modules_to_save": ["lm_head"]}),
+        "use_dora=True is not supported": _broken(
+            first.lora_path, tmp_path / "dora", {"use_dora": True}
+        ),
+        "bias='all' is not supported": _broken(
+            first.lora_path, tmp_path / "bias", {"bias": "all"}
+        ),
+        "modules_to_save=.* is not supported": _broken(
+            first.lora_path, tmp_path / "save", {"modules_to_save": ["lm_head"]}
+        ),
         "rank 8 .* over max_lora_rank=4": first.lora_path,
         "targets model.layers.9.[a-z_.]+, which the model does not have": _broken(
-            first.lora_path, tmp_path / "layer9",
-            tensors={k.replace("layers.0.", "layers.9."): v for k, v in tensors.items()}),
+            first.lora_path,
+            tmp_path / "layer9",
+            tensors={
+                k.replace("layers.0.", "layers.9."): v for k, v in tensors.items()
+            },
+        ),
         "targets lm_head, which nanopaged does not adapt": _broken(
-            first.lora_path, tmp_path / "head", tensors={
+            first.lora_path,
+            tmp_path / "head",
+            tensors={
                 "base_model.model.lm_head.lora_A.weight": tensors[key],
-                "base_model.model.lm_head.lora_B.weight": torch.zeros(512, 8)}),
-        "do not fit the model": _broken(second.lora_path, tmp_path / "shape", tensors={
-            **small, next(k for k in small if "q_proj.lora_A" in k): torch.zeros(4, 48)}),
+                "base_model.model.lm_head.lora_B.weight": torch.zeros(512, 8),
+            },
+        ),
+        "do not fit the model": _broken(
+            second.lora_path,
+            tmp_path / "shape",
+            tensors={
+                **small,
+                next(k for k in small if "q_proj.lora_A" in k): torch.zeros(4, 48),
+            },
+        ),
     }
     llm = LLM(base, enable_lora=True, max_loras=1, max_lora_rank=4, max_model_len=128)
     for i, (message, path) in enumerate(cases.items()):
         with pytest.raises(ValueError, match=message):
-            llm.generate([1, 2, 3], GREEDY, use_tqdm=False,
-                         lora_request=LoRARequest(f"bad{i}", i + 1, path))
+            llm.generate(
+                [1, 2, 3],
+                GREEDY,
+                use_tqdm=False,
+                lora_request=LoRARequest(f"bad{i}", i + 1, path),
+            )
     with pytest.raises(ValueError, match="lora_request must be a LoRARequest"):
         llm.add_request([1, 2, 3], GREEDY, lora_request="qwen3-b")
     with pytest.raises(ValueError, match="lora_int_id must be an integer > 0"):
         LoRARequest("x", 0, second.lora_path)
     prompt = random_prompts([20], seed=16)
-    assert token_ids(llm.generate(prompt, GREEDY, use_tqdm=False, lora_request=second)) == \
-        peft_greedy(base, [second], prompt)
+    assert token_ids(
+        llm.generate(prompt, GREEDY, use_tqdm=False, lora_request=second)
+    ) == peft_greedy(base, [second], prompt)
 
 
-def test_the_server_answers_the_base_model_and_two_adapters_in_one_run(adapters, monkeypatch):
-    """`--lora-modules` in both of vLLM's forms; each model's text (streamed too) equals the
-    offline engine's; adapters loaded and unloaded at run time as vLLM's endpoints do."""
+def test_the_server_answers_the_base_model_and_two_adapters_in_one_run(
+    adapters, monkeypatch
+):
+    """`--lora-modules` in both of vLLM's forms; each model's text (streamed too) equals
+    the offline engine's; adapters loaded and unloaded at run time as vLLM's endpoints
+    do."""
     import httpx
+
     openai = pytest.importorskip("openai")
     from test_server import Server
+
     base, (first, second) = adapters("qwen3")
     monkeypatch.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "true")
-    server = Server(base, "--max-model-len", "256", "--enable-lora", "--max-loras", "2",
-                    "--max-lora-rank", "8", "--lora-modules", f"a={first.lora_path}",
-                    json.dumps({"name": "b", "path": second.lora_path, "base_model_name": "tiny"}))
+    server = Server(
+        base,
+        "--max-model-len",
+        "256",
+        "--enable-lora",
+        "--max-loras",
+        "2",
+        "--max-lora-rank",
+        "8",
+        "--lora-modules",
+        f"a={first.lora_path}",
+        json.dumps({"name": "b", "path": second.lora_path, "base_model_name": "tiny"}),
+    )
     llm = LLM(base, enable_lora=True, max_loras=2, max_lora_rank=8, max_model_len=256)
     prompt = "LoRA adds a low-rank update to each projection"
-    expected = {name: llm.generate(prompt, GREEDY, use_tqdm=False, lora_request=lora)[0]
-                .outputs[0].text for name, lora in (("tiny", None), ("a", first), ("b", second))}
+    expected = {
+        name: llm.generate(prompt, GREEDY, use_tqdm=False, lora_request=lora)[0]
+        .outputs[0]
+        .text
+        for name, lora in (("tiny", None), ("a", first), ("b", second))
+    }
     assert len(set(expected.values())) == 3
     client = server.client
     try:
@@ -316,12 +450,15 @@ def test_the_server_answers_the_base_model_and_two_adapters_in_one_run(adapters,
         assert (models["a"].root, models["a"].parent) == (first.lora_path, "tiny")
 
         def complete(name: str) -> tuple[str, str]:
-            whole = client.completions.create(model=name, prompt=prompt, max_tokens=16,
-                                              temperature=0)
-            stream = client.completions.create(model=name, prompt=prompt, max_tokens=16,
-                                               temperature=0, stream=True)
+            whole = client.completions.create(
+                model=name, prompt=prompt, max_tokens=16, temperature=0
+            )
+            stream = client.completions.create(
+                model=name, prompt=prompt, max_tokens=16, temperature=0, stream=True
+            )
             assert whole.model == name
             return whole.choices[0].text, "".join(c.choices[0].text for c in stream)
+
         with concurrent.futures.ThreadPoolExecutor(6) as pool:
             answers = dict(zip(expected, pool.map(complete, [*expected] * 2)))
         assert answers == {name: (text, text) for name, text in expected.items()}
@@ -329,13 +466,22 @@ def test_the_server_answers_the_base_model_and_two_adapters_in_one_run(adapters,
             client.completions.create(model="c", prompt=prompt, max_tokens=2)
 
         def post(path: str, **body) -> httpx.Response:
-            return httpx.post(f"{server.url}/v1/{path}_lora_adapter", json=body, timeout=60)
+            return httpx.post(
+                f"{server.url}/v1/{path}_lora_adapter", json=body, timeout=60
+            )
+
         assert post("load", lora_name="c", lora_path="/nowhere").status_code == 400
         loaded = post("load", lora_name="c", lora_path=first.lora_path)
         assert loaded.status_code == 200 and "added successfully" in loaded.text
         assert post("load", lora_name="c", lora_path=first.lora_path).status_code == 400
-        assert client.completions.create(model="c", prompt=prompt, max_tokens=16,
-                                         temperature=0).choices[0].text == expected["a"]
+        assert (
+            client.completions.create(
+                model="c", prompt=prompt, max_tokens=16, temperature=0
+            )
+            .choices[0]
+            .text
+            == expected["a"]
+        )
         assert post("unload", lora_name="c").status_code == 200
         assert post("unload", lora_name="c").status_code == 404
         assert [m.id for m in client.models.list().data] == ["tiny", "a", "b"]
@@ -343,38 +489,64 @@ def test_the_server_answers_the_base_model_and_two_adapters_in_one_run(adapters,
             client.completions.create(model="c", prompt=prompt, max_tokens=2)
     finally:
         assert server.stop()
-    refused = subprocess.run([sys.executable, "-m", "nanopaged", "serve", base, "--enable-lora",
-                              "--lora-modules", "x=/nowhere"], capture_output=True, text=True,
-                             timeout=120)
+    refused = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "nanopaged",
+            "serve",
+            base,
+            "--enable-lora",
+            "--lora-modules",
+            "x=/nowhere",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert refused.returncode != 0 and "LoRA adapter 'x': cannot read" in refused.stderr
 
 
-def test_the_runtime_adapter_endpoints_are_off_without_vllms_variable(adapters, qwen3_path):
+def test_the_runtime_adapter_endpoints_are_off_without_vllms_variable(
+    adapters, qwen3_path
+):
     from test_server import Server
+
     server = Server(qwen3_path, "--max-model-len", "128")
     try:
         import httpx
-        response = httpx.post(f"{server.url}/v1/load_lora_adapter",
-                              json={"lora_name": "a", "lora_path": "/x"})
+
+        response = httpx.post(
+            f"{server.url}/v1/load_lora_adapter",
+            json={"lora_name": "a", "lora_path": "/x"},
+        )
         assert response.status_code == 404
     finally:
         assert server.stop()
 
 
 def test_an_adapter_removed_and_rewritten_is_read_again_and_its_blocks_not_served(
-        adapters, tmp_path):
-    """`remove_lora` forgets the adapter's copies and its cached prefixes: new files at the
-    same path give the new adapter's tokens, with no block of the old one served."""
+    adapters, tmp_path
+):
+    """`remove_lora` forgets the adapter's copies and its cached prefixes: new files at
+    the same path give the new adapter's tokens, with no block of the old one served."""
     base, (first, _) = adapters("qwen3")
     path = write_adapter(base, str(tmp_path / "x"), 4, ["q_proj"], 5)
     lora = LoRARequest("x", 7, path)
-    llm = LLM(base, enable_lora=True, max_loras=2, max_lora_rank=8, kvcache_block_size=16,
-              max_model_len=256)
+    llm = LLM(
+        base,
+        enable_lora=True,
+        max_loras=2,
+        max_lora_rank=8,
+        kvcache_block_size=16,
+        max_model_len=256,
+    )
     assert llm.add_lora(lora) and llm.list_loras() == {7}
     prompt = random_prompts([40], seed=17)
     old = llm.generate(prompt, GREEDY, use_tqdm=False, lora_request=lora)
     assert token_ids(old) == peft_greedy(base, [lora], prompt)
-    for name in os.listdir(first.lora_path):  # the same directory now holds another adapter
+    # the same directory now holds another adapter
+    for name in os.listdir(first.lora_path):
         shutil.copy(os.path.join(first.lora_path, name), path)
     assert llm.remove_lora(7) and not llm.remove_lora(7) and llm.list_loras() == set()
     new = llm.generate(prompt, GREEDY, use_tqdm=False, lora_request=lora)

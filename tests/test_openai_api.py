@@ -1,6 +1,8 @@
-"""Every request field the server takes does what OpenAI and vLLM say, or is refused by name;
-the endpoints clients probe (/tokenize, /detokenize, /version, /v1/models/{id}) answer as
-vLLM's; the command line and a shutdown mid-stream behave as a newcomer expects."""
+"""Every request field the server takes does what OpenAI and vLLM say, or is refused by
+name; the endpoints clients probe (/tokenize, /detokenize, /version, /v1/models/{id})
+answer as vLLM's; the command line and a shutdown mid-stream behave as a newcomer
+expects."""
+
 import json
 import os
 import signal
@@ -9,9 +11,9 @@ import sys
 
 import httpx
 import pytest
+from test_server import OPTIONS, ROOT, Server
 
 from nanopaged import LLM, SamplingParams
-from test_server import OPTIONS, ROOT, Server
 
 openai = pytest.importorskip("openai")
 PROMPT = "Paged attention stores the key and value cache"
@@ -34,61 +36,120 @@ def post(server, path: str, **body) -> httpx.Response:
 
 
 def test_echo_with_logprobs_is_the_prompts_logprobs_then_the_completions(server, llm):
-    """What lm-eval's loglikelihood asks: the prompt's tokens scored, with max_tokens 1 or 0."""
+    """What lm-eval's loglikelihood asks: the prompt's tokens scored, with max_tokens 1
+    or 0."""
     ids = llm.tokenizer.encode(PROMPT)
-    [offline] = llm.generate([ids], SamplingParams(temperature=0, max_tokens=1, logprobs=1,
-                                                   prompt_logprobs=1), use_tqdm=False)
+    [offline] = llm.generate(
+        [ids],
+        SamplingParams(temperature=0, max_tokens=1, logprobs=1, prompt_logprobs=1),
+        use_tqdm=False,
+    )
     for max_tokens in (1, 0):
-        choice = post(server, "/v1/completions", prompt=PROMPT, max_tokens=max_tokens,
-                      temperature=0, logprobs=1, echo=True).json()["choices"][0]
+        choice = post(
+            server,
+            "/v1/completions",
+            prompt=PROMPT,
+            max_tokens=max_tokens,
+            temperature=0,
+            logprobs=1,
+            echo=True,
+        ).json()["choices"][0]
         generated = offline.outputs[0].token_ids[:max_tokens]
-        assert choice["text"] == PROMPT + offline.outputs[0].text[:len(choice["text"])
-                                                                   - len(PROMPT)]
+        assert (
+            choice["text"]
+            == PROMPT + offline.outputs[0].text[: len(choice["text"]) - len(PROMPT)]
+        )
         logprobs = choice["logprobs"]
         tokens = ids + generated
         assert logprobs["tokens"] == [llm.tokenizer.decode([t]) for t in tokens]
-        expected = [None] + [e[t].logprob for t, e in zip(ids[1:], offline.prompt_logprobs[1:])]
-        expected += [e[t].logprob for t, e in zip(generated, offline.outputs[0].logprobs)]
-        assert logprobs["token_logprobs"][0] is None and logprobs["top_logprobs"][0] is None
+        expected = [None] + [
+            e[t].logprob for t, e in zip(ids[1:], offline.prompt_logprobs[1:])
+        ]
+        expected += [
+            e[t].logprob for t, e in zip(generated, offline.outputs[0].logprobs)
+        ]
+        assert (
+            logprobs["token_logprobs"][0] is None
+            and logprobs["top_logprobs"][0] is None
+        )
         assert logprobs["token_logprobs"][1:] == pytest.approx(expected[1:], abs=1e-5)
-        offsets = [sum(len(t) for t in logprobs["tokens"][:i]) for i in range(len(tokens))]
+        offsets = [
+            sum(len(t) for t in logprobs["tokens"][:i]) for i in range(len(tokens))
+        ]
         assert logprobs["text_offset"] == offsets
-        assert choice["finish_reason"] == (offline.outputs[0].finish_reason if max_tokens
-                                           else "length")
+        assert choice["finish_reason"] == (
+            offline.outputs[0].finish_reason if max_tokens else "length"
+        )
 
 
 def test_vllm_sampling_fields_are_honoured(server, llm):
-    fields = dict(stop_token_ids=[7], include_stop_str_in_output=True, repetition_penalty=1.3,
-                  min_p=0.1, frequency_penalty=0.4, presence_penalty=0.2, top_k=40,
-                  skip_special_tokens=False, ignore_eos=True, min_tokens=2,
-                  logit_bias={"101": 5.0}, bad_words=["memory"], allowed_token_ids=None)
-    params = dict(fields, logit_bias={101: 5.0}, temperature=0, max_tokens=20, prompt_logprobs=2)
+    fields = dict(
+        stop_token_ids=[7],
+        include_stop_str_in_output=True,
+        repetition_penalty=1.3,
+        min_p=0.1,
+        frequency_penalty=0.4,
+        presence_penalty=0.2,
+        top_k=40,
+        skip_special_tokens=False,
+        ignore_eos=True,
+        min_tokens=2,
+        logit_bias={"101": 5.0},
+        bad_words=["memory"],
+        allowed_token_ids=None,
+    )
+    params = dict(
+        fields, logit_bias={101: 5.0}, temperature=0, max_tokens=20, prompt_logprobs=2
+    )
     [offline] = llm.generate([PROMPT], SamplingParams(**params), use_tqdm=False)
-    body = post(server, "/v1/completions", prompt=PROMPT, temperature=0, max_tokens=20,
-                prompt_logprobs=2, **fields).json()
+    body = post(
+        server,
+        "/v1/completions",
+        prompt=PROMPT,
+        temperature=0,
+        max_tokens=20,
+        prompt_logprobs=2,
+        **fields,
+    ).json()
     assert body["choices"][0]["text"] == offline.outputs[0].text
     assert body["usage"]["completion_tokens"] == len(offline.outputs[0].token_ids)
 
 
 def test_completions_return_the_prompt_logprobs_asked_for(server, llm):
-    """vLLM's `prompt_logprobs` field: each choice (and the first chunk of a streamed one) has,
-    per prompt token (None for the first), the logprob, rank and text of it and the top k."""
+    """vLLM's `prompt_logprobs` field: each choice (and the first chunk of a streamed
+    one) has, per prompt token (None for the first), the logprob, rank and text of it
+    and the top k."""
     ids = llm.tokenizer.encode(PROMPT)
-    [offline] = llm.generate([ids], SamplingParams(temperature=0, max_tokens=2,
-                                                   prompt_logprobs=2), use_tqdm=False)
-    body = dict(model="tiny", prompt=PROMPT, temperature=0, max_tokens=2, prompt_logprobs=2)
+    [offline] = llm.generate(
+        [ids],
+        SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=2),
+        use_tqdm=False,
+    )
+    body = dict(
+        model="tiny", prompt=PROMPT, temperature=0, max_tokens=2, prompt_logprobs=2
+    )
     whole = httpx.post(server.url + "/v1/completions", json=body).json()["choices"][0]
-    with httpx.stream("POST", server.url + "/v1/completions", json=dict(body, stream=True)) as r:
-        first = json.loads(next(line for line in r.iter_lines() if line)[6:])["choices"][0]
+    with httpx.stream(
+        "POST", server.url + "/v1/completions", json=dict(body, stream=True)
+    ) as r:
+        first = json.loads(next(line for line in r.iter_lines() if line)[6:])[
+            "choices"
+        ][0]
     for got in (whole["prompt_logprobs"], first["prompt_logprobs"]):
         assert got[0] is None and len(got) == len(ids)
         for entry, expected in zip(got[1:], offline.prompt_logprobs[1:]):
             assert set(entry) == {str(t) for t in expected}
             for token, logprob in expected.items():
-                assert entry[str(token)]["logprob"] == pytest.approx(logprob.logprob, abs=1e-5)
-                assert (entry[str(token)]["rank"], entry[str(token)]["decoded_token"]) == (
-                    logprob.rank, logprob.decoded_token)
-    plain = post(server, "/v1/completions", prompt=PROMPT, max_tokens=1).json()["choices"][0]
+                assert entry[str(token)]["logprob"] == pytest.approx(
+                    logprob.logprob, abs=1e-5
+                )
+                assert (
+                    entry[str(token)]["rank"],
+                    entry[str(token)]["decoded_token"],
+                ) == (logprob.rank, logprob.decoded_token)
+    plain = post(server, "/v1/completions", prompt=PROMPT, max_tokens=1).json()[
+        "choices"
+    ][0]
     assert plain["prompt_logprobs"] is None
 
 
@@ -97,92 +158,207 @@ BAD_VALUES = ["x", -1, 1.5, [], [1, "a"], {"a": {}}, True]
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 def test_no_value_of_any_field_is_a_500(server, path):
-    """Every field the server takes, given values of the wrong type or range: a 400 that names
-    a field (or a 200 where the value is fine), never a 500, and the server serves on."""
-    from nanopaged.openai_api import CHAT_FIELDS, COMPLETION_FIELDS
+    """Every field the server takes, given values of the wrong type or range: a 400 that
+    names a field (or a 200 where the value is fine), never a 500, and the server serves
+    on."""
     from concurrent.futures import ThreadPoolExecutor
+
+    from nanopaged.openai_api import CHAT_FIELDS, COMPLETION_FIELDS
+
     chat = path.endswith("chat/completions")
-    base = {"messages": [{"role": "user", "content": "hi"}]} if chat else {"prompt": "hi"}
-    cases = [(field, value) for field in sorted(CHAT_FIELDS if chat else COMPLETION_FIELDS)
-             for value in BAD_VALUES]
+    base = (
+        {"messages": [{"role": "user", "content": "hi"}]} if chat else {"prompt": "hi"}
+    )
+    cases = [
+        (field, value)
+        for field in sorted(CHAT_FIELDS if chat else COMPLETION_FIELDS)
+        for value in BAD_VALUES
+    ]
 
     def send(case):  # many at once: the engine batches them
         field, value = case
         body = {"model": "tiny", **base, "max_tokens": 2, field: value}
         return case, client.post(server.url + path, json=body)
+
     with ThreadPoolExecutor(4) as pool, httpx.Client(timeout=120) as client:
         responses = list(pool.map(send, cases))
     for (field, value), response in responses:
         assert response.status_code in (200, 400, 404), (field, value, response.text)
         if response.status_code == 400:
             assert response.json()["error"]["message"], (field, value)
-    assert 400 in {response.status_code for _, response in responses} and server.healthy()
+    assert (
+        400 in {response.status_code for _, response in responses} and server.healthy()
+    )
 
 
 def test_openai_penalties_and_logit_bias_through_the_client(server, llm):
-    [offline] = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=16,
-                                                      frequency_penalty=1.0, presence_penalty=0.5,
-                                                      logit_bias={202: 3.0}), use_tqdm=False)
-    result = server.client.completions.create(model="tiny", prompt=PROMPT, max_tokens=16,
-                                              temperature=0, frequency_penalty=1.0,
-                                              presence_penalty=0.5, logit_bias={"202": 3.0})
+    [offline] = llm.generate(
+        [PROMPT],
+        SamplingParams(
+            temperature=0,
+            max_tokens=16,
+            frequency_penalty=1.0,
+            presence_penalty=0.5,
+            logit_bias={202: 3.0},
+        ),
+        use_tqdm=False,
+    )
+    result = server.client.completions.create(
+        model="tiny",
+        prompt=PROMPT,
+        max_tokens=16,
+        temperature=0,
+        frequency_penalty=1.0,
+        presence_penalty=0.5,
+        logit_bias={"202": 3.0},
+    )
     assert result.choices[0].text == offline.outputs[0].text
 
 
 def test_content_parts_and_tool_messages_reach_the_template(server, llm):
-    messages = [{"role": "user", "content": [{"type": "text", "text": "Weather in Paris?"}]},
-                {"role": "assistant", "content": None, "tool_calls": [
-                    {"id": "c0", "type": "function",
-                     "function": {"name": "weather", "arguments": "{\"city\": \"Paris\"}"}}]},
-                {"role": "tool", "tool_call_id": "c0", "content": "sunny"}]
-    template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] or '' }}"
-                "{% for c in m.get('tool_calls') or [] %}{{ c['function']['arguments']['city'] }}"
-                "{% endfor %}{% if tools %} [{{ tools | length }} tools]{% endif %}\n{% endfor %}"
-                "{% if add_generation_prompt %}assistant:{% endif %}{{ extra or '' }}")
+    messages = [
+        {"role": "user", "content": [{"type": "text", "text": "Weather in Paris?"}]},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "c0",
+                    "type": "function",
+                    "function": {"name": "weather", "arguments": '{"city": "Paris"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "c0", "content": "sunny"},
+    ]
+    template = (
+        "{% for m in messages %}{{ m['role'] }}: {{ m['content'] or '' }}"
+        "{% for c in m.get('tool_calls') or [] %}"
+        "{{ c['function']['arguments']['city'] }}{% endfor %}"
+        "{% if tools %} [{{ tools | length }} tools]{% endif %}\n{% endfor %}"
+        "{% if add_generation_prompt %}assistant:{% endif %}{{ extra or '' }}"
+    )
     tools = [{"type": "function", "function": {"name": "weather", "parameters": {}}}]
-    [offline] = llm.chat(messages, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False,
-                         chat_template=template, tools=tools,
-                         chat_template_kwargs={"extra": "!"})
-    assert offline.prompt.startswith("user: Weather in Paris? [1 tools]assistant: Paris")
+    [offline] = llm.chat(
+        messages,
+        SamplingParams(temperature=0, max_tokens=8),
+        use_tqdm=False,
+        chat_template=template,
+        tools=tools,
+        chat_template_kwargs={"extra": "!"},
+    )
+    assert offline.prompt.startswith(
+        "user: Weather in Paris? [1 tools]assistant: Paris"
+    )
     result = server.client.chat.completions.create(
-        model="tiny", messages=messages, max_tokens=8, temperature=0, tools=tools,
-        extra_body={"chat_template": template, "chat_template_kwargs": {"extra": "!"}})
+        model="tiny",
+        messages=messages,
+        max_tokens=8,
+        temperature=0,
+        tools=tools,
+        extra_body={"chat_template": template, "chat_template_kwargs": {"extra": "!"}},
+    )
     assert result.choices[0].message.content == offline.outputs[0].text
     assert result.usage.prompt_tokens == len(offline.prompt_token_ids)
-    tokenized = post(server, "/tokenize", messages=messages, chat_template=template, tools=tools,
-                     chat_template_kwargs={"extra": "!"}).json()
+    tokenized = post(
+        server,
+        "/tokenize",
+        messages=messages,
+        chat_template=template,
+        tools=tools,
+        chat_template_kwargs={"extra": "!"},
+    ).json()
     assert tokenized["tokens"] == offline.prompt_token_ids
 
 
 def test_continue_final_message_and_no_generation_prompt(server, llm):
-    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "It is"}]
-    [offline] = llm.chat(messages, SamplingParams(temperature=0, max_tokens=6), use_tqdm=False,
-                         add_generation_prompt=False, continue_final_message=True)
-    body = post(server, "/v1/chat/completions", messages=messages, max_tokens=6, temperature=0,
-                add_generation_prompt=False, continue_final_message=True).json()
+    messages = [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "It is"},
+    ]
+    [offline] = llm.chat(
+        messages,
+        SamplingParams(temperature=0, max_tokens=6),
+        use_tqdm=False,
+        add_generation_prompt=False,
+        continue_final_message=True,
+    )
+    body = post(
+        server,
+        "/v1/chat/completions",
+        messages=messages,
+        max_tokens=6,
+        temperature=0,
+        add_generation_prompt=False,
+        continue_final_message=True,
+    ).json()
     assert body["choices"][0]["message"]["content"] == offline.outputs[0].text
     assert body["usage"]["prompt_tokens"] == len(offline.prompt_token_ids)
 
 
-@pytest.mark.parametrize("path, body, param, message", [
-    ("/v1/completions", {"prompt": "hi", "suffix": "end"}, "suffix", "fill-in-the-middle"),
-    ("/v1/completions", {"prompt": "hi", "best_of": 3}, None, "best_of=3 > n=1 is not supported"),
-    ("/v1/completions", {"prompt": "hi", "use_beam_search": True}, "use_beam_search",
-     "use_beam_search is not supported by this server"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
-                              "response_format": {"type": "text"}, "reasoning_effort": "low"},
-     "reasoning_effort", "reasoning_effort is not supported"),
-    ("/v1/completions", {"prompt": "hi", "max_tokens": 600}, None,
-     "maximum context length is 512 tokens. However, you requested 602 tokens"),
-    ("/v1/completions", {"prompt": "hi", "logit_bias": {"x": 1}}, "logit_bias",
-     "logit_bias must have token ids as keys"),
-    ("/v1/completions", {"prompt": "hi", "stream_options": {"include_usage": True, "x": 1}},
-     "stream_options", "stream_options must be an object with include_usage"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
-                              "add_generation_prompt": "yes"}, "add_generation_prompt",
-     "add_generation_prompt must be true or false"),
-])
-def test_fields_that_are_not_honoured_are_refused_by_name(server, path, body, param, message):
+@pytest.mark.parametrize(
+    "path, body, param, message",
+    [
+        (
+            "/v1/completions",
+            {"prompt": "hi", "suffix": "end"},
+            "suffix",
+            "fill-in-the-middle",
+        ),
+        (
+            "/v1/completions",
+            {"prompt": "hi", "best_of": 3},
+            None,
+            "best_of=3 > n=1 is not supported",
+        ),
+        (
+            "/v1/completions",
+            {"prompt": "hi", "use_beam_search": True},
+            "use_beam_search",
+            "use_beam_search is not supported by this server",
+        ),
+        (
+            "/v1/chat/completions",
+            {
+                "messages": [{"role": "user", "content": "hi"}],
+                "response_format": {"type": "text"},
+                "reasoning_effort": "low",
+            },
+            "reasoning_effort",
+            "reasoning_effort is not supported",
+        ),
+        (
+            "/v1/completions",
+            {"prompt": "hi", "max_tokens": 600},
+            None,
+            "maximum context length is 512 tokens. However, you requested 602 tokens",
+        ),
+        (
+            "/v1/completions",
+            {"prompt": "hi", "logit_bias": {"x": 1}},
+            "logit_bias",
+            "logit_bias must have token ids as keys",
+        ),
+        (
+            "/v1/completions",
+            {"prompt": "hi", "stream_options": {"include_usage": True, "x": 1}},
+            "stream_options",
+            "stream_options must be an object with include_usage",
+        ),
+        (
+            "/v1/chat/completions",
+            {
+                "messages": [{"role": "user", "content": "hi"}],
+                "add_generation_prompt": "yes",
+            },
+            "add_generation_prompt",
+            "add_generation_prompt must be true or false",
+        ),
+    ],
+)
+def test_fields_that_are_not_honoured_are_refused_by_name(
+    server, path, body, param, message
+):
     response = post(server, path, **body)
     assert response.status_code == 400
     error = response.json()["error"]
@@ -192,8 +368,12 @@ def test_fields_that_are_not_honoured_are_refused_by_name(server, path, body, pa
 def test_tokenize_and_detokenize_as_vllm(server, llm):
     tokenized = post(server, "/tokenize", prompt=PROMPT, return_token_strs=True).json()
     ids = llm.tokenizer.encode(PROMPT)
-    assert tokenized == {"count": len(ids), "max_model_len": 512, "tokens": ids,
-                         "token_strs": llm.tokenizer.convert_ids_to_tokens(ids)}
+    assert tokenized == {
+        "count": len(ids),
+        "max_model_len": 512,
+        "tokens": ids,
+        "token_strs": llm.tokenizer.convert_ids_to_tokens(ids),
+    }
     assert post(server, "/detokenize", tokens=ids).json() == {"prompt": PROMPT}
     assert post(server, "/detokenize", tokens=[99999]).status_code == 400
     info = httpx.get(server.url + "/tokenizer_info").json()
@@ -209,37 +389,58 @@ def test_models_version_and_not_found(server):
     assert httpx.get(server.url + "/version").json()["version"]
     missing = httpx.get(server.url + "/v1/nothing-here")
     assert missing.status_code == 404 and set(missing.json()["error"]) == {
-        "message", "type", "param", "code"}
+        "message",
+        "type",
+        "param",
+        "code",
+    }
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "nanopaged", "serve", *args], cwd=ROOT,
-                          capture_output=True, text=True, timeout=120,
-                          env=dict(os.environ, PYTHONPATH=ROOT, HF_HUB_OFFLINE="1"))
+    return subprocess.run(
+        [sys.executable, "-m", "nanopaged", "serve", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=dict(os.environ, PYTHONPATH=ROOT, HF_HUB_OFFLINE="1"),
+    )
 
 
 def test_the_command_line_as_a_newcomer_meets_it(qwen3_path, tmp_path):
     help_text = run_cli("--help").stdout
     assert "--max-model-len" in help_text and "longest prompt + completion" in help_text
     assert "(default: 512)" in help_text  # max_num_seqs
-    for args, message in [((qwen3_path, "--max-num-seqs", "0"), "max_num_seqs must be >= 1"),
-                          ((str(tmp_path / "none"),), f"'{tmp_path / 'none'}': no such "
-                                                      f"directory")]:
+    for args, message in [
+        ((qwen3_path, "--max-num-seqs", "0"), "max_num_seqs must be >= 1"),
+        ((str(tmp_path / "none"),), f"'{tmp_path / 'none'}': no such directory"),
+    ]:
         result = run_cli(*args)
         assert result.returncode != 0 and "Traceback" not in result.stderr
         assert len(result.stderr.strip().splitlines()) == 1 and message in result.stderr
 
 
-@pytest.mark.parametrize("entry", [("-m", "nanopaged.server", "{model}"), (
-    "-m", "nanopaged.entrypoints.openai.api_server", "--model", "{model}")])
+@pytest.mark.parametrize(
+    "entry",
+    [
+        ("-m", "nanopaged.server", "{model}"),
+        ("-m", "nanopaged.entrypoints.openai.api_server", "--model", "{model}"),
+    ],
+)
 def test_the_server_at_its_module_paths(qwen3_path, entry):
     """`python -m nanopaged.server MODEL` and vLLM's `python -m
-    nanopaged.entrypoints.openai.api_server --model MODEL` serve as `nanopaged serve` does."""
-    server = Server(qwen3_path, entry=tuple(arg.format(model=qwen3_path) for arg in entry))
+    nanopaged.entrypoints.openai.api_server --model MODEL` serve as `nanopaged serve`
+    does."""
+    server = Server(
+        qwen3_path, entry=tuple(arg.format(model=qwen3_path) for arg in entry)
+    )
     try:
-        assert [m["id"] for m in httpx.get(server.url + "/v1/models").json()["data"]] == ["tiny"]
-        completion = server.client.completions.create(model="tiny", prompt=[5, 6, 7],
-                                                      max_tokens=3, temperature=0)
+        assert [
+            m["id"] for m in httpx.get(server.url + "/v1/models").json()["data"]
+        ] == ["tiny"]
+        completion = server.client.completions.create(
+            model="tiny", prompt=[5, 6, 7], max_tokens=3, temperature=0
+        )
         assert completion.choices[0].finish_reason in ("stop", "length")
     finally:
         server.stop()
@@ -247,40 +448,64 @@ def test_the_server_at_its_module_paths(qwen3_path, entry):
 
 def test_a_shutdown_mid_stream_ends_the_stream_cleanly(qwen3_path):
     server = Server(qwen3_path, *OPTIONS)
-    with httpx.stream("POST", server.url + "/v1/completions", timeout=60,
-                      json={"prompt": PROMPT, "max_tokens": 400, "ignore_eos": True,
-                            "stream": True}) as response:
+    with httpx.stream(
+        "POST",
+        server.url + "/v1/completions",
+        timeout=60,
+        json={"prompt": PROMPT, "max_tokens": 400, "ignore_eos": True, "stream": True},
+    ) as response:
         lines = response.iter_lines()
         assert next(line for line in lines if line.startswith("data:"))
         server.process.send_signal(signal.SIGTERM)
         rest = [line for line in lines if line.startswith("data:")]
-    assert rest[-1] == "data: [DONE]" and "shutting down" in json.loads(rest[-2][5:])["error"][
-        "message"]
+    assert (
+        rest[-1] == "data: [DONE]"
+        and "shutting down" in json.loads(rest[-2][5:])["error"]["message"]
+    )
     server.process.wait(timeout=60)
     assert "CancelledError" not in server.process.stderr.read()
 
 
 def test_the_random_checkpoint_command_says_what_it_wrote(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "nanopaged.random_checkpoint", str(tmp_path)],
-                            cwd=ROOT, capture_output=True, text=True, timeout=120,
-                            env=dict(os.environ, PYTHONPATH=ROOT))
+    result = subprocess.run(
+        [sys.executable, "-m", "nanopaged.random_checkpoint", str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=dict(os.environ, PYTHONPATH=ROOT),
+    )
     assert result.returncode == 0 and str(tmp_path) in result.stdout
     assert "nanopaged serve" in result.stdout
-    assert LLM(str(tmp_path), max_model_len=64).generate(
-        "hi", SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids
+    assert (
+        LLM(str(tmp_path), max_model_len=64)
+        .generate("hi", SamplingParams(max_tokens=2), use_tqdm=False)[0]
+        .outputs[0]
+        .token_ids
+    )
 
 
 def test_the_request_of_vllms_benchmark_serving_openai_chat_backend(server, llm):
-    """The payload vLLM's benchmark_serving.py sends with `--backend openai-chat`, read the
-    way it reads the stream: content deltas, then the usage."""
+    """The payload vLLM's benchmark_serving.py sends with `--backend openai-chat`, read
+    the way it reads the stream: content deltas, then the usage."""
     prompt = "Paged attention stores the cache in blocks. " * 20
-    payload = {"model": "tiny", "messages": [{"role": "user", "content": [
-                   {"type": "text", "text": prompt}]}],
-               "temperature": 0.0, "max_completion_tokens": 12, "stream": True,
-               "stream_options": {"include_usage": True}, "ignore_eos": True}
+    payload = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": [{"type": "text", "text": prompt}]}],
+        "temperature": 0.0,
+        "max_completion_tokens": 12,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "ignore_eos": True,
+    }
     generated, usage = "", None
-    with httpx.stream("POST", server.url + "/v1/chat/completions", json=payload,
-                      headers={"Authorization": "Bearer none"}, timeout=60) as response:
+    with httpx.stream(
+        "POST",
+        server.url + "/v1/chat/completions",
+        json=payload,
+        headers={"Authorization": "Bearer none"},
+        timeout=60,
+    ) as response:
         assert response.status_code == 200
         for line in response.iter_lines():
             chunk = line.removeprefix("data: ")
@@ -290,7 +515,9 @@ def test_the_request_of_vllms_benchmark_serving_openai_chat_backend(server, llm)
             if data["choices"]:
                 generated += data["choices"][0]["delta"].get("content") or ""
             usage = data.get("usage") or usage
-    [offline] = llm.chat([{"role": "user", "content": prompt}],
-                         SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
-                         use_tqdm=False)
+    [offline] = llm.chat(
+        [{"role": "user", "content": prompt}],
+        SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+        use_tqdm=False,
+    )
     assert generated == offline.outputs[0].text and usage["completion_tokens"] == 12

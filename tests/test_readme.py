@@ -1,12 +1,15 @@
-"""Every code block of the README and of each page of docs/ runs, or is checked, as written.
+"""Every code block of the README and of each page of docs/ runs, or is checked, as
+written.
 
-Python blocks run in order, one session a page: the offline ones, then those that talk to a
-server against the server the README starts (with a random-weight checkpoint for the model ids
-and a free port for 8000). A shell block's every command is one this test knows how to check:
-`pip install` (what CI does), `nanopaged serve` and the server's module paths (parsed as the
-server parses them, the README's started), `curl` (run against that server), `python bench.py`
-and `python example.py` (parsed by tests/test_bench.py, and run by tests/test_example.py).
+Python blocks run in order, one session a page: the offline ones, then those that talk
+to a server against the server the README starts (with a random-weight checkpoint for
+the model ids and a free port for 8000). A shell block's every command is one this test
+knows how to check: `pip install` (what CI does), `nanopaged serve` and the server's
+module paths (parsed as the server parses them, the README's started), `curl` (run
+against that server), `python bench.py` and `python example.py` (parsed by
+tests/test_bench.py, and run by tests/test_example.py).
 ```text blocks are diagrams and templates."""
+
 import contextlib
 import io
 import json
@@ -25,25 +28,39 @@ from nanopaged.parallel import free_port
 from nanopaged.server_args import parse_args
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PAGES = ["README.md"] + sorted(f"docs/{name}" for name in os.listdir(os.path.join(ROOT, "docs"))
-                               if name.endswith(".md"))
+PAGES = ["README.md"] + sorted(
+    f"docs/{name}"
+    for name in os.listdir(os.path.join(ROOT, "docs"))
+    if name.endswith(".md")
+)
 MODEL_IDS = re.compile(r"Qwen/Qwen3-[0-9.]+B")
-SERVER_COMMANDS = ("nanopaged serve", "python -m nanopaged.server",
-                   "python -m nanopaged.entrypoints.openai.api_server")
+SERVER_COMMANDS = (
+    "nanopaged serve",
+    "python -m nanopaged.server",
+    "python -m nanopaged.entrypoints.openai.api_server",
+)
 
 
 def blocks(page: str, language: str) -> list[str]:
     with open(os.path.join(ROOT, page)) as f:
-        return [code for lang, code in re.findall(r"```(\w*)\n(.*?)```", f.read(), re.S)
-                if lang == language]
+        return [
+            code
+            for lang, code in re.findall(r"```(\w*)\n(.*?)```", f.read(), re.S)
+            if lang == language
+        ]
 
 
 def commands(page: str) -> list[str]:
-    """The commands of a page's shell blocks, continued lines joined, comments dropped."""
+    """The commands of a page's shell blocks, continued lines joined, comments
+    dropped."""
     found = []
     for code in blocks(page, "bash"):
         for line in code.replace("\\\n", " ").splitlines():
-            line = " ".join(line.split("#")[0].split()) if not line.startswith("curl") else line
+            line = (
+                " ".join(line.split("#")[0].split())
+                if not line.startswith("curl")
+                else line
+            )
             if line.strip():
                 found.append(line.strip())
     return found
@@ -56,7 +73,9 @@ def talks_to_a_server(code: str) -> bool:
 @pytest.mark.parametrize("page", PAGES)
 def test_every_block_is_python_shell_or_text_and_every_command_is_checked(page):
     with open(os.path.join(ROOT, page)) as f:
-        languages = {lang for lang, _ in re.findall(r"```(\w*)\n(.*?)```", f.read(), re.S)}
+        languages = {
+            lang for lang, _ in re.findall(r"```(\w*)\n(.*?)```", f.read(), re.S)
+        }
     assert languages <= {"python", "bash", "text"}
     for command in commands(page):
         if command.startswith(SERVER_COMMANDS):
@@ -65,12 +84,14 @@ def test_every_block_is_python_shell_or_text_and_every_command_is_checked(page):
             args = parse_args(arguments)
             assert args.model.startswith("Qwen/") and args.port == 8000, command
         else:
-            assert command.startswith(("pip install", "curl ", "python bench.py",
-                                       "python example.py")), command
+            assert command.startswith(
+                ("pip install", "curl ", "python bench.py", "python example.py")
+            ), command
 
 
 def run(code: str, namespace: dict, model: str, port: int) -> str:
-    """Runs a block with the model ids and the port replaced; returns what it printed."""
+    """Runs a block with the model ids and the port replaced; returns what it
+    printed."""
     code = MODEL_IDS.sub(model, code).replace("127.0.0.1:8000", f"127.0.0.1:{port}")
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
@@ -78,31 +99,53 @@ def run(code: str, namespace: dict, model: str, port: int) -> str:
     return printed.getvalue()
 
 
-@pytest.mark.parametrize("page", [p for p in PAGES if any(
-    not talks_to_a_server(code) for code in blocks(p, "python"))])
+@pytest.mark.parametrize(
+    "page",
+    [
+        p
+        for p in PAGES
+        if any(not talks_to_a_server(code) for code in blocks(p, "python"))
+    ],
+)
 def test_the_offline_blocks_run_as_written(page, qwen3_path):
     namespace: dict = {}
     for code in blocks(page, "python"):
         if not talks_to_a_server(code):
-            assert run(code, namespace, qwen3_path, 0).strip(), code  # each shows its result
+            # each shows its result
+            assert run(code, namespace, qwen3_path, 0).strip(), code
 
 
 @pytest.fixture(scope="module")
 def readme_server(qwen3_path):
-    """The README's `nanopaged serve MODEL ...`, as written but for the checkpoint and the port
-    (its `pip install` is the set-up CI has done); the random model writes compact JSON, so
-    that its objects end. -> (the name clients use, the port)"""
+    """The README's `nanopaged serve MODEL ...`, as written but for the checkpoint and
+    the port (its `pip install` is the set-up CI has done); the random model writes
+    compact JSON, so that its objects end. -> (the name clients use, the port)"""
     [command] = [c for c in commands("README.md") if c.startswith("nanopaged serve")]
     arguments = shlex.split(command)
     served_as, port = arguments[2], free_port()
     arguments[2], arguments[arguments.index("--port") + 1] = qwen3_path, str(port)
-    executable = [shutil.which("nanopaged")] if shutil.which("nanopaged") else [
-        sys.executable, "-m", "nanopaged.cli"]
+    executable = (
+        [shutil.which("nanopaged")]
+        if shutil.which("nanopaged")
+        else [sys.executable, "-m", "nanopaged.cli"]
+    )
     server = subprocess.Popen(
-        [*executable, *arguments[1:], "--served-model-name", served_as, "--max-model-len", "512",
-         "--structured-outputs-config", '{"disable_any_whitespace": true}'],
-        cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT), stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE, text=True)
+        [
+            *executable,
+            *arguments[1:],
+            "--served-model-name",
+            served_as,
+            "--max-model-len",
+            "512",
+            "--structured-outputs-config",
+            '{"disable_any_whitespace": true}',
+        ],
+        cwd=ROOT,
+        env=dict(os.environ, PYTHONPATH=ROOT),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         wait_until_healthy(server, port)
         yield served_as, port
@@ -116,22 +159,34 @@ def test_the_server_blocks_run_as_written(readme_server):
     for page in PAGES:
         for command in commands(page):
             if command.startswith("curl") and shutil.which("curl"):
-                answer = subprocess.run(["bash", "-c", command.replace("8000", str(port))],
-                                        capture_output=True, text=True, timeout=60).stdout
-                assert json.loads(answer)["choices"][0]["finish_reason"] in ("stop", "length")
+                answer = subprocess.run(
+                    ["bash", "-c", command.replace("8000", str(port))],
+                    capture_output=True,
+                    text=True,
+                    timeout=60,
+                ).stdout
+                assert json.loads(answer)["choices"][0]["finish_reason"] in (
+                    "stop",
+                    "length",
+                )
         namespace: dict = {}
         for code in blocks(page, "python"):
             if talks_to_a_server(code):
                 assert run(code, namespace, served_as, port).strip(), code
         if "trip" in namespace:
-            assert 1 <= namespace["trip"].days <= 30 and len(namespace["trip"].city) <= 20
+            assert (
+                1 <= namespace["trip"].days <= 30 and len(namespace["trip"].city) <= 20
+            )
 
 
 def wait_until_healthy(server: subprocess.Popen, port: int) -> None:
     for _ in range(600):
         assert server.poll() is None, server.stderr.read()[-3000:]
         try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+            if (
+                httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code
+                == 200
+            ):
                 return
         except httpx.HTTPError:
             time.sleep(0.2)

@@ -1,12 +1,14 @@
-"""Requests as people make them: logprobs, stop conditions, n samples sharing a prompt, streamed
-text, abort, chat and model ids, each against transformers or a plain reference."""
+"""Requests as people make them: logprobs, stop conditions, n samples sharing a prompt,
+streamed text, abort, chat and model ids, each against transformers or a plain
+reference."""
+
 import shutil
 
 import pytest
 import torch
+from conftest import ScriptedRunner, added_text, random_prompts
 
 from nanopaged import LLM, SamplingParams
-from conftest import ScriptedRunner, added_text, random_prompts
 
 POEM = "Write a short poem about the sea."  # greedy: '�rselfche memory memory ...'
 
@@ -16,48 +18,73 @@ def llm(qwen3_path):
     return LLM(qwen3_path, max_model_len=512, kvcache_block_size=16)
 
 
-def hf_continuation(hf_model, path, prompt_ids, max_tokens, **generate_options) -> list[int]:
+def hf_continuation(
+    hf_model, path, prompt_ids, max_tokens, **generate_options
+) -> list[int]:
     model = hf_model(path)
     with torch.no_grad():
-        out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_tokens, do_sample=False,
-                             pad_token_id=0, **generate_options)
-    return out[0, len(prompt_ids):].tolist()
+        out = model.generate(
+            torch.tensor([prompt_ids]),
+            max_new_tokens=max_tokens,
+            do_sample=False,
+            pad_token_id=0,
+            **generate_options,
+        )
+    return out[0, len(prompt_ids) :].tolist()
 
 
 # ---- logprobs ----
 
-@pytest.mark.parametrize("params", [
-    SamplingParams(temperature=0, max_tokens=12, logprobs=5),
-    SamplingParams(temperature=0.8, top_k=20, top_p=0.9, max_tokens=12, logprobs=3, seed=4),
-])
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=0, max_tokens=12, logprobs=5),
+        SamplingParams(
+            temperature=0.8, top_k=20, top_p=0.9, max_tokens=12, logprobs=3, seed=4
+        ),
+    ],
+)
 def test_logprobs_are_transformers_log_softmax(llm, qwen3_path, hf_model, params):
     prompts = random_prompts([7, 30], seed=50)
     for prompt, output in zip(prompts, llm.generate(prompts, params, use_tqdm=False)):
         completion = output.outputs[0]
         with torch.no_grad():
-            logits = hf_model(qwen3_path)(torch.tensor([prompt + completion.token_ids])).logits
-        reference = logits[0, len(prompt) - 1:-1].float().log_softmax(dim=-1)
+            logits = hf_model(qwen3_path)(
+                torch.tensor([prompt + completion.token_ids])
+            ).logits
+        reference = logits[0, len(prompt) - 1 : -1].float().log_softmax(dim=-1)
         assert len(completion.logprobs) == len(completion.token_ids)
-        for row, token, entries in zip(reference, completion.token_ids, completion.logprobs):
+        for row, token, entries in zip(
+            reference, completion.token_ids, completion.logprobs
+        ):
             top = row.topk(params.logprobs)
             expected = {
                 token: row[token].item(),
                 **dict(zip(top.indices.tolist(), top.values.tolist())),
             }
             assert list(entries) == list(expected)
-            assert all(abs(entries[t].logprob - lp) < 1e-4 for t, lp in expected.items())
+            assert all(
+                abs(entries[t].logprob - lp) < 1e-4 for t, lp in expected.items()
+            )
             assert entries[token].rank == int((row > row[token]).sum()) + 1
             assert [entries[t].rank for t in top.indices.tolist()] == list(
                 range(1, params.logprobs + 1)
             )
         assert completion.cumulative_logprob == pytest.approx(
-            sum(entries[t].logprob for t, entries in zip(completion.token_ids, completion.logprobs))
+            sum(
+                entries[t].logprob
+                for t, entries in zip(completion.token_ids, completion.logprobs)
+            )
         )
 
 
 def test_no_logprobs_unless_asked(llm):
     [output] = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3), use_tqdm=False)
-    assert output.outputs[0].logprobs is None and output.outputs[0].cumulative_logprob is None
+    assert (
+        output.outputs[0].logprobs is None
+        and output.outputs[0].cumulative_logprob is None
+    )
 
 
 # ---- stop conditions ----
@@ -66,84 +93,150 @@ def test_no_logprobs_unless_asked(llm):
 def reference_stop(
     tokenizer, tokens: list[int], stops: list[str], include: bool, min_tokens: int = 0
 ):
-    """Plainly: the first token after which a stop string (ending past the first min_tokens - 1
-    tokens' text) is in the text; the text cut there. -> (tokens, text, finish_reason, stop_reason).
+    """Plainly: the first token after which a stop string (ending past the first
+    min_tokens - 1 tokens' text) is in the text; the text cut there. -> (tokens, text,
+    finish_reason, stop_reason).
     """
-    decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
-    unchecked = len(decode(tokens[:max(0, min_tokens - 1)]))
+
+    def decode(ids: list[int]) -> str:
+        return tokenizer.decode(ids, skip_special_tokens=True)
+
+    unchecked = len(decode(tokens[: max(0, min_tokens - 1)]))
     for k in range(max(1, min_tokens), len(tokens) + 1):
         text = decode(tokens[:k])
         hits = sorted((text.find(s, max(0, unchecked - len(s) + 1)), s) for s in stops)
         hits = [(i, s) for i, s in hits if i >= 0]
         if hits:
             index, stop = hits[0]
-            return tokens[:k], text[:index + (len(stop) if include else 0)], "stop", stop
+            return (
+                tokens[:k],
+                text[: index + (len(stop) if include else 0)],
+                "stop",
+                stop,
+            )
     return tokens, decode(tokens), "length", None
 
 
-@pytest.mark.parametrize("stops, include, min_tokens", [
-    (["fch"], False, 0),                 # spans the tokens 'elf' and 'che'
-    (["fch"], True, 0),
-    (["memory memory", "che"], False, 0),  # the earliest match wins
-    ([" memory"], False, 6),               # the first ' memory' comes before min_tokens
-    (["poem", "sea"], False, 0),           # only in the prompt: never a stop
-])
+@pytest.mark.parametrize(
+    "stops, include, min_tokens",
+    [
+        (["fch"], False, 0),  # spans the tokens 'elf' and 'che'
+        (["fch"], True, 0),
+        (["memory memory", "che"], False, 0),  # the earliest match wins
+        ([" memory"], False, 6),  # the first ' memory' comes before min_tokens
+        (["poem", "sea"], False, 0),  # only in the prompt: never a stop
+    ],
+)
 def test_stop_strings_match_a_plain_reference(
     llm, qwen3_path, hf_model, stops, include, min_tokens
 ):
     prompt_ids = llm.tokenizer.encode(POEM)
     tokens = hf_continuation(hf_model, qwen3_path, prompt_ids, 30, eos_token_id=None)
-    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop=stops,
-                            include_stop_str_in_output=include, min_tokens=min_tokens)
+    params = SamplingParams(
+        temperature=0,
+        max_tokens=30,
+        ignore_eos=True,
+        stop=stops,
+        include_stop_str_in_output=include,
+        min_tokens=min_tokens,
+    )
     [output] = llm.generate(POEM, params, use_tqdm=False)
     completion = output.outputs[0]
     expected = reference_stop(llm.tokenizer, tokens, stops, include, min_tokens)
-    assert (completion.token_ids, completion.text, completion.finish_reason,
-            completion.stop_reason) == expected
+    assert (
+        completion.token_ids,
+        completion.text,
+        completion.finish_reason,
+        completion.stop_reason,
+    ) == expected
     assert expected[2] == ("length" if "poem" in stops else "stop")
 
 
 @pytest.mark.parametrize("limit", ["max_tokens", "max_model_len"])
-def test_a_stop_string_completed_by_the_last_allowed_token_is_a_stop(llm, qwen3_path, hf_model,
-                                                                       limit):
-    """The token that completes a stop string also reaches the length limit: the sequence
-    finishes once, as "stop" with its text cut, and the request beside it is unharmed."""
+def test_a_stop_string_completed_by_the_last_allowed_token_is_a_stop(
+    llm, qwen3_path, hf_model, limit
+):
+    """The token that completes a stop string also reaches the length limit: the
+    sequence finishes once, as "stop" with its text cut, and the request beside it is
+    unharmed."""
     prompt_ids = llm.tokenizer.encode(POEM)
     tokens = hf_continuation(hf_model, qwen3_path, prompt_ids, 30, eos_token_id=None)
     k = next(k for k in range(1, 31) if "che" in llm.tokenizer.decode(tokens[:k]))
-    engine = llm if limit == "max_tokens" else LLM(qwen3_path, max_model_len=len(prompt_ids) + k,
-                                                   kvcache_block_size=16)
-    stopped = SamplingParams(temperature=0, max_tokens=k if limit == "max_tokens" else None,
-                             stop=["che"], ignore_eos=True)
+    engine = (
+        llm
+        if limit == "max_tokens"
+        else LLM(qwen3_path, max_model_len=len(prompt_ids) + k, kvcache_block_size=16)
+    )
+    stopped = SamplingParams(
+        temperature=0,
+        max_tokens=k if limit == "max_tokens" else None,
+        stop=["che"],
+        ignore_eos=True,
+    )
     beside = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
-    first, second = engine.generate([POEM, [5, 6, 7]], [stopped, beside], use_tqdm=False)
+    first, second = engine.generate(
+        [POEM, [5, 6, 7]], [stopped, beside], use_tqdm=False
+    )
     expected = reference_stop(llm.tokenizer, tokens[:k], ["che"], False)
     completion = first.outputs[0]
-    assert (completion.token_ids, completion.text, completion.finish_reason,
-            completion.stop_reason) == expected == (tokens[:k], expected[1], "stop", "che")
-    assert second.outputs[0].finish_reason == "length" and len(second.outputs[0].token_ids) == 3
-    assert engine.engine.block_manager.num_free_blocks == engine.engine.block_manager.num_blocks
+    assert (
+        (
+            completion.token_ids,
+            completion.text,
+            completion.finish_reason,
+            completion.stop_reason,
+        )
+        == expected
+        == (tokens[:k], expected[1], "stop", "che")
+    )
+    assert (
+        second.outputs[0].finish_reason == "length"
+        and len(second.outputs[0].token_ids) == 3
+    )
+    assert (
+        engine.engine.block_manager.num_free_blocks
+        == engine.engine.block_manager.num_blocks
+    )
 
 
 def test_eos_and_max_tokens_on_the_same_token_is_a_stop(llm):
     eos = next(iter(llm.inputs.eos_token_ids))
     llm.engine.runner, runner = ScriptedRunner(script=[5, eos]), llm.engine.runner
     try:
-        [output] = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2), use_tqdm=False)
+        [output] = llm.generate(
+            [[5, 6, 7]], SamplingParams(max_tokens=2), use_tqdm=False
+        )
     finally:
         llm.engine.runner = runner
     completion = output.outputs[0]
-    assert (completion.token_ids, completion.finish_reason, completion.stop_reason) == \
-        ([5, eos], "stop", None)
+    assert (completion.token_ids, completion.finish_reason, completion.stop_reason) == (
+        [5, eos],
+        "stop",
+        None,
+    )
 
 
 @pytest.mark.parametrize("min_tokens", [0, 7])
-def test_stop_token_ids_and_min_tokens_match_transformers(llm, qwen3_path, hf_model, min_tokens):
-    prompt_ids = llm.tokenizer.encode(POEM)  # greedy: token 511 comes fifth, then repeats
-    expected = hf_continuation(hf_model, qwen3_path, prompt_ids, 30, eos_token_id=[511],
-                               min_new_tokens=min_tokens)
-    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop_token_ids=[511],
-                            min_tokens=min_tokens)
+def test_stop_token_ids_and_min_tokens_match_transformers(
+    llm, qwen3_path, hf_model, min_tokens
+):
+    # greedy: token 511 comes fifth, then repeats
+    prompt_ids = llm.tokenizer.encode(POEM)
+    expected = hf_continuation(
+        hf_model,
+        qwen3_path,
+        prompt_ids,
+        30,
+        eos_token_id=[511],
+        min_new_tokens=min_tokens,
+    )
+    params = SamplingParams(
+        temperature=0,
+        max_tokens=30,
+        ignore_eos=True,
+        stop_token_ids=[511],
+        min_tokens=min_tokens,
+    )
     completion = llm.generate(POEM, params, use_tqdm=False)[0].outputs[0]
     assert completion.token_ids == expected and expected[-1] == 511
     assert len(expected) == (
@@ -151,32 +244,55 @@ def test_stop_token_ids_and_min_tokens_match_transformers(llm, qwen3_path, hf_mo
     )
     assert (completion.finish_reason, completion.stop_reason) == ("stop", 511)
     assert completion.text == added_text(llm.tokenizer, prompt_ids, expected[:-1])
-    kept = llm.generate(POEM, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True,
-                                             stop_token_ids=[511], include_stop_str_in_output=True),
-                        use_tqdm=False)[0].outputs[0]
+    kept = llm.generate(
+        POEM,
+        SamplingParams(
+            temperature=0,
+            max_tokens=30,
+            ignore_eos=True,
+            stop_token_ids=[511],
+            include_stop_str_in_output=True,
+        ),
+        use_tqdm=False,
+    )[0].outputs[0]
     assert kept.text.endswith(" memory")
 
 
 def test_eos_stops_with_no_stop_reason(llm):
     eos = next(iter(llm.inputs.eos_token_ids))
-    outputs = llm.generate(random_prompts([4] * 32, seed=1),
-                           SamplingParams(temperature=1.0, max_tokens=300, seed=0), use_tqdm=False)
-    stopped = [(o.prompt_token_ids, o.outputs[0]) for o in outputs
-               if o.outputs[0].finish_reason == "stop"]
-    assert stopped and all(c.token_ids[-1] == eos and c.stop_reason is None for _, c in stopped)
-    assert all(c.text == added_text(llm.tokenizer, p, c.token_ids[:-1]) for p, c in stopped)
+    outputs = llm.generate(
+        random_prompts([4] * 32, seed=1),
+        SamplingParams(temperature=1.0, max_tokens=300, seed=0),
+        use_tqdm=False,
+    )
+    stopped = [
+        (o.prompt_token_ids, o.outputs[0])
+        for o in outputs
+        if o.outputs[0].finish_reason == "stop"
+    ]
+    assert stopped and all(
+        c.token_ids[-1] == eos and c.stop_reason is None for _, c in stopped
+    )
+    assert all(
+        c.text == added_text(llm.tokenizer, p, c.token_ids[:-1]) for p, c in stopped
+    )
 
 
 # ---- n samples of one prompt ----
 
+
 def test_n_samples_share_the_prompt_full_blocks_and_compute_them_once(qwen3_path):
     llm = LLM(qwen3_path, max_model_len=512, kvcache_block_size=16)
     prompt = random_prompts([100], seed=51)[0]  # 6 full blocks and 4 tokens
-    params = SamplingParams(n=8, temperature=1.0, max_tokens=20, ignore_eos=True, seed=7)
+    params = SamplingParams(
+        n=8, temperature=1.0, max_tokens=20, ignore_eos=True, seed=7
+    )
     prefill_tokens, run = [0], llm.engine.runner.run
+
     def counting_run(step):
         prefill_tokens[0] += step.num_scheduled_tokens if step.ragged else 0
         return run(step)
+
     llm.engine.runner.run = counting_run
     llm.add_request(prompt, params)
     peak, outputs = 0, []
@@ -184,26 +300,41 @@ def test_n_samples_share_the_prompt_full_blocks_and_compute_them_once(qwen3_path
         outputs += llm.step()
         pool = llm.engine.block_manager
         peak = max(peak, pool.num_blocks - pool.num_free_blocks)
-    # the first sample computes the prompt; the 7 others, its last 4 tokens (the prefix cache
-    # serves them the 6 full blocks, entered in the same step)
+    # the first sample computes the prompt; the 7 others, its last 4 tokens (the prefix
+    # cache serves them the 6 full blocks, entered in the same step)
     assert prefill_tokens[0] == 100 + 7 * 4
     # 6 shared prompt blocks; each sample: its own partial block, and one more block
     assert peak == 6 + 8 * 2  # unshared: 8 * 8
     completions = [c.token_ids for c in outputs[-1].outputs]
     assert [c.index for c in outputs[-1].outputs] == list(range(8))
-    assert len(set(map(tuple, completions))) == 8 and all(len(c) == 20 for c in completions)
+    assert len(set(map(tuple, completions))) == 8 and all(
+        len(c) == 20 for c in completions
+    )
     again = llm.generate([prompt], params, use_tqdm=False)[0]
-    assert [c.token_ids for c in again.outputs] == completions  # reproducible with a seed
-    assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
+    assert [
+        c.token_ids for c in again.outputs
+    ] == completions  # reproducible with a seed
+    assert (
+        llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
+    )
 
 
 def test_greedy_samples_equal_transformers_even_under_preemption(qwen3_path, hf_greedy):
     prompts = random_prompts([100, 37], seed=52)
     expected = hf_greedy(qwen3_path, prompts, 40)
-    # 12 blocks cannot hold 4 samples of 140 tokens that share 6 blocks, and another request
-    llm = LLM(qwen3_path, max_model_len=512, kvcache_block_size=16, num_kvcache_blocks=12)
-    outputs = llm.generate(prompts, [SamplingParams(n=4, temperature=0, max_tokens=40),
-                                     SamplingParams(temperature=0, max_tokens=40)], use_tqdm=False)
+    # 12 blocks cannot hold 4 samples of 140 tokens that share 6 blocks, and another
+    # request
+    llm = LLM(
+        qwen3_path, max_model_len=512, kvcache_block_size=16, num_kvcache_blocks=12
+    )
+    outputs = llm.generate(
+        prompts,
+        [
+            SamplingParams(n=4, temperature=0, max_tokens=40),
+            SamplingParams(temperature=0, max_tokens=40),
+        ],
+        use_tqdm=False,
+    )
     assert llm.engine.scheduler.num_preemptions > 0
     assert [c.token_ids for c in outputs[0].outputs] == [expected[0]] * 4
     assert outputs[1].outputs[0].token_ids == expected[1]
@@ -212,11 +343,23 @@ def test_greedy_samples_equal_transformers_even_under_preemption(qwen3_path, hf_
 
 # ---- streamed outputs ----
 
+
 def test_streamed_text_grows_by_whole_characters_to_the_final_text(llm):
-    prompts = random_prompts([5, 12, 30, 9, 16, 22], seed=53) + ["Paged attention 你好 🙂"]
-    params = [SamplingParams(temperature=1.0, max_tokens=60, seed=s, ignore_eos=s % 2 == 0,
-                             n=2 if s == 3 else 1, stop=["ti", "ck"] if s in (1, 4) else None,
-                             include_stop_str_in_output=s == 4) for s in range(len(prompts))]
+    prompts = random_prompts([5, 12, 30, 9, 16, 22], seed=53) + [
+        "Paged attention 你好 🙂"
+    ]
+    params = [
+        SamplingParams(
+            temperature=1.0,
+            max_tokens=60,
+            seed=s,
+            ignore_eos=s % 2 == 0,
+            n=2 if s == 3 else 1,
+            stop=["ti", "ck"] if s in (1, 4) else None,
+            include_stop_str_in_output=s == 4,
+        )
+        for s in range(len(prompts))
+    ]
     texts, deltas = {}, {}
     for prompt, sp in zip(prompts, params):
         llm.add_request(prompt, sp)
@@ -227,7 +370,7 @@ def test_streamed_text_grows_by_whole_characters_to_the_final_text(llm):
                 key = (output.request_id, completion.index)
                 old = texts.get(key, "")
                 assert completion.text.startswith(old)
-                deltas.setdefault(key, []).append(completion.text[len(old):])
+                deltas.setdefault(key, []).append(completion.text[len(old) :])
                 texts[key] = completion.text
                 if output.finished:
                     finals[key] = (output.prompt_token_ids, completion)
@@ -238,17 +381,23 @@ def test_streamed_text_grows_by_whole_characters_to_the_final_text(llm):
         if "\ufffd" not in completion.text:
             assert not any("\ufffd" in delta for delta in deltas[key])
         if completion.finish_reason == "length" and completion.stop_reason is None:
-            assert completion.text == added_text(llm.tokenizer, prompt_ids, completion.token_ids)
-        split_characters += sum(len(c.encode()) > 1 and c != "\ufffd" for c in completion.text)
+            assert completion.text == added_text(
+                llm.tokenizer, prompt_ids, completion.token_ids
+            )
+        split_characters += sum(
+            len(c.encode()) > 1 and c != "\ufffd" for c in completion.text
+        )
     assert split_characters > 0  # multi-byte characters did arrive over several tokens
     assert any(c.stop_reason in ("ti", "ck") for _, c in finals.values())
 
 
 def test_held_back_text_is_the_longest_stop_string_less_one_character(llm):
-    """While a stop string may still match, the text shown stops short of the decoded text
-    by the length of the longest stop string less one character."""
+    """While a stop string may still match, the text shown stops short of the decoded
+    text by the length of the longest stop string less one character."""
     prompt = "Paged attention stores the key"
-    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop=["zzzzz", "q"])
+    params = SamplingParams(
+        temperature=0, max_tokens=20, ignore_eos=True, stop=["zzzzz", "q"]
+    )
     llm.add_request(prompt, params)
     prompt_ids, checked = llm.tokenizer.encode(prompt), 0
     while not llm.is_finished():
@@ -256,18 +405,23 @@ def test_held_back_text_is_the_longest_stop_string_less_one_character(llm):
             completion = output.outputs[0]
             decoded = added_text(llm.tokenizer, prompt_ids, completion.token_ids)
             if not output.finished and "\ufffd" not in decoded:
-                assert completion.text == decoded[:max(0, len(decoded) - 4)]
+                assert completion.text == decoded[: max(0, len(decoded) - 4)]
                 checked += 1
     assert checked > 10 and completion.text == decoded
 
 
-@pytest.mark.parametrize("pattern", [["a", "b"], ["a", "</s>", "b"], ["</s>", "a", "<s>", "b"]])
+@pytest.mark.parametrize(
+    "pattern", [["a", "b"], ["a", "</s>", "b"], ["</s>", "a", "<s>", "b"]]
+)
 def test_sentencepiece_text_keeps_the_space_before_a_word(metaspace_path, pattern):
-    """With a Metaspace tokenizer a word's token carries its leading space: the completion's
-    first word, and a word after a special token that prints nothing, keep it."""
+    """With a Metaspace tokenizer a word's token carries its leading space: the
+    completion's first word, and a word after a special token that prints nothing, keep
+    it."""
     llm = LLM(metaspace_path, max_model_len=128, kvcache_block_size=16)
     vocab = llm.tokenizer.get_vocab()
-    words = sorted((t for t in vocab if t.startswith("\u2581") and len(t) > 3), key=vocab.get)
+    words = sorted(
+        (t for t in vocab if t.startswith("\u2581") and len(t) > 3), key=vocab.get
+    )
     tokens = {"a": words[0], "b": words[1], "</s>": "</s>", "<s>": "<s>"}
     script = [vocab[tokens[name]] for name in pattern]
     llm.engine.runner = ScriptedRunner(script=script)
@@ -284,7 +438,10 @@ def test_sentencepiece_text_keeps_the_space_before_a_word(metaspace_path, patter
 def test_stream_yields_the_text_of_generate(llm):
     params = SamplingParams(temperature=1.0, max_tokens=40, seed=9, stop=["ck"])
     streamed = "".join(llm.stream("Paged attention", params))
-    assert streamed == llm.generate("Paged attention", params, use_tqdm=False)[0].outputs[0].text
+    assert (
+        streamed
+        == llm.generate("Paged attention", params, use_tqdm=False)[0].outputs[0].text
+    )
 
 
 def test_abort_frees_every_block_and_leaves_the_others_alone(qwen3_path, hf_greedy):
@@ -302,12 +459,16 @@ def test_abort_frees_every_block_and_leaves_the_others_alone(qwen3_path, hf_gree
     while not llm.is_finished():
         outputs.update({o.request_id: o for o in llm.step()})
     assert set(outputs) == {ids[0], ids[2]}
-    assert [outputs[i].outputs[0].token_ids for i in (ids[0], ids[2])] == \
-        hf_greedy(qwen3_path, [prompts[0], prompts[2]], 30)
-    assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
+    assert [outputs[i].outputs[0].token_ids for i in (ids[0], ids[2])] == hf_greedy(
+        qwen3_path, [prompts[0], prompts[2]], 30
+    )
+    assert (
+        llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
+    )
 
 
 # ---- chat and model ids ----
+
 
 def test_chat_is_generate_on_the_chat_template(llm):
     conversations = [
@@ -316,11 +477,17 @@ def test_chat_is_generate_on_the_chat_template(llm):
     ]
     params = SamplingParams(temperature=0, max_tokens=10)
     chats = llm.chat(conversations, params, use_tqdm=False)
-    templated = [llm.tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=True,
-                                                   return_dict=False) for c in conversations]
+    templated = [
+        llm.tokenizer.apply_chat_template(
+            c, add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+        for c in conversations
+    ]
     generated = llm.generate(templated, params, use_tqdm=False)
     assert [c.prompt_token_ids for c in chats] == templated
-    assert [c.outputs[0].token_ids for c in chats] == [g.outputs[0].token_ids for g in generated]
+    assert [c.outputs[0].token_ids for c in chats] == [
+        g.outputs[0].token_ids for g in generated
+    ]
     [one] = llm.chat(conversations[0], params, use_tqdm=False)
     assert one.outputs[0].token_ids == chats[0].outputs[0].token_ids
 
@@ -347,6 +514,8 @@ def test_a_cached_hub_id_resolves_offline(qwen3_path, offline_hub, hf_greedy):
 
 def test_an_unknown_hub_id_offline_is_a_value_error(offline_hub):
     with pytest.raises(
-        ValueError, match="'nanopaged/no-such-model' is not a local directory.*neither in the cache"
+        ValueError,
+        match="'nanopaged/no-such-model' is not a local directory"
+        ".*neither in the cache",
     ):
         LLM("nanopaged/no-such-model")

@@ -1,14 +1,17 @@
-"""The model runner's policies that a GPU would exercise, checked on CPU: which CUDA graph a
-decode batch replays, its padding rows, the eager fallback, and the KV budget's arithmetic."""
+"""The model runner's policies that a GPU would exercise, checked on CPU: which CUDA
+graph a decode batch replays, its padding rows, the eager fallback, and the KV budget's
+arithmetic."""
+
 import torch
+from conftest import random_prompts
 
 from nanopaged import LLM
 from nanopaged.core.cuda_graphs import DecodeGraphs
-from conftest import random_prompts
 
 
 class StandInGraph:
-    """What `capture` returns: replays the recorded forward (eagerly), counting its replays."""
+    """What `capture` returns: replays the recorded forward (eagerly), counting its
+    replays."""
 
     def __init__(self, forward, pool):
         self.forward = forward
@@ -34,12 +37,15 @@ def decode_step(llm: LLM, batch: int):
 
 
 def test_a_decode_batch_replays_the_next_larger_graph_over_padding_rows(qwen3_path):
-    llm = LLM(qwen3_path, attention_backend="torch", max_num_seqs=40, num_kvcache_blocks=64)
+    llm = LLM(
+        qwen3_path, attention_backend="torch", max_num_seqs=40, num_kvcache_blocks=64
+    )
     runner, captured = llm.engine.runner, []
 
     def capture(forward, pool):
         captured.append(forward)
         return StandInGraph(forward, pool)
+
     graphs = DecodeGraphs(runner.model, llm.config, runner.max_blocks_per_seq, capture)
     # sizes 1, 2, 4, 8, then steps of 16 up to max_num_seqs; captured largest first
     assert graphs.batch_sizes == [1, 2, 4, 8, 16, 32] and graphs.max_batch == 32
@@ -55,10 +61,13 @@ def test_a_decode_batch_replays_the_next_larger_graph_over_padding_rows(qwen3_pa
 
 
 def test_a_batch_larger_than_every_graph_runs_eagerly(qwen3_path):
-    llm = LLM(qwen3_path, attention_backend="torch", max_num_seqs=40, num_kvcache_blocks=64)
+    llm = LLM(
+        qwen3_path, attention_backend="torch", max_num_seqs=40, num_kvcache_blocks=64
+    )
     runner = llm.engine.runner
-    runner.graphs = DecodeGraphs(runner.model, llm.config, runner.max_blocks_per_seq,
-                                 StandInGraph)
+    runner.graphs = DecodeGraphs(
+        runner.model, llm.config, runner.max_blocks_per_seq, StandInGraph
+    )
     _, inputs = decode_step(llm, 33)
     runner.run_model(*inputs)
     assert not any(g.replays for g in runner.graphs.graphs.values())
@@ -69,36 +78,58 @@ def test_a_batch_larger_than_every_graph_runs_eagerly(qwen3_path):
     assert [size for size, g in runner.graphs.graphs.items() if g.replays] == [32]
 
 
-def test_the_gpu_kv_budget_is_what_the_profiling_forward_leaves(qwen3_path, monkeypatch):
-    """total x gpu_memory_utilization, less what is in use, less the activations' peak of the
-    largest prefill the scheduler can issue (and of sampling the largest batch)."""
-    llm = LLM(qwen3_path, max_num_batched_tokens=300, max_num_seqs=8, max_model_len=256,
-              gpu_memory_utilization=0.5, attention_backend="torch")
+def test_the_gpu_kv_budget_is_what_the_profiling_forward_leaves(
+    qwen3_path, monkeypatch
+):
+    """total x gpu_memory_utilization, less what is in use, less the activations' peak
+    of the largest prefill the scheduler can issue (and of sampling the largest
+    batch)."""
+    llm = LLM(
+        qwen3_path,
+        max_num_batched_tokens=300,
+        max_num_seqs=8,
+        max_model_len=256,
+        gpu_memory_utilization=0.5,
+        attention_backend="torch",
+    )
     runner, profiled = llm.engine.runner, []
     gib = 1 << 30
     monkeypatch.setattr(runner, "execute", lambda inputs: profiled.append(inputs))
-    for name, value in (("empty_cache", None), ("reset_peak_memory_stats", None),
-                        ("synchronize", None), ("mem_get_info", (70 * gib, 80 * gib)),
-                        ("max_memory_allocated", 7 * gib), ("memory_allocated", 5 * gib)):
+    for name, value in (
+        ("empty_cache", None),
+        ("reset_peak_memory_stats", None),
+        ("synchronize", None),
+        ("mem_get_info", (70 * gib, 80 * gib)),
+        ("max_memory_allocated", 7 * gib),
+        ("memory_allocated", 5 * gib),
+    ):
         monkeypatch.setattr(torch.cuda, name, lambda *args, value=value: value)
     assert runner.kv_budget_cuda() == 80 * gib // 2 - 10 * gib - 2 * gib
-    # the profiling forward: one prompt of max_model_len tokens (256 of a 300-token budget)
+    # the profiling forward: one prompt of max_model_len tokens (256 of a 300-token
+    # budget)
     assert len(profiled) == 1 and len(profiled[0].input_ids) == 256
 
 
 def test_flash_decode_leaves_the_windows_right_edge_open(monkeypatch):
-    """flash-attn reads a GQA group's K/V once for all its query heads only when the window has
-    no right edge: decode passes (-1, -1), or (window - 1, -1), never causal's (.., 0)."""
+    """flash-attn reads a GQA group's K/V once for all its query heads only when the
+    window has no right edge: decode passes (-1, -1), or (window - 1, -1), never
+    causal's (.., 0)."""
     import sys
     import types
+
     from nanopaged.core.attention import AttentionMetadata, decode_flash
+
     calls = []
     fake = types.ModuleType("flash_attn")
     fake.flash_attn_with_kvcache = lambda q, k, v, **options: calls.append(options) or q
     monkeypatch.setitem(sys.modules, "flash_attn", fake)
-    meta = AttentionMetadata(ragged=False, slot_mapping=torch.zeros(2, dtype=torch.int64),
-                             context_lens=torch.tensor([5, 9], dtype=torch.int32),
-                             block_tables=torch.zeros(2, 1, dtype=torch.int32), max_seqlen_k=9)
+    meta = AttentionMetadata(
+        ragged=False,
+        slot_mapping=torch.zeros(2, dtype=torch.int64),
+        context_lens=torch.tensor([5, 9], dtype=torch.int32),
+        block_tables=torch.zeros(2, 1, dtype=torch.int32),
+        max_seqlen_k=9,
+    )
     q = torch.randn(2, 4, 8)
     for window in (None, 24):
         assert torch.equal(decode_flash(q, None, None, meta, 0.1, window), q)

@@ -1,10 +1,12 @@
-"""Sampling: seeds reproduce, top-k=1 is greedy, and the filters keep only what they should."""
+"""Sampling: seeds reproduce, top-k=1 is greedy, and the filters keep only what they
+should."""
+
 import torch
+from conftest import random_prompts
 
 from nanopaged import LLM, SamplingParams
 from nanopaged.core.sampler import Sampler
 from nanopaged.core.sequence import Sequence
-from conftest import random_prompts
 
 PROMPTS = random_prompts([5, 30, 12], seed=11)
 
@@ -14,35 +16,55 @@ def test_seeded_sampling_is_reproducible_whatever_shares_the_batch(qwen3_path):
     seeded = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=20, seed=123)
     alone = llm.generate(PROMPTS[:1], seeded, use_tqdm=False)[0].outputs[0].token_ids
     other = SamplingParams(temperature=0.8, max_tokens=20)
-    batched = llm.generate(PROMPTS, [seeded, other, other], use_tqdm=False)[0].outputs[0].token_ids
+    batched = (
+        llm.generate(PROMPTS, [seeded, other, other], use_tqdm=False)[0]
+        .outputs[0]
+        .token_ids
+    )
     assert alone == batched
 
 
 def test_different_seeds_give_different_samples(qwen3_path):
     llm = LLM(qwen3_path, max_model_len=256)
-    outs = llm.generate(PROMPTS[:1] * 2, [SamplingParams(max_tokens=20, seed=s) for s in (1, 2)],
-                        use_tqdm=False)
+    outs = llm.generate(
+        PROMPTS[:1] * 2,
+        [SamplingParams(max_tokens=20, seed=s) for s in (1, 2)],
+        use_tqdm=False,
+    )
     assert outs[0].outputs[0].token_ids != outs[1].outputs[0].token_ids
 
 
 def test_top_k_1_equals_greedy(qwen3_path):
     llm = LLM(qwen3_path, max_model_len=256)
-    greedy = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=20), use_tqdm=False)
-    top1 = llm.generate(PROMPTS, SamplingParams(temperature=1.5, top_k=1, max_tokens=20),
-                        use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in greedy] == [o.outputs[0].token_ids for o in top1]
+    greedy = llm.generate(
+        PROMPTS, SamplingParams(temperature=0, max_tokens=20), use_tqdm=False
+    )
+    top1 = llm.generate(
+        PROMPTS, SamplingParams(temperature=1.5, top_k=1, max_tokens=20), use_tqdm=False
+    )
+    assert [o.outputs[0].token_ids for o in greedy] == [
+        o.outputs[0].token_ids for o in top1
+    ]
 
 
 def test_a_tiny_temperature_samples_the_argmax(qwen3_path):
     llm = LLM(qwen3_path, max_model_len=256)
-    greedy = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=20), use_tqdm=False)
-    for params in (SamplingParams(temperature=1e-38, max_tokens=20, seed=1),
-                   SamplingParams(temperature=1e-38, top_p=0.9, max_tokens=20, seed=1)):
+    greedy = llm.generate(
+        PROMPTS, SamplingParams(temperature=0, max_tokens=20), use_tqdm=False
+    )
+    for params in (
+        SamplingParams(temperature=1e-38, max_tokens=20, seed=1),
+        SamplingParams(temperature=1e-38, top_p=0.9, max_tokens=20, seed=1),
+    ):
         tiny = llm.generate(PROMPTS, params, use_tqdm=False)
-        assert [o.outputs[0].token_ids for o in tiny] == [o.outputs[0].token_ids for o in greedy]
+        assert [o.outputs[0].token_ids for o in tiny] == [
+            o.outputs[0].token_ids for o in greedy
+        ]
 
 
-def _sample_many(logits: torch.Tensor, params: SamplingParams, n: int = 400) -> set[int]:
+def _sample_many(
+    logits: torch.Tensor, params: SamplingParams, n: int = 400
+) -> set[int]:
     sampler = Sampler(torch.device("cpu"))
     seqs = [Sequence([1], params) for _ in range(n)]
     return set(sampler(logits.expand(n, -1).clone(), seqs).tolist())
@@ -65,4 +87,6 @@ def test_the_first_of_n_seeded_samples_is_the_single_sample(qwen3_path):
     [single] = llm.generate(PROMPTS[:1], SamplingParams(**params), use_tqdm=False)
     [several] = llm.generate(PROMPTS[:1], SamplingParams(n=3, **params), use_tqdm=False)
     samples = [c.token_ids for c in several.outputs]
-    assert samples[0] == single.outputs[0].token_ids and len(set(map(tuple, samples))) == 3
+    assert (
+        samples[0] == single.outputs[0].token_ids and len(set(map(tuple, samples))) == 3
+    )

@@ -1,6 +1,7 @@
-"""The OpenAI-compatible server, started on 127.0.0.1 in a subprocess and driven by the official
-`openai` client: the same tokens as `LLM.generate`, requests that arrive while others decode,
-dropped clients, bad requests, and a clean exit."""
+"""The OpenAI-compatible server, started on 127.0.0.1 in a subprocess and driven by the
+official `openai` client: the same tokens as `LLM.generate`, requests that arrive while
+others decode, dropped clients, bad requests, and a clean exit."""
+
 import concurrent.futures
 import os
 import signal
@@ -11,10 +12,10 @@ import time
 import httpx
 import psutil
 import pytest
+from conftest import random_prompts
 
 from nanopaged import LLM, SamplingParams
 from nanopaged.parallel import free_port
-from conftest import random_prompts
 
 openai = pytest.importorskip("openai")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -22,16 +23,23 @@ OPTIONS = ["--max-model-len", "512", "--kvcache-block-size", "16"]
 
 
 class Server:
-    """`nanopaged serve MODEL --port P --served-model-name tiny FLAGS`, or another entry point's
-    command line before the port (`entry`)."""
+    """`nanopaged serve MODEL --port P --served-model-name tiny FLAGS`, or another entry
+    point's command line before the port (`entry`)."""
 
     def __init__(self, model: str, *flags: str, entry: tuple[str, ...] | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         entry = entry or ("-m", "nanopaged", "serve", model)
         self.process = subprocess.Popen(
-            [sys.executable, *entry, "--port", str(self.port), "--served-model-name", "tiny",
-             *flags],
+            [
+                sys.executable,
+                *entry,
+                "--port",
+                str(self.port),
+                "--served-model-name",
+                "tiny",
+                *flags,
+            ],
             cwd=ROOT,
             env=dict(os.environ, PYTHONPATH=ROOT),
             stdout=subprocess.DEVNULL,
@@ -43,7 +51,9 @@ class Server:
             assert self.process.poll() is None, self.process.stderr.read()[-3000:]
             assert time.monotonic() < deadline, "the server did not start"
             time.sleep(0.2)
-        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0)
+        self.client = openai.OpenAI(
+            base_url=self.url + "/v1", api_key="none", max_retries=0
+        )
 
     def healthy(self) -> bool:
         try:
@@ -56,7 +66,8 @@ class Server:
         return {line.split()[0]: int(line.split()[1]) for line in text.splitlines()}
 
     def stop(self) -> bool:
-        """SIGTERM; whether the server shut down gracefully (uvicorn then exits by the signal)."""
+        """SIGTERM; whether the server shut down gracefully (uvicorn then exits by the
+        signal)."""
         self.process.send_signal(signal.SIGTERM)
         code = self.process.wait(timeout=60)
         return (
@@ -68,7 +79,12 @@ class Server:
 @pytest.fixture(scope="module", params=["prefill-first", "mixed"])
 def server(request, qwen3_path):
     server = Server(
-        qwen3_path, *OPTIONS, "--scheduling", request.param, "--max-num-batched-tokens", "64"
+        qwen3_path,
+        *OPTIONS,
+        "--scheduling",
+        request.param,
+        "--max-num-batched-tokens",
+        "64",
     )
     yield server
     server.stop()
@@ -77,9 +93,11 @@ def server(request, qwen3_path):
 @pytest.fixture(scope="module")
 def offline(qwen3_path):
     llm = LLM(qwen3_path, max_model_len=512, kvcache_block_size=16)
+
     def generate(prompt, **params):
         [output] = llm.generate([prompt], SamplingParams(**params), use_tqdm=False)
         return [c.text for c in output.outputs], output
+
     generate.llm = llm
     return generate
 
@@ -91,11 +109,15 @@ def test_completions_equal_generate(server, offline):
         model="tiny", prompt=prompt, max_tokens=20, temperature=0, logprobs=0
     )
     [choice] = result.choices
-    assert choice.text == texts[0] and choice.finish_reason == expected.outputs[0].finish_reason
+    assert (
+        choice.text == texts[0]
+        and choice.finish_reason == expected.outputs[0].finish_reason
+    )
     tokens = expected.outputs[0].token_ids
     assert choice.logprobs.tokens == [offline.llm.tokenizer.decode([t]) for t in tokens]
     assert choice.logprobs.token_logprobs == pytest.approx(
-        [e[t].logprob for t, e in zip(tokens, expected.outputs[0].logprobs)], abs=1e-5)
+        [e[t].logprob for t, e in zip(tokens, expected.outputs[0].logprobs)], abs=1e-5
+    )
     assert (result.usage.prompt_tokens, result.usage.completion_tokens) == (
         len(expected.prompt_token_ids),
         len(tokens),
@@ -121,7 +143,7 @@ def test_token_id_prompts_and_several_prompts(server, offline):
     assert [c.index for c in result.choices] == [0, 1, 2, 3]
     for i, prompt in enumerate(prompts):
         texts, _ = offline(prompt, temperature=0, max_tokens=8)
-        assert [c.text for c in result.choices[2 * i:2 * i + 2]] == texts * 2
+        assert [c.text for c in result.choices[2 * i : 2 * i + 2]] == texts * 2
 
 
 def test_chat_equals_generate_on_the_template(server, offline):
@@ -133,8 +155,9 @@ def test_chat_equals_generate_on_the_template(server, offline):
         messages, add_generation_prompt=True, tokenize=True, return_dict=False
     )
     texts, expected = offline(ids, temperature=0, max_tokens=16)
-    result = server.client.chat.completions.create(model="tiny", messages=messages, max_tokens=16,
-                                                   temperature=0)
+    result = server.client.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=16, temperature=0
+    )
     assert (
         result.choices[0].message.content == texts[0]
         and result.choices[0].message.role == "assistant"
@@ -142,7 +165,11 @@ def test_chat_equals_generate_on_the_template(server, offline):
     assert result.usage.prompt_tokens == len(ids)
     chunks = list(
         server.client.chat.completions.create(
-            model="tiny", messages=messages, temperature=0, max_completion_tokens=16, stream=True
+            model="tiny",
+            messages=messages,
+            temperature=0,
+            max_completion_tokens=16,
+            stream=True,
         )
     )
     assert chunks[0].choices[0].delta.role == "assistant"
@@ -161,33 +188,52 @@ def test_speculative_decoding_serves_the_same_tokens(qwen3_path, offline):
         assert_concurrent_streams_equal_offline(server, offline)
         metrics = server.metrics()
         assert metrics["nanopaged_spec_decode_num_accepted_tokens_total"] > 0
-        assert metrics["nanopaged_kv_blocks_free"] == metrics["nanopaged_kv_blocks_total"]
+        assert (
+            metrics["nanopaged_kv_blocks_free"] == metrics["nanopaged_kv_blocks_total"]
+        )
     finally:
         server.stop()
 
 
 def assert_concurrent_streams_equal_offline(server, offline):
     prompts = random_prompts([5, 40, 12, 90, 23, 61, 7, 33] * 4, seed=61)
+
     def params(i):
-        return dict(temperature=0, max_tokens=8 + 3 * (i % 7), n=2 if i % 5 == 0 else 1,
-                    stop=["e"] if i % 4 == 1 else None)
+        return dict(
+            temperature=0,
+            max_tokens=8 + 3 * (i % 7),
+            n=2 if i % 5 == 0 else 1,
+            stop=["e"] if i % 4 == 1 else None,
+        )
+
     def stream(i):
         p = params(i)
-        chunks = server.client.completions.create(model="tiny", prompt=prompts[i], stream=True, **p)
-        texts = ["", ""][:p["n"]]
+        chunks = server.client.completions.create(
+            model="tiny", prompt=prompts[i], stream=True, **p
+        )
+        texts = ["", ""][: p["n"]]
         for chunk in chunks:
             for choice in chunk.choices:
                 texts[choice.index] += choice.text
         return texts
+
     with concurrent.futures.ThreadPoolExecutor(32) as pool:
         results = list(pool.map(stream, range(32)))
     assert [offline(prompts[i], **params(i))[0] for i in range(32)] == results
 
 
 def test_a_dropped_stream_frees_its_blocks(server, offline):
-    with httpx.stream("POST", server.url + "/v1/completions", timeout=60,
-                      json={"prompt": random_prompts([60], seed=62)[0], "max_tokens": 400,
-                            "ignore_eos": True, "stream": True}) as response:
+    with httpx.stream(
+        "POST",
+        server.url + "/v1/completions",
+        timeout=60,
+        json={
+            "prompt": random_prompts([60], seed=62)[0],
+            "max_tokens": 400,
+            "ignore_eos": True,
+            "stream": True,
+        },
+    ) as response:
         for line in response.iter_lines():
             if line.startswith("data:"):
                 break  # the client goes away mid-stream
@@ -200,8 +246,14 @@ def test_a_dropped_stream_frees_its_blocks(server, offline):
         time.sleep(0.1)
     assert server.metrics()["nanopaged_sequences_running"] == 0
     texts, _ = offline([5, 6, 7], temperature=0, max_tokens=4)
-    assert server.client.completions.create(model="tiny", prompt=[5, 6, 7], max_tokens=4,
-                                            temperature=0).choices[0].text == texts[0]
+    assert (
+        server.client.completions.create(
+            model="tiny", prompt=[5, 6, 7], max_tokens=4, temperature=0
+        )
+        .choices[0]
+        .text
+        == texts[0]
+    )
 
 
 @pytest.mark.parametrize(
@@ -232,9 +284,27 @@ def test_a_dropped_stream_frees_its_blocks(server, offline):
             "max_tokens must be",
         ),
         ("/v1/completions", {"prompt": "hi", "n": 0}, 400, "n", "n must be"),
-        ("/v1/completions", {"prompt": [1, 99999]}, 400, None, "outside the vocabulary"),
-        ("/v1/completions", {"prompt": "", "max_tokens": 4}, 400, None, "prompt is empty"),
-        ("/v1/chat/completions", {"messages": "hi"}, 400, "messages", "messages must be"),
+        (
+            "/v1/completions",
+            {"prompt": [1, 99999]},
+            400,
+            None,
+            "outside the vocabulary",
+        ),
+        (
+            "/v1/completions",
+            {"prompt": "", "max_tokens": 4},
+            400,
+            None,
+            "prompt is empty",
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": "hi"},
+            400,
+            "messages",
+            "messages must be",
+        ),
         (
             "/v1/chat/completions",
             {"messages": [{"role": "user"}]},
@@ -242,7 +312,13 @@ def test_a_dropped_stream_frees_its_blocks(server, offline):
             "messages",
             "message 0 has no content",
         ),
-        ("/v1/completions", b'{"prompt": "\\ud800 hi"}', 400, None, "prompt is not valid Unicode"),
+        (
+            "/v1/completions",
+            b'{"prompt": "\\ud800 hi"}',
+            400,
+            None,
+            "prompt is not valid Unicode",
+        ),
         (
             "/v1/chat/completions",
             b'{"messages": [{"role": "user", "content": "\\ud800"}]}',
@@ -250,7 +326,13 @@ def test_a_dropped_stream_frees_its_blocks(server, offline):
             "messages",
             "message 0's content is not valid Unicode",
         ),
-        ("/v1/completions", {"prompt": "hi", "stop": True}, 400, "stop", "stop must be"),
+        (
+            "/v1/completions",
+            {"prompt": "hi", "stop": True},
+            400,
+            "stop",
+            "stop must be",
+        ),
         ("/v1/completions", {"prompt": "hi", "stop": 5}, 400, "stop", "stop must be"),
         ("/v1/completions", b"[" * 100000 + b"]" * 100000, 400, None, "not valid JSON"),
         (
@@ -269,15 +351,22 @@ def test_bad_requests_get_their_status_and_an_openai_error(
     response = httpx.post(server.url + path, timeout=30, **kwargs)
     assert response.status_code == status
     error = response.json()["error"]
-    assert set(error) == {"message", "type", "param", "code"} and error["param"] == param
+    assert (
+        set(error) == {"message", "type", "param", "code"} and error["param"] == param
+    )
     assert message in error["message"]
     assert server.healthy() and server.metrics()["nanopaged_requests_waiting"] == 0
 
 
 def test_a_client_that_hangs_up_before_a_whole_response_frees_its_request(server):
-    """Not streamed: the server has nothing to send until the end, and must notice anyway."""
+    """Not streamed: the server has nothing to send until the end, and must notice
+    anyway."""
     generated = server.metrics()["nanopaged_generation_tokens_total"]
-    body = {"prompt": random_prompts([10], seed=63)[0], "max_tokens": 500, "ignore_eos": True}
+    body = {
+        "prompt": random_prompts([10], seed=63)[0],
+        "max_tokens": 500,
+        "ignore_eos": True,
+    }
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(server.url + "/v1/completions", timeout=0.3, json=body)
     deadline = time.monotonic() + 30
@@ -292,33 +381,55 @@ def test_a_client_that_hangs_up_before_a_whole_response_frees_its_request(server
 
 
 def test_a_request_that_breaks_the_tokenizer_leaves_the_server_serving(server, offline):
-    bad = httpx.post(server.url + "/v1/completions", timeout=30,
-                     content=b'{"prompt": "\\ud800", "max_tokens": 4}')
+    bad = httpx.post(
+        server.url + "/v1/completions",
+        timeout=30,
+        content=b'{"prompt": "\\ud800", "max_tokens": 4}',
+    )
     assert bad.status_code == 400 and server.healthy()
     texts, _ = offline([5, 6, 7], temperature=0, max_tokens=4)
-    assert server.client.completions.create(model="tiny", prompt=[5, 6, 7], max_tokens=4,
-                                            temperature=0).choices[0].text == texts[0]
+    assert (
+        server.client.completions.create(
+            model="tiny", prompt=[5, 6, 7], max_tokens=4, temperature=0
+        )
+        .choices[0]
+        .text
+        == texts[0]
+    )
 
 
 def test_too_many_waiting_requests_get_503_and_too_large_ones_400(qwen3_path):
-    server = Server(qwen3_path, *OPTIONS, "--max-waiting", "1", "--num-kvcache-blocks", "30")
+    server = Server(
+        qwen3_path, *OPTIONS, "--max-waiting", "1", "--num-kvcache-blocks", "30"
+    )
     try:
-        too_large = httpx.post(server.url + "/v1/completions", timeout=30,
-                               json={"prompt": random_prompts([400])[0], "max_tokens": 100})
+        too_large = httpx.post(
+            server.url + "/v1/completions",
+            timeout=30,
+            json={"prompt": random_prompts([400])[0], "max_tokens": 100},
+        )
         assert too_large.status_code == 400
         assert "needs up to 32 KV-cache blocks" in too_large.json()["error"]["message"]
+
         def post(i):
-            return httpx.post(server.url + "/v1/completions", timeout=60,
-                              json={"prompt": random_prompts([400], seed=i)[0], "max_tokens": 4})
+            return httpx.post(
+                server.url + "/v1/completions",
+                timeout=60,
+                json={"prompt": random_prompts([400], seed=i)[0], "max_tokens": 4},
+            )
+
         with concurrent.futures.ThreadPoolExecutor(16) as pool:
             responses = list(pool.map(post, range(16)))
         codes = sorted(r.status_code for r in responses)
         assert set(codes) == {200, 503} and codes.count(200) >= 1
         busy = next(r for r in responses if r.status_code == 503).json()["error"]
         assert (
-            "more than 1 requests are waiting" in busy["message"] and busy["type"] == "server_error"
+            "more than 1 requests are waiting" in busy["message"]
+            and busy["type"] == "server_error"
         )
-        assert server.client.completions.create(model="tiny", prompt="hi", max_tokens=2).choices
+        assert server.client.completions.create(
+            model="tiny", prompt="hi", max_tokens=2
+        ).choices
     finally:
         assert server.stop()
 
@@ -330,10 +441,14 @@ def test_sigterm_stops_the_server_and_its_tensor_parallel_workers(qwen3_path, of
     result = server.client.completions.create(
         model="tiny", prompt=[5, 6, 7], max_tokens=8, temperature=0
     )
-    assert result.choices[0].text == offline([5, 6, 7], temperature=0, max_tokens=8)[0][0]
+    assert (
+        result.choices[0].text == offline([5, 6, 7], temperature=0, max_tokens=8)[0][0]
+    )
     assert server.stop()
     psutil.wait_procs(children, timeout=30)
-    assert not any(c.is_running() and c.status() != psutil.STATUS_ZOMBIE for c in children)
+    assert not any(
+        c.is_running() and c.status() != psutil.STATUS_ZOMBIE for c in children
+    )
 
 
 def test_two_replicas_serve_the_same_tokens_and_route_by_prefix(qwen3_path, offline):
@@ -341,30 +456,51 @@ def test_two_replicas_serve_the_same_tokens_and_route_by_prefix(qwen3_path, offl
     try:
         assert_concurrent_streams_equal_offline(server, offline)
         before = server.metrics()
-        routed = [before[f'nanopaged_router_requests_total{{replica="{i}",reason="least_busy"}}']
-                  + before[f'nanopaged_router_requests_total{{replica="{i}",reason="prefix"}}']
-                  for i in range(2)]
+        routed = [
+            before[
+                f'nanopaged_router_requests_total{{replica="{i}",reason="least_busy"}}'
+            ]
+            + before[
+                f'nanopaged_router_requests_total{{replica="{i}",reason="prefix"}}'
+            ]
+            for i in range(2)
+        ]
         assert sum(routed) == 32 and min(routed) > 0  # both replicas served
         shared = random_prompts([48], seed=63)[0]  # three whole blocks
         for tail in random_prompts([5, 6, 7, 8], seed=64):
-            server.client.completions.create(model="tiny", prompt=shared + tail, max_tokens=2)
+            server.client.completions.create(
+                model="tiny", prompt=shared + tail, max_tokens=2
+            )
         after = server.metrics()
-        prefix_hits = [after[f'nanopaged_router_requests_total{{replica="{i}",reason="prefix"}}']
-                       - before[f'nanopaged_router_requests_total{{replica="{i}",reason="prefix"}}']
-                       for i in range(2)]
+        prefix_hits = [
+            after[f'nanopaged_router_requests_total{{replica="{i}",reason="prefix"}}']
+            - before[
+                f'nanopaged_router_requests_total{{replica="{i}",reason="prefix"}}'
+            ]
+            for i in range(2)
+        ]
         assert sorted(prefix_hits) == [0, 3]  # after the first, all went where it went
         for name in ("generation_tokens_total", "kv_blocks_total"):
             assert after[f"nanopaged_{name}"] == sum(
-                after[f'nanopaged_{name}{{replica="{i}"}}'] for i in range(2))
-        replicas = [p for p in psutil.Process(server.process.pid).children(recursive=True)
-                    if "resource_tracker" not in " ".join(p.cmdline())]
+                after[f'nanopaged_{name}{{replica="{i}"}}'] for i in range(2)
+            )
+        replicas = [
+            p
+            for p in psutil.Process(server.process.pid).children(recursive=True)
+            if "resource_tracker" not in " ".join(p.cmdline())
+        ]
         assert len(replicas) == 2
         replicas[0].kill()  # a replica dies: the server says so, and the other serves
         results = []
         for _ in range(3):
             try:
-                results.append(server.client.completions.create(
-                    model="tiny", prompt=shared, max_tokens=2).choices[0].text)
+                results.append(
+                    server.client.completions.create(
+                        model="tiny", prompt=shared, max_tokens=2
+                    )
+                    .choices[0]
+                    .text
+                )
             except openai.InternalServerError as error:
                 results.append(error)
         assert isinstance(results[-1], str) and not server.healthy()

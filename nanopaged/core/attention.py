@@ -98,15 +98,15 @@ def prefill_flash(q, k_cache, v_cache, meta, scale, window=None) -> torch.Tensor
         q,
         k_cache,
         v_cache,
-        meta.cu_seqlens_q,
-        meta.cu_seqlens_k,
-        meta.max_seqlen_q,
-        meta.max_seqlen_k,
+        cu_seqlens_q=meta.cu_seqlens_q,
+        cu_seqlens_k=meta.cu_seqlens_k,
+        max_seqlen_q=meta.max_seqlen_q,
+        max_seqlen_k=meta.max_seqlen_k,
         softmax_scale=scale,
         causal=True,
-        window_size=((window or 0) - 1, 0),
         block_table=meta.block_tables,
-    )  # -1: none
+        window_size=((window or 0) - 1, 0),  # -1: no window
+    )
 
 
 def decode_flash(q, k_cache, v_cache, meta, scale, window=None) -> torch.Tensor:

@@ -64,7 +64,8 @@ class LLMEngine:
                 assert self.is_finished(), "sequences are queued but none can run"
                 return step, SamplerOutput([])
             sampled = self.runner.run(step)
-            self.block_manager.commit()  # the step's K/V is written: its hashes may be served
+            # the step's K/V is written: its hashes may be served
+            self.block_manager.commit()
             return step, self.apply(step, sampled)
         except BaseException:
             self.abort_all()

@@ -92,22 +92,21 @@ def _kv_tiles(
 # value (a block table one column wider, say) would compile the kernel again in the
 # middle of a run.
 @triton.jit
-def _attend_tile(q, k, v, mask, m, l, acc, scale, PRECISION: tl.constexpr):
-    """One step of online softmax: folds the keys k and values v (N, D) that `mask` (R,
-    N) lets each query row see into the rows' running max m, sum l and output acc (R,
-    D). Keys and values of an FP8 cache are read in the queries' dtype."""
+def _attend_tile(q, k, v, mask, m, l_sum, acc, scale, PRECISION: tl.constexpr):
+    """One step of online softmax: folds the keys k and values v (N, D) that `mask`
+    (R, N) lets each query row see into the rows' running max m, sum l_sum and output
+    acc (R, D). Keys and values of an FP8 cache are read in the queries' dtype."""
     k = k.to(q.dtype)
     v = v.to(q.dtype)
-    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * (
-        scale * 1.4426950408889634
-    )  # log2 e
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+    s = s * (scale * 1.4426950408889634)  # log2 e: the softmax in powers of 2
     s = tl.where(mask, s, float("-inf"))
     m_new = tl.maximum(m, tl.max(s, 1))
     p = tl.exp2(s - m_new[:, None])
     alpha = tl.exp2(m - m_new)
-    l = l * alpha + tl.sum(p, 1)
+    l_sum = l_sum * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-    return m_new, l, acc
+    return m_new, l_sum, acc
 
 
 @triton.jit(do_not_specialize=["block_table_stride", "num_splits", "window"])
@@ -158,7 +157,7 @@ def _decode_kernel(
             other=0.0,
         )  # (G, D)
         m = tl.full((GROUP_PAD,), float("-inf"), tl.float32)
-        l = tl.zeros((GROUP_PAD,), tl.float32)
+        l_sum = tl.zeros((GROUP_PAD,), tl.float32)
         acc = tl.zeros((GROUP_PAD, HEAD_DIM), tl.float32)
         block_table_ptr = block_tables_ptr + seq * block_table_stride
         for tile in range(tl.maximum(start, first), end, BLOCK_N):
@@ -175,12 +174,12 @@ def _decode_kernel(
                 HEAD_DIM,
                 BLOCK_SIZE,
             )
-            m, l, acc = _attend_tile(
-                q, k, v, valid[None, :], m, l, acc, scale, PRECISION
+            m, l_sum, acc = _attend_tile(
+                q, k, v, valid[None, :], m, l_sum, acc, scale, PRECISION
             )
-        has_keys = l > 0  # false only for a padding row (context 0)
-        l = tl.where(has_keys, l, 1.0)
-        out = acc / l[:, None]
+        has_keys = l_sum > 0  # false only for a padding row (context 0)
+        l_sum = tl.where(has_keys, l_sum, 1.0)
+        out = acc / l_sum[:, None]
         if DIRECT:
             tl.store(
                 out_ptr + seq * q_stride + heads[:, None] * HEAD_DIM + dims[None, :],
@@ -194,7 +193,7 @@ def _decode_kernel(
                 out,
                 mask=row_mask,
             )
-            tl.store(lse_ptr + row, m + tl.log2(l), mask=group < GROUP)
+            tl.store(lse_ptr + row, m + tl.log2(l_sum), mask=group < GROUP)
 
 
 @triton.jit(do_not_specialize=["num_splits", "window"])
@@ -221,7 +220,7 @@ def _decode_reduce_kernel(
     first = tl.where(window > 0, tl.maximum(context_len - window, 0) // SPLIT_LEN, 0)
     dims = tl.arange(0, HEAD_DIM)
     m = tl.full((1,), float("-inf"), tl.float32)
-    l = tl.zeros((1,), tl.float32)
+    l_sum = tl.zeros((1,), tl.float32)
     acc = tl.zeros((HEAD_DIM,), tl.float32)
     for split in range(first, num_active):
         lse = tl.load(lse_ptr + row * num_splits + split + tl.zeros((1,), tl.int32))
@@ -230,9 +229,9 @@ def _decode_reduce_kernel(
         alpha = tl.exp2(m - m_new)
         weight = tl.exp2(lse - m_new)
         acc = acc * alpha + partial * weight
-        l = l * alpha + weight
+        l_sum = l_sum * alpha + weight
         m = m_new
-    out = acc / tl.where(l > 0, l, 1.0)
+    out = acc / tl.where(l_sum > 0, l_sum, 1.0)
     tl.store(out_ptr + row * HEAD_DIM + dims, out.to(out_ptr.dtype.element_ty))
 
 
@@ -371,12 +370,11 @@ def _prefill_kernel(
         q = tl.load(q_ptr + q_offsets, mask=row_valid[:, None], other=0.0)  # (M, D)
         kv_head = head // (NUM_HEADS // NUM_KV_HEADS)
         m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
-        l = tl.zeros((BLOCK_M,), tl.float32)
+        l_sum = tl.zeros((BLOCK_M,), tl.float32)
         acc = tl.zeros((BLOCK_M, HEAD_DIM), tl.float32)
         block_table_ptr = block_tables_ptr + seq * block_table_stride
-        end = tl.minimum(
-            context_len, prefix_len + (tile_m + 1) * BLOCK_M
-        )  # causal horizon
+        # causal horizon
+        end = tl.minimum(context_len, prefix_len + (tile_m + 1) * BLOCK_M)
         first = tl.where(
             window > 0, tl.maximum(prefix_len + tile_m * BLOCK_M - window + 1, 0), 0
         )
@@ -399,8 +397,10 @@ def _prefill_kernel(
                 & (pos[None, :] <= q_pos[:, None])
                 & ((pos[None, :] > q_pos[:, None] - window) | (window <= 0))
             )
-            m, l, acc = _attend_tile(q, k, v, causal, m, l, acc, scale, PRECISION)
-        out = acc / l[:, None]
+            m, l_sum, acc = _attend_tile(
+                q, k, v, causal, m, l_sum, acc, scale, PRECISION
+            )
+        out = acc / l_sum[:, None]
         tl.store(
             out_ptr + q_offsets,
             out.to(out_ptr.dtype.element_ty),

@@ -1,4 +1,5 @@
 """vLLM's `vllm.distributed`: `cleanup_dist_env_and_memory`, and `parallel_state`."""
+
 import gc
 
 import torch
@@ -18,6 +19,10 @@ def cleanup_dist_env_and_memory(shutdown_ray: bool = False) -> None:
 
 
 def __getattr__(name: str):
-    raise lacks(__name__, name, "nanopaged.distributed has cleanup_dist_env_and_memory and, in "
-                                "parallel_state, get_world_group; nanopaged's tensor parallelism "
-                                "is LLM(model, tensor_parallel_size=N)")
+    raise lacks(
+        __name__,
+        name,
+        "nanopaged.distributed has cleanup_dist_env_and_memory and, in "
+        "parallel_state, get_world_group; nanopaged's tensor parallelism "
+        "is LLM(model, tensor_parallel_size=N)",
+    )

@@ -1,4 +1,5 @@
 """vLLM's `vllm.engine.arg_utils`: `EngineArgs`, every option of the engine."""
+
 from nanopaged.compat import lacks
 from nanopaged.engine_args import EngineArgs, FlexibleArgumentParser  # noqa: F401
 

@@ -1,5 +1,6 @@
 """vLLM's `vllm.engine.llm_engine`: `LLMEngine`, the engine driven a step at a time
 (`add_request`, `step`), which in nanopaged is the `LLM` class itself."""
+
 from nanopaged.compat import lacks
 from nanopaged.llm import LLM
 

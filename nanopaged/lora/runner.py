@@ -1,6 +1,7 @@
-"""LoRA on every rank, as the runner's extension: the projections' methods wrapped to add each
-row's adapter delta (punica.py), `max_loras` device slots filled least recently used first, and
-the slots of a step's rows sent with its inputs."""
+"""LoRA on every rank, as the runner's extension: the projections' methods wrapped to
+add each row's adapter delta (punica.py), `max_loras` device slots filled least recently
+used first, and the slots of a step's rows sent with its inputs."""
+
 import importlib.util
 import weakref
 from collections import OrderedDict
@@ -20,14 +21,15 @@ from nanopaged.lora.request import LoRARequest
 
 
 def adapter_key(request: LoRARequest) -> tuple[str, int, str]:
-    """What names an adapter's weights: a name loaded again from another path is another."""
+    """What names an adapter's weights: a name loaded again from another path is
+    another."""
     return request.lora_name, request.lora_int_id, request.lora_path
 
 
 class RowSlots:
-    """The adapter slot of each row of the running step (-1: the base model), in a tensor that
-    CUDA graphs read in place. `active`: whether any row has an adapter (on a GPU always: a
-    graph captured without the delta could not add it)."""
+    """The adapter slot of each row of the running step (-1: the base model), in a
+    tensor that CUDA graphs read in place. `active`: whether any row has an adapter (on
+    a GPU always: a graph captured without the delta could not add it)."""
 
     def __init__(self, capacity: int, device: torch.device):
         self.buffer = torch.full((capacity,), -1, dtype=torch.int64, device=device)
@@ -36,7 +38,8 @@ class RowSlots:
 
     def set(self, slots: np.ndarray) -> None:
         n = len(slots)
-        # a longer (eager) step gets a buffer of its own: the graphs keep reading `buffer`
+        # a longer (eager) step gets a buffer of its own: the graphs keep reading
+        # `buffer`
         self.slots = self.buffer if n <= len(self.buffer) else self.buffer.new_empty(n)
         self.slots[n:].fill_(-1)  # a graph's padding rows
         self.slots[:n] = to_device(self.slots.device, slots, torch.int64)
@@ -44,10 +47,12 @@ class RowSlots:
 
 
 class LoRALinear(LinearMethod):
-    """A projection's own method, then each row's delta from the stacked slots: `a` (L, P*R,
-    in) and `b` (out, L, P*R) (see punica.py)."""
+    """A projection's own method, then each row's delta from the stacked slots: `a` (L,
+    P*R, in) and `b` (out, L, P*R) (see punica.py)."""
 
-    def __init__(self, base: LinearMethod, a: torch.Tensor, b: torch.Tensor, rows: RowSlots):
+    def __init__(
+        self, base: LinearMethod, a: torch.Tensor, b: torch.Tensor, rows: RowSlots
+    ):
         self.base, self.a, self.b, self.rows = base, a, b, rows
         use_kernel = a.is_cuda and importlib.util.find_spec("triton") is not None
         self.delta = lora_delta_triton if use_kernel else lora_delta_torch
@@ -56,36 +61,46 @@ class LoRALinear(LinearMethod):
         y = self.base.apply(layer, x)
         if self.rows.active:
             flat = x.reshape(-1, x.shape[-1])
-            self.delta(y.view(-1, y.shape[-1]), flat, self.a, self.b,
-                       self.rows.slots[:flat.shape[0]])
+            self.delta(
+                y.view(-1, y.shape[-1]),
+                flat,
+                self.a,
+                self.b,
+                self.rows.slots[: flat.shape[0]],
+            )
         return y
 
 
 @dataclass
 class LoRAInputs:
-    """What a step tells every rank about adapters: the adapters to load first, as (slot,
-    request, generation), and each token's slot (-1: the base model)."""
+    """What a step tells every rank about adapters: the adapters to load first, as
+    (slot, request, generation), and each token's slot (-1: the base model)."""
+
     loads: list[tuple[int, LoRARequest, int]]
     slots: np.ndarray
 
 
 class LoRAExtension(RunnerExtension):
-    """LoRA in each rank's runner (the runner's `extension`). Its projections are wrapped before
-    the KV pool is sized (the slots take memory). On rank 0, `adapters` maps each sequence to
-    its adapter and `prepare_inputs` decides which adapters the step loads into which slots
-    (least recently used first, never one the step needs); the step's `LoRAInputs` carry that
-    plan and each token's slot to every rank, where `before_forward` loads them and sets the
-    rows' slots. An adapter is read, checked and staged by `check` on rank 0 when a request
-    brings it (the `max_cpu_loras` most recent stay staged on the host); other ranks read their
-    shards when told to load it."""
+    """LoRA in each rank's runner (the runner's `extension`). Its projections are
+    wrapped before the KV pool is sized (the slots take memory). On rank 0, `adapters`
+    maps each sequence to its adapter and `prepare_inputs` decides which adapters the
+    step loads into which slots (least recently used first, never one the step needs);
+    the step's `LoRAInputs` carry that plan and each token's slot to every rank, where
+    `before_forward` loads them and sets the rows' slots. An adapter is read, checked
+    and staged by `check` on rank 0 when a request brings it (the `max_cpu_loras` most
+    recent stay staged on the host); other ranks read their shards when told to load
+    it."""
 
     def __init__(self, lora: LoRAConfig):
         self.lora_config = lora
-        self.adapters: weakref.WeakKeyDictionary[Sequence, LoRARequest] = \
+        self.adapters: weakref.WeakKeyDictionary[Sequence, LoRARequest] = (
             weakref.WeakKeyDictionary()
+        )
         self.staged: OrderedDict[tuple, dict] = OrderedDict()
         self.generations: dict[tuple, int] = {}  # times each adapter was forgotten
-        self.slots: list[tuple | None] = [None] * lora.max_loras  # the adapter in each slot
+        self.slots: list[tuple | None] = [
+            None
+        ] * lora.max_loras  # the adapter in each slot
         self.last_used = [0] * lora.max_loras
         self.num_steps = 0
 
@@ -99,18 +114,23 @@ class LoRAExtension(RunnerExtension):
         for name, module in self.model.named_modules():
             if adaptable(module):
                 parts = len(self.model.param_parts(name + ".weight"))
-                a, b = empty_slot(module, parts, lora.max_lora_rank, config.dtype, runner.device)
+                a, b = empty_slot(
+                    module, parts, lora.max_lora_rank, config.dtype, runner.device
+                )
                 a = a.unsqueeze(0).repeat(lora.max_loras, 1, 1)
                 b = b.unsqueeze(1).repeat(1, lora.max_loras, 1)
-                module.method = self.layers[name] = LoRALinear(module.method, a, b, self.rows)
+                module.method = self.layers[name] = LoRALinear(
+                    module.method, a, b, self.rows
+                )
 
     def check(self, request: LoRARequest) -> None:
-        """Reads and stages `request`'s adapter (a ValueError names what is wrong with it)."""
+        """Reads and stages `request`'s adapter (a ValueError names what is wrong with
+        it)."""
         self._staged(request)
 
     def forget(self, key: tuple) -> None:
-        """Drops the staged and loaded copies of the adapter `adapter_key` gave `key` (it is
-        read again if asked for)."""
+        """Drops the staged and loaded copies of the adapter `adapter_key` gave `key`
+        (it is read again if asked for)."""
         self.staged.pop(key, None)
         self.generations[key] = self.generations.get(key, 0) + 1
         self.slots = [None if slot == key else slot for slot in self.slots]
@@ -118,8 +138,9 @@ class LoRAExtension(RunnerExtension):
     def _staged(self, request: LoRARequest) -> dict:
         key = adapter_key(request)
         if key not in self.staged:
-            self.staged[key] = stage(request, self.model, self.lora_config.max_lora_rank,
-                                     self.dtype)
+            self.staged[key] = stage(
+                request, self.model, self.lora_config.max_lora_rank, self.dtype
+            )
             while len(self.staged) > self.lora_config.max_cpu_loras:
                 self.staged.popitem(last=False)
         self.staged.move_to_end(key)
@@ -129,12 +150,16 @@ class LoRAExtension(RunnerExtension):
         wanted = [self.adapters.get(seq) for seq in step.seqs]
         needed = {adapter_key(r): r for r in wanted if r is not None}
         if len(needed) > len(self.slots):
-            raise RuntimeError(f"a step with {len(needed)} adapters, over max_loras="
-                               f"{len(self.slots)}")  # the admission above must prevent it
+            # the admission above must prevent it
+            raise RuntimeError(
+                f"a step with {len(needed)} adapters, over max_loras={len(self.slots)}"
+            )
         slot_of = {key: i for i, key in enumerate(self.slots) if key in needed}
         # the free slots first, then the least recently used
-        spare = sorted((i for i in range(len(self.slots)) if i not in slot_of.values()),
-                       key=lambda i: (self.slots[i] is not None, self.last_used[i]))
+        spare = sorted(
+            (i for i in range(len(self.slots)) if i not in slot_of.values()),
+            key=lambda i: (self.slots[i] is not None, self.last_used[i]),
+        )
         loads = []
         for key, request in needed.items():
             if key not in slot_of:
@@ -146,11 +171,13 @@ class LoRAExtension(RunnerExtension):
 
     def before_forward(self, inputs: StepInputs) -> None:
         lora = inputs.extension
-        if lora is None:  # a step not prepared by a runner (the profiling forward): no adapter
+        # a step not prepared by a runner (the profiling forward): no adapter
+        if lora is None:
             lora = LoRAInputs([], np.full(len(inputs.input_ids), -1, np.int64))
         for slot, request, generation in lora.loads:
             key = adapter_key(request)
-            if self.generations.get(key, 0) != generation:  # forgotten on rank 0: read anew
+            # forgotten on rank 0: read anew
+            if self.generations.get(key, 0) != generation:
                 self.staged.pop(key, None)
                 self.generations[key] = generation
             self._load(slot, request)
@@ -160,7 +187,8 @@ class LoRAExtension(RunnerExtension):
         self.rows.set(lora.slots)
 
     def _load(self, slot: int, request: LoRARequest) -> None:
-        """Copies the adapter into `slot`; until it is all there, the slot holds no adapter."""
+        """Copies the adapter into `slot`; until it is all there, the slot holds no
+        adapter."""
         self.slots[slot] = None
         staged = self._staged(request)
         for name, layer in self.layers.items():

@@ -1,12 +1,15 @@
-"""The experts of a mixture-of-experts layer in two Triton launches, as vLLM's `fused_moe`.
+"""The experts of a mixture-of-experts layer in two Triton launches, as vLLM's
+`fused_moe`.
 
-Each token picks `top_k` experts, so the layer is T * top_k (token, expert) *pairs*. The pairs
-are sorted by expert and each expert's run padded to a multiple of BLOCK_M rows, so that every
-BLOCK_M-row tile of the sorted list belongs to one expert: one program multiplies a tile by its
-expert's weights. Both the sort and the kernels keep static shapes (no count leaves the GPU),
-so a decode step's experts can be captured in a CUDA graph. Checked against the plain-PyTorch
-experts of `moe.py` (under TRITON_INTERPRET=1 on CPU).
+Each token picks `top_k` experts, so the layer is T * top_k (token, expert) *pairs*. The
+pairs are sorted by expert and each expert's run padded to a multiple of BLOCK_M rows,
+so that every BLOCK_M-row tile of the sorted list belongs to one expert: one program
+multiplies a tile by its expert's weights. Both the sort and the kernels keep static
+shapes (no count leaves the GPU), so a decode step's experts can be captured in a CUDA
+graph. Checked against the plain-PyTorch experts of `moe.py` (under TRITON_INTERPRET=1
+on CPU).
 """
+
 import torch
 import triton
 import triton.language as tl
@@ -16,10 +19,11 @@ from nanopaged.core import layers
 silu_and_mul = layers.compiled_on_gpu(layers.silu_and_mul)
 
 
-def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """topk_ids (T, K) -> (pair index of each sorted row, padding rows holding T*K; the expert
-    of each BLOCK_M tile; the number of rows in use, as a (1,) tensor)."""
+def align_by_expert(
+    topk_ids: torch.Tensor, num_experts: int, block_m: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """topk_ids (T, K) -> (pair index of each sorted row, padding rows holding T*K; the
+    expert of each BLOCK_M tile; the number of rows in use, as a (1,) tensor)."""
     pairs = topk_ids.flatten()
     num_pairs = pairs.numel()
     counts = torch.zeros(num_experts, dtype=torch.int64, device=pairs.device)
@@ -27,10 +31,15 @@ def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int
     padded = (counts + block_m - 1) // block_m * block_m
     padded_ends = padded.cumsum(0)
     order = pairs.argsort(stable=True)  # pair indices, grouped by expert
-    rank = torch.arange(num_pairs, device=pairs.device) - (counts.cumsum(0) - counts)[pairs[order]]
+    rank = (
+        torch.arange(num_pairs, device=pairs.device)
+        - (counts.cumsum(0) - counts)[pairs[order]]
+    )
     max_rows = num_pairs + num_experts * (block_m - 1)
     max_rows = (max_rows + block_m - 1) // block_m * block_m
-    sorted_ids = torch.full((max_rows,), num_pairs, dtype=torch.int64, device=pairs.device)
+    sorted_ids = torch.full(
+        (max_rows,), num_pairs, dtype=torch.int64, device=pairs.device
+    )
     sorted_ids[(padded_ends - padded)[pairs[order]] + rank] = order
     tile_starts = torch.arange(0, max_rows, block_m, device=pairs.device)
     tile_experts = torch.searchsorted(padded_ends, tile_starts, right=True)
@@ -38,15 +47,28 @@ def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int
 
 
 @triton.jit(do_not_specialize=["num_pairs"])
-def _grouped_matmul_kernel(a_ptr, w_ptr, out_ptr, weights_ptr, sorted_ids_ptr, tile_experts_ptr,
-                           rows_in_use_ptr, num_pairs, N: tl.constexpr, K: tl.constexpr,
-                           A_ROWS_PER_PAIR: tl.constexpr, MUL_WEIGHTS: tl.constexpr,
-                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                           PRECISION: tl.constexpr):
-    """One program: a BLOCK_M tile of sorted pairs times a BLOCK_N slice of the output features
-    of the tile's expert. Row r of `a` is pair r's input (or token r // top_k's, when
-    A_ROWS_PER_PAIR is top_k); `w` is (E, N, K); the product, scaled by the pair's routing weight
-    when MUL_WEIGHTS, goes to row `pair` of `out` (T*K, N)."""
+def _grouped_matmul_kernel(
+    a_ptr,
+    w_ptr,
+    out_ptr,
+    weights_ptr,
+    sorted_ids_ptr,
+    tile_experts_ptr,
+    rows_in_use_ptr,
+    num_pairs,
+    N: tl.constexpr,
+    K: tl.constexpr,
+    A_ROWS_PER_PAIR: tl.constexpr,
+    MUL_WEIGHTS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """One program: a BLOCK_M tile of sorted pairs times a BLOCK_N slice of the output
+    features of the tile's expert. Row r of `a` is pair r's input (or token r //
+    top_k's, when A_ROWS_PER_PAIR is top_k); `w` is (E, N, K); the product, scaled by
+    the pair's routing weight when MUL_WEIGHTS, goes to row `pair` of `out` (T*K, N)."""
     tile, n_tile = tl.program_id(0), tl.program_id(1)
     if tile * BLOCK_M < tl.load(rows_in_use_ptr):
         pairs = tl.load(sorted_ids_ptr + tile * BLOCK_M + tl.arange(0, BLOCK_M))
@@ -58,33 +80,68 @@ def _grouped_matmul_kernel(a_ptr, w_ptr, out_ptr, weights_ptr, sorted_ids_ptr, t
         acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
         for k in range(0, K, BLOCK_K):
             ks = k + tl.arange(0, BLOCK_K)
-            a = tl.load(a_rows + ks[None, :], mask=valid[:, None] & (ks[None, :] < K), other=0.0)
-            w = tl.load(w_cols + ks[:, None], mask=(cols[None, :] < N) & (ks[:, None] < K),
-                        other=0.0)
+            a = tl.load(
+                a_rows + ks[None, :], mask=valid[:, None] & (ks[None, :] < K), other=0.0
+            )
+            w = tl.load(
+                w_cols + ks[:, None],
+                mask=(cols[None, :] < N) & (ks[:, None] < K),
+                other=0.0,
+            )
             acc += tl.dot(a, w, input_precision=PRECISION)
         if MUL_WEIGHTS:
             acc *= tl.load(weights_ptr + pairs, mask=valid, other=0.0)[:, None]
-        tl.store(out_ptr + pairs[:, None] * N + cols[None, :],
-                 acc.to(out_ptr.dtype.element_ty), mask=valid[:, None] & (cols[None, :] < N))
+        tl.store(
+            out_ptr + pairs[:, None] * N + cols[None, :],
+            acc.to(out_ptr.dtype.element_ty),
+            mask=valid[:, None] & (cols[None, :] < N),
+        )
 
 
-def _grouped_matmul(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, aligned: tuple,
-                    weights: torch.Tensor, a_rows_per_pair: int, block_m: int) -> None:
+def _grouped_matmul(
+    a: torch.Tensor,
+    w: torch.Tensor,
+    out: torch.Tensor,
+    aligned: tuple,
+    weights: torch.Tensor,
+    a_rows_per_pair: int,
+    block_m: int,
+) -> None:
     sorted_ids, tile_experts, rows_in_use = aligned
     n, k = w.shape[1], w.shape[2]
     block_n, block_k = 64, 32
     grid = (tile_experts.numel(), triton.cdiv(n, block_n))
     _grouped_matmul_kernel[grid](
-        a, w, out, weights, sorted_ids, tile_experts, rows_in_use, out.shape[0], N=n, K=k,
-        A_ROWS_PER_PAIR=a_rows_per_pair, MUL_WEIGHTS=a_rows_per_pair == 1, BLOCK_M=block_m,
-        BLOCK_N=block_n, BLOCK_K=block_k,
-        PRECISION="ieee" if a.dtype == torch.float32 else "tf32", num_warps=4)
+        a,
+        w,
+        out,
+        weights,
+        sorted_ids,
+        tile_experts,
+        rows_in_use,
+        out.shape[0],
+        N=n,
+        K=k,
+        A_ROWS_PER_PAIR=a_rows_per_pair,
+        MUL_WEIGHTS=a_rows_per_pair == 1,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
+        num_warps=4,
+    )
 
 
-def fused_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
-                  topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-    """x (T, H) through experts `gate_up` (E, 2I, H) and `down` (E, H, I): the sum over each
-    token's top_k experts (`topk_ids` (T, K)) of its routing weight times the expert's SwiGLU."""
+def fused_experts(
+    x: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+) -> torch.Tensor:
+    """x (T, H) through experts `gate_up` (E, 2I, H) and `down` (E, H, I): the sum over
+    each token's top_k experts (`topk_ids` (T, K)) of its routing weight times the
+    expert's SwiGLU."""
     num_tokens, top_k = topk_ids.shape
     num_experts = gate_up.shape[0]
     # small tiles waste less padding when each expert gets few pairs (decode)

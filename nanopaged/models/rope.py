@@ -1,6 +1,6 @@
-"""RoPE scalings beyond the plain one, entered in the core's `layers.ROPE_SCALINGS` under the
-`rope_type` a checkpoint's config names: each makes the inverse frequencies of the plain
-rotary embedding into the scaled ones."""
+"""RoPE scalings beyond the plain one, entered in the core's `layers.ROPE_SCALINGS`
+under the `rope_type` a checkpoint's config names: each makes the inverse frequencies of
+the plain rotary embedding into the scaled ones."""
 
 import math
 
@@ -10,8 +10,8 @@ from nanopaged.core.layers import ROPE_SCALINGS
 
 
 def llama3(inv_freq: torch.Tensor, parameters: dict) -> torch.Tensor:
-    """Llama 3's frequency scaling: long wavelengths slowed by `factor`, short ones kept, the
-    band between blended smoothly."""
+    """Llama 3's frequency scaling: long wavelengths slowed by `factor`, short ones
+    kept, the band between blended smoothly."""
     factor = parameters["factor"]
     low, high = parameters["low_freq_factor"], parameters["high_freq_factor"]
     old_len = parameters["original_max_position_embeddings"]

@@ -1,18 +1,21 @@
-"""What the quantized formats share: their tensors, stored as the checkpoint has them, become
-once loaded one float weight (out, in) that the device's linear method multiplies. The
-numbers are exact: each value is the product (or the difference times the scale) the format
-defines, computed in float32, then cast to the model's dtype."""
+"""What the quantized formats share: their tensors, stored as the checkpoint has them,
+become once loaded one float weight (out, in) that the device's linear method
+multiplies. The numbers are exact: each value is the product (or the difference times
+the scale) the format defines, computed in float32, then cast to the model's dtype."""
+
 import torch
 from torch import nn
 
 from nanopaged.core.layers import LinearMethod, parameter
 
-NIBBLE_SHIFTS = torch.arange(0, 32, 4, dtype=torch.int32)  # the 8 four-bit values of an int32
+# the 8 four-bit values of an int32
+NIBBLE_SHIFTS = torch.arange(0, 32, 4, dtype=torch.int32)
 
 
 class DequantizedLinear(LinearMethod):
-    """A format's tensors (`tensors(in_features, out_features)`, each a `layers.parameter`)
-    turned into the float weight by `dequantize(layer)`, then multiplied by `dense`."""
+    """A format's tensors (`tensors(in_features, out_features)`, each a
+    `layers.parameter`) turned into the float weight by `dequantize(layer)`, then
+    multiplied by `dense`."""
 
     def __init__(self, dense: LinearMethod):
         self.dense = dense
@@ -23,7 +26,9 @@ class DequantizedLinear(LinearMethod):
     def dequantize(self, layer: nn.Module) -> torch.Tensor:
         raise NotImplementedError
 
-    def create_weights(self, layer: nn.Module, in_features: int, out_features: int) -> None:
+    def create_weights(
+        self, layer: nn.Module, in_features: int, out_features: int
+    ) -> None:
         layer.float_dtype = torch.get_default_dtype()
         layer.quantized = self.tensors(in_features, out_features)
         for name, param in layer.quantized.items():
@@ -37,12 +42,15 @@ class DequantizedLinear(LinearMethod):
 
 
 class Int4Linear(DequantizedLinear):
-    """A 4-bit format (AWQ, GPTQ): `int4(layer)` reads its tensors as values (in, out), zero
-    points and scales (groups, out) and the group size; the weight is (value - zero) x scale.
-    On a GPU the layer keeps them 4-bit and multiplies with int4_triton.py's kernel (a quarter
-    of the float weight's bytes); elsewhere they are dequantized once loaded."""
+    """A 4-bit format (AWQ, GPTQ): `int4(layer)` reads its tensors as values (in, out),
+    zero points and scales (groups, out) and the group size; the weight is (value -
+    zero) x scale. On a GPU the layer keeps them 4-bit and multiplies with
+    int4_triton.py's kernel (a quarter of the float weight's bytes); elsewhere they are
+    dequantized once loaded."""
 
-    def int4(self, layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    def int4(
+        self, layer: nn.Module
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
         raise NotImplementedError
 
     def dequantize(self, layer: nn.Module) -> torch.Tensor:
@@ -55,13 +63,15 @@ class Int4Linear(DequantizedLinear):
         if not use_kernel(layer.qweight):
             return super().process_weights(layer)
         from nanopaged.quantization.int4_triton import Int4Kernel
+
         parts = self.int4(layer)
         drop_stored(layer)
         return Int4Kernel.keep(layer, *parts)
 
 
 def drop_stored(layer: nn.Module) -> None:
-    """Frees the tensors as the checkpoint stored them, once turned into what multiplies."""
+    """Frees the tensors as the checkpoint stored them, once turned into what
+    multiplies."""
     for name in layer.quantized:
         delattr(layer, name)
     del layer.quantized
@@ -72,9 +82,12 @@ def use_kernel(qweight: torch.Tensor) -> bool:
     return qweight.is_cuda
 
 
-def unpack_int4(words: torch.Tensor, dim: int, order: list[int] | None = None) -> torch.Tensor:
-    """The 4-bit values of int32 `words`, eight per word along `dim` (the lowest bits first),
-    placed in `order` (value i of a word is feature order[i] of its eight; None: in turn)."""
+def unpack_int4(
+    words: torch.Tensor, dim: int, order: list[int] | None = None
+) -> torch.Tensor:
+    """The 4-bit values of int32 `words`, eight per word along `dim` (the lowest bits
+    first), placed in `order` (value i of a word is feature order[i] of its eight; None:
+    in turn)."""
     values = (words.unsqueeze(-1) >> NIBBLE_SHIFTS.to(words.device)) & 0xF  # (..., 8)
     if order is not None:
         values = values[..., torch.tensor(order).argsort()]
@@ -83,24 +96,31 @@ def unpack_int4(words: torch.Tensor, dim: int, order: list[int] | None = None) -
 
 def check_group(name: str, features: int, group: int) -> None:
     if features % group:
-        raise ValueError(f"{name}={group} does not divide a projection's {features} input "
-                         f"features (on each tensor-parallel rank)")
+        raise ValueError(
+            f"{name}={group} does not divide a projection's {features} input "
+            f"features (on each tensor-parallel rank)"
+        )
 
 
 def check_keys(method: str, config: dict, expected: dict) -> None:
-    """A ValueError naming the first field of `config` whose value is not among `expected[name]`
-    (a field it lacks counts as its default, the first)."""
+    """A ValueError naming the first field of `config` whose value is not among
+    `expected[name]` (a field it lacks counts as its default, the first)."""
     for name, allowed in expected.items():
         value = config.get(name, allowed[0])
         if value not in allowed:
-            raise ValueError(f"the checkpoint's {method} quantization_config has {name}="
-                             f"{value!r}, which nanopaged does not implement (it does "
-                             f"{', '.join(map(repr, allowed))})")
+            raise ValueError(
+                f"the checkpoint's {method} quantization_config has {name}="
+                f"{value!r}, which nanopaged does not implement (it does "
+                f"{', '.join(map(repr, allowed))})"
+            )
 
 
 def check_skipped(field: str, modules) -> None:
-    """Formats keep some modules unquantized: here only those outside the projections."""
+    """Formats keep some modules unquantized: here only those outside the
+    projections."""
     kept = [m for m in modules or () if "proj" in m]
     if kept:
-        raise ValueError(f"the checkpoint's quantization_config leaves {kept[0]!r} unquantized "
-                         f"({field}), which nanopaged does not implement")
+        raise ValueError(
+            f"the checkpoint's quantization_config leaves {kept[0]!r} unquantized "
+            f"({field}), which nanopaged does not implement"
+        )
