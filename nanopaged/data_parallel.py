@@ -212,9 +212,8 @@ class DataParallelLLM(VLLMEngineAPI):
         self.inputs.num_blocks = min(
             s.num_blocks for s in self.replica_stats().values()
         )
-        self.requests: dict[
-            str, Replica
-        ] = {}  # unfinished ones added one at a time: where
+        # unfinished ones added one at a time: where
+        self.requests: dict[str, Replica] = {}
 
     def reset_prefix_cache(self) -> bool:
         """Forgets every replica's cached prefixes; False where requests run."""

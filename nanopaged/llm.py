@@ -12,7 +12,7 @@ import weakref
 
 from tqdm.auto import tqdm
 
-from nanopaged.checkpoint import resolve_model
+from nanopaged.checkpoint import load_features, resolve_model
 from nanopaged.compat import VLLMEngineAPI
 from nanopaged.core.llm_engine import LLMEngine
 from nanopaged.core.sequence import Sequence
@@ -21,7 +21,11 @@ from nanopaged.engine_args import make_config, split_options
 from nanopaged.inputs import InputProcessor, Prompt, as_batch, per_prompt
 from nanopaged.outputs import EngineStats, Request, RequestOutput, token_logprobs
 from nanopaged.parallel import ParallelConfig, make_runner
+from nanopaged.sampling import VLLMSampler
 from nanopaged.sampling_params import SamplingParams
+
+# the backends, model families and quantized formats present enter the core's registries
+load_features()
 
 
 class LLM(VLLMEngineAPI):
@@ -77,13 +81,11 @@ class LLM(VLLMEngineAPI):
                 )
             )
             self.lora = LoRAAdmission(lora, surface["max_loras"])
-        runner = make_runner(
-            config, self.parallel, proposer.kv_bytes_per_block() if spec else 0, lora
-        )
+        extra_kv = proposer.kv_bytes_per_block() if spec else 0
+        runner = make_runner(config, self.parallel, extra_kv, lora, VLLMSampler)
         self.requests: dict[str, Request] = {}  # the unfinished ones
-        self.owners: dict[
-            Sequence, tuple[Request, int]
-        ] = {}  # a sequence's request, sample
+        # a sequence's request, sample
+        self.owners: dict[Sequence, tuple[Request, int]] = {}
         self.tracer = None
         if surface["trace"]:
             from nanopaged.trace import TracedRunner, Tracer

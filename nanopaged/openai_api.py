@@ -35,12 +35,13 @@ SAMPLING_FIELDS = {  # request field -> SamplingParams field
     "allowed_token_ids": "allowed_token_ids",
     "bad_words": "bad_words",
 }
+# vLLM's, before structured_outputs
 GUIDED_FIELDS = {
     "guided_json": "json",
     "guided_regex": "regex",
     "guided_choice": "choice",
     "guided_grammar": "grammar",
-}  # vLLM's, before structured_outputs
+}
 COMMON_FIELDS = {
     "model",
     "stream",

@@ -43,6 +43,7 @@ from nanopaged.checkpoint import load_features
 from nanopaged.checks import check_fields
 from nanopaged.core.config import Config
 from nanopaged.core.model_runner import ModelRunner, RunnerExtension
+from nanopaged.core.sampler import Sampler
 from nanopaged.core.step import SamplerOutput, ScheduledStep, StepInputs
 
 # Workers wait for rank 0's next message for as long as the caller leaves the engine
@@ -158,16 +159,18 @@ def make_runner(
     parallel: ParallelConfig,
     extra_kv_bytes_per_block: int = 0,
     extension: RunnerExtension | None = None,
+    sampler: type[Sampler] = Sampler,
 ) -> ModelRunner:
     """The engine's model runner: in this process alone, on every rank torchrun started,
     or on this process (rank 0) and the worker processes it starts. A feature's
     `extension` (LoRA's) takes part in every rank's runner: each worker gets a copy,
-    made before rank 0's is used."""
+    made before rank 0's is used. Rank 0 samples with `sampler`."""
+    options = (extra_kv_bytes_per_block, extension, sampler)
     if parallel.tensor_parallel_size == 1:
-        return ModelRunner(config, extra_kv_bytes_per_block, extension)
+        return ModelRunner(config, *options)
     if parallel.external_launcher:
-        return TorchrunRunner(config, extra_kv_bytes_per_block, extension)
-    return MultiprocRunner(config, parallel, extra_kv_bytes_per_block, extension)
+        return TorchrunRunner(config, *options)
+    return MultiprocRunner(config, parallel, *options)
 
 
 class TorchrunRunner(ModelRunner):
@@ -179,9 +182,10 @@ class TorchrunRunner(ModelRunner):
         config: Config,
         extra_kv_bytes_per_block: int = 0,
         extension: RunnerExtension | None = None,
+        sampler: type[Sampler] = Sampler,
     ):
         join_torchrun(config)
-        super().__init__(config, extra_kv_bytes_per_block, extension)
+        super().__init__(config, extra_kv_bytes_per_block, extension, sampler)
 
     def close(self) -> None:
         if dist.is_initialized():
@@ -199,6 +203,7 @@ class MultiprocRunner(ModelRunner):
         parallel: ParallelConfig,
         extra_kv_bytes_per_block: int = 0,
         extension: RunnerExtension | None = None,
+        sampler: type[Sampler] = Sampler,
     ):
         self.workers = []
         workers = start_workers(config, parallel, extension)
@@ -206,7 +211,7 @@ class MultiprocRunner(ModelRunner):
             with in_lockstep(workers):
                 self.group = join_ranks(config, parallel, 0, workers)
                 # each rank sizes its pool, captures graphs
-                super().__init__(config, extra_kv_bytes_per_block, extension)
+                super().__init__(config, extra_kv_bytes_per_block, extension, sampler)
         except BaseException:
             stop_workers(workers, None)
             raise

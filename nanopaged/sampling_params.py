@@ -57,6 +57,9 @@ class SamplingParams(SamplingOptions):
     constrains the text to a JSON schema, a regex, a choice or a grammar.
     """
 
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
     n: int = 1
     best_of: int | None = None
     presence_penalty: float = 0.0
@@ -179,6 +182,7 @@ class SamplingParams(SamplingOptions):
 
 
 # name, smallest and largest value of the integer fields (None: unbounded)
+# the seeds torch.Generator takes
 INT_RANGES = [
     ("n", 1, None),
     ("best_of", 1, None),
@@ -189,7 +193,7 @@ INT_RANGES = [
     ("prompt_logprobs", 0, MAX_LOGPROBS),
     ("truncate_prompt_tokens", 1, None),
     ("seed", -(2**63), 2**64 - 1),
-]  # the seeds torch.Generator takes
+]
 # name, bounds, and whether the lower bound is excluded, of the number fields
 FLOAT_RANGES = [
     ("temperature", 0, FLOAT32_MAX, False),

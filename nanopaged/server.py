@@ -116,9 +116,8 @@ class EngineLoop:
     def _call(function, args: tuple, future: Future) -> bool:
         try:
             future.set_result(function(*args))
-        except (
-            Exception
-        ) as error:  # a ValueError is the client's fault; the loop goes on
+        # a ValueError is the client's fault; the loop goes on
+        except Exception as error:
             future.set_exception(error)
             return False
         return True
@@ -148,9 +147,8 @@ class EngineLoop:
                     function, args = self.inbox.get()
                     function(*args)
                 outputs = self.llm.step()
-            except (
-                Exception
-            ) as error:  # the engine has aborted every request: tell their handlers
+            # the engine has aborted every request: tell their handlers
+            except Exception as error:
                 self._fail_all(error)
                 if isinstance(error, ReplicaDied):
                     # /health says so, and the router sends this loop nothing more
@@ -407,9 +405,8 @@ def serve(args: argparse.Namespace) -> None:
         llm = LLM(**dataclasses.asdict(EngineArgs.from_cli_args(args)))
         for lora in loras:
             llm.add_lora(lora)
-    except (
-        ValueError
-    ) as error:  # a wrong option, model or adapter: one line, no traceback
+    # a wrong option, model or adapter: one line, no traceback
+    except ValueError as error:
         sys.exit(f"nanopaged serve: error: {error}")
     app = create_app(
         llm, args.served_model_name or args.model, args.max_waiting, args.router, loras

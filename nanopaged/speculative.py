@@ -131,9 +131,8 @@ def ngram_proposals(
     sequence's last n tokens, for the largest n in [shortest, longest] that occurred
     before; where they run into the sequence's end, the repetition they are part of
     continues."""
-    reverse = token_ids[
-        ::-1
-    ]  # the sequence's end first: list.index then searches backwards
+    # the sequence's end first: list.index then searches backwards
+    reverse = token_ids[::-1]
     longest = min(longest, len(reverse) - 1)
     best_length, best_start = 0, 0
     end = 0

@@ -95,9 +95,8 @@ class Tracer:
         self.refs: dict[int, int] = {}  # block -> the written tables that hold it
         self.cached: set[int] = set()
         self.running: set[Sequence] = set()  # as the last step left them
-        self.num_tokens: dict[
-            Sequence, int
-        ] = {}  # completion tokens written, by sequence
+        # completion tokens written, by sequence
+        self.num_tokens: dict[Sequence, int] = {}
         self.record: dict = {}
 
     def attach(self, engine, config) -> None:
@@ -142,9 +141,8 @@ class Tracer:
             record["ran"].append(
                 [seq.seq_id, start, n, "decode" if decode else "prefill", 0, 0]
             )
-            if (
-                seq not in self.tables or seq in step.preempted
-            ) and seq.block_table:  # admitted
+            # admitted
+            if (seq not in self.tables or seq in step.preempted) and seq.block_table:
                 record["hits"][str(seq.seq_id)] = seq.block_table[: start // size]
         self._note_tables(engine, step.seqs, step.preempted)
         self._note_cached(pool)  # entered while scheduling

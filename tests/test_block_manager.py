@@ -83,9 +83,8 @@ def test_a_sliding_window_sequence_gives_back_the_blocks_before_its_window(windo
         manager.may_append(seq)
         seq.num_computed_tokens += 1
         held = [b for b in seq.block_table if b >= 0]
-        first_needed = (
-            len(seq) - window
-        ) // BLOCK  # the block of the first key the token sees
+        # the block of the first key the token sees
+        first_needed = (len(seq) - window) // BLOCK
         assert all(b >= 0 for b in seq.block_table[first_needed:])
         assert seq.block_table[-2] >= 0
         assert seq.block_table[: first_needed - 1].count(-1) == max(0, first_needed - 1)

@@ -283,10 +283,8 @@ def test_without_chunked_prefill_a_prompt_runs_whole(qwen3_path):
     llm.generate(
         random_prompts([40, 40], seed=75), SamplingParams(max_tokens=1), use_tqdm=False
     )
-    assert steps == [
-        [40],
-        [40],
-    ]  # the second waits rather than run in part beside the first
+    # the second waits rather than run in part beside the first
+    assert steps == [[40], [40]]
 
 
 def test_truncate_prompt_tokens_keeps_the_last_tokens(qwen3_path, hf_greedy):

@@ -58,11 +58,8 @@ def test_a_step_at_a_time_across_replicas(qwen3_path, single):
     with LLM(qwen3_path, max_model_len=256, data_parallel_size=2) as llm:
         ids = [llm.add_request(p, GREEDY) for p in prompts]
         assert len(set(ids)) == 3
-        assert [llm.requests[i].index for i in ids] == [
-            0,
-            1,
-            0,
-        ]  # the least busy, in turn
+        # the least busy, in turn
+        assert [llm.requests[i].index for i in ids] == [0, 1, 0]
         with pytest.raises(ValueError, match="requests added with add_request"):
             llm.generate(prompts, GREEDY)
         llm.abort(ids[2])

@@ -8,8 +8,8 @@ from conftest import random_prompts
 from transformers import MinPLogitsWarper
 
 from nanopaged import LLM, SamplingParams
-from nanopaged.core.sampler import Sampler
 from nanopaged.core.sequence import Sequence
+from nanopaged.sampling import VLLMSampler
 
 PROMPTS = random_prompts([6, 17, 30], seed=70)
 STEPS = 16
@@ -86,9 +86,8 @@ def test_logit_bias_is_transformers_sequence_bias(llm, qwen3_path, hf_model):
             prompt,
             sequence_bias={(t,): b for t, b in bias.items()},
         )
-    assert set(generate(llm, PROMPTS[0], logit_bias={77: 200.0})) == {
-        77
-    }  # clamped to 100
+    # clamped to 100
+    assert set(generate(llm, PROMPTS[0], logit_bias={77: 200.0})) == {77}
 
 
 def test_allowed_token_ids_are_the_only_tokens(llm, qwen3_path, hf_model):
@@ -153,7 +152,7 @@ def test_each_row_of_a_batch_gets_its_own_adjustments(llm):
 
 def test_min_p_keeps_the_tokens_at_least_min_p_times_as_likely_as_the_best():
     logits = torch.tensor([[0.5, 0.3, 0.15, 0.05]]).log()
-    sampler = Sampler(torch.device("cpu"))
+    sampler = VLLMSampler(torch.device("cpu"))
     seqs = [
         Sequence([1], SamplingParams(min_p=0.2, temperature=1.0)) for _ in range(400)
     ]

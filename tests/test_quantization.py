@@ -33,16 +33,8 @@ SHAPE = dict(
 )
 PROJECTION = re.compile(r".*\.(q|k|v|o|gate|up|down)_proj\.weight$")
 FP8_MAX = torch.finfo(torch.float8_e4m3fn).max
-AWQ_ORDER = [
-    0,
-    2,
-    4,
-    6,
-    1,
-    3,
-    5,
-    7,
-]  # AutoAWQ's: the word's value i is output AWQ_ORDER[i]
+# AutoAWQ's: the word's value i is output AWQ_ORDER[i]
+AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]
 
 
 def pack_rows(values: torch.Tensor, order=range(8)) -> torch.Tensor:

@@ -311,9 +311,8 @@ def test_n_samples_share_the_prompt_full_blocks_and_compute_them_once(qwen3_path
         len(c) == 20 for c in completions
     )
     again = llm.generate([prompt], params, use_tqdm=False)[0]
-    assert [
-        c.token_ids for c in again.outputs
-    ] == completions  # reproducible with a seed
+    # reproducible with a seed
+    assert [c.token_ids for c in again.outputs] == completions
     assert (
         llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
     )

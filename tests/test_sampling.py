@@ -5,8 +5,8 @@ import torch
 from conftest import random_prompts
 
 from nanopaged import LLM, SamplingParams
-from nanopaged.core.sampler import Sampler
 from nanopaged.core.sequence import Sequence
+from nanopaged.sampling import VLLMSampler
 
 PROMPTS = random_prompts([5, 30, 12], seed=11)
 
@@ -65,7 +65,7 @@ def test_a_tiny_temperature_samples_the_argmax(qwen3_path):
 def _sample_many(
     logits: torch.Tensor, params: SamplingParams, n: int = 400
 ) -> set[int]:
-    sampler = Sampler(torch.device("cpu"))
+    sampler = VLLMSampler(torch.device("cpu"))
     seqs = [Sequence([1], params) for _ in range(n)]
     return set(sampler(logits.expand(n, -1).clone(), seqs).tolist())
 

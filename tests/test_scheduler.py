@@ -259,11 +259,8 @@ def test_prefill_admits_in_order_and_chunks_only_the_last_prompt(engine):
         for s, n in ((10, 8), (100, 9), (200, 10), (300, 3))
     ]
     llm.step()
-    assert last_step(llm) == [
-        (seqs[0], 8),
-        (seqs[1], 9),
-        (seqs[2], 3),
-    ]  # the third is cut
+    # the third is cut
+    assert last_step(llm) == [(seqs[0], 8), (seqs[1], 9), (seqs[2], 3)]
     scheduler = llm.engine.scheduler
     assert list(scheduler.waiting) == seqs[2:] and list(scheduler.running) == seqs[:2]
     # a cut prompt samples nothing yet
@@ -276,9 +273,8 @@ def test_each_admitted_sequence_counts_once_against_max_num_seqs(engine):
     llm.step()
     assert [seq for seq, _ in last_step(llm)] == seqs[:8]
     llm.step()
-    assert [seq for seq, _ in last_step(llm)] == seqs[
-        :8
-    ]  # a decode step: the ninth waits
+    # a decode step: the ninth waits
+    assert [seq for seq, _ in last_step(llm)] == seqs[:8]
     assert list(llm.engine.scheduler.waiting) == seqs[8:]
 
 
@@ -343,9 +339,8 @@ def test_a_preempted_sequence_is_recomputed_with_its_tokens(engine):
     assert list(llm.engine.scheduler.waiting) == [second] and len(second) == 5
     while second not in llm.engine.runner.steps[-1].seqs:
         llm.step()
-    assert last_step(llm) == [
-        (second, 5)
-    ]  # its prompt and its sampled tokens, recomputed
+    # its prompt and its sampled tokens, recomputed
+    assert last_step(llm) == [(second, 5)]
 
 
 def test_decode_preempts_the_sequence_itself_when_no_other_runs(engine):

@@ -61,19 +61,11 @@ GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
 def test_ngram_proposes_what_followed_the_latest_occurrence_of_the_longest_suffix():
     tokens = [1, 2, 3, 9, 7, 2, 3, 4, 5, 2, 3]
     assert ngram_proposals(tokens, 2, 1, 3) == [4, 5]  # [2, 3] last seen before 4, 5
-    assert ngram_proposals(tokens, 6, 1, 3) == [
-        4,
-        5,
-        2,
-        3,
-        4,
-        5,
-    ]  # the repetition goes on
+    # the repetition goes on
+    assert ngram_proposals(tokens, 6, 1, 3) == [4, 5, 2, 3, 4, 5]
     assert ngram_proposals([1, 6, 6, 6], 3, 2, 2) == [6, 6, 6]
-    assert ngram_proposals([8, 1, 2, 9, 1, 2, 5, 2], 2, 1, 3) == [
-        5,
-        2,
-    ]  # [2] alone: latest
+    # [2] alone: latest
+    assert ngram_proposals([8, 1, 2, 9, 1, 2, 5, 2], 2, 1, 3) == [5, 2]
     # the longest suffix wins over a later, shorter match
     assert ngram_proposals([7, 1, 2, 4, 3, 2, 6, 1, 2], 1, 1, 3) == [4]
     assert ngram_proposals([1, 2, 3, 4, 2], 3, 2, 3) == []  # no 2-gram occurred before
@@ -177,6 +169,7 @@ def test_draft_model_needs_the_models_vocabulary(qwen3_path, checkpoint_root):
 # ---- greedy: token-exact ----
 
 
+# the draft runs the same kernels as the model: once is enough
 @pytest.mark.parametrize(
     "method, backend",
     [
@@ -186,7 +179,7 @@ def test_draft_model_needs_the_models_vocabulary(qwen3_path, checkpoint_root):
         ("draft", "cpu"),
         ("ngram", "triton"),
     ],
-)  # the draft runs the same kernels as the model: once is enough
+)
 def test_greedy_speculation_gives_transformers_tokens(
     qwen3_path, hf_greedy, backend, method
 ):

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 triton_attention = pytest.importorskip("nanopaged.core.triton_attention")
+triton_decode_attention = pytest.importorskip("nanopaged.core.triton_decode_attention")
 from conftest import DEVICE, HEAD_DIM, metadata, paged_cache, relative_error  # noqa: E402
 
 from nanopaged.core.attention import (  # noqa: E402
@@ -25,7 +26,7 @@ def test_decode_matches_reference(block_size, num_heads, num_kv_heads, split_tok
     )
     q = torch.randn(len(context_lens), num_heads, HEAD_DIM, device=DEVICE)
     meta = metadata(context_lens, tables)
-    out = triton_attention.decode_paged(
+    out = triton_decode_attention.decode_paged(
         q,
         k_cache,
         v_cache,
@@ -47,7 +48,7 @@ def test_decode_result_does_not_depend_on_empty_splits():
     q = torch.randn(len(context_lens), 4, HEAD_DIM, device=DEVICE)
     lens = torch.tensor(context_lens, dtype=torch.int32, device=DEVICE)
     outs = [
-        triton_attention.decode_paged(
+        triton_decode_attention.decode_paged(
             q, k_cache, v_cache, tables, lens, max_seqlen_k, 0.25, split_tokens=64
         )
         for max_seqlen_k in (200, 1024)
@@ -74,7 +75,7 @@ def test_decode_padding_rows_with_no_context_are_finite():
     )
     ref = decode_torch(q[:1], k_cache, v_cache, first, 0.25)
     for split_tokens in (64, 16):
-        out = triton_attention.decode_paged(
+        out = triton_decode_attention.decode_paged(
             q,
             k_cache,
             v_cache,
@@ -147,7 +148,7 @@ def test_sliding_window_decode_and_prefill_match_the_reference(window):
     q = torch.randn(len(context_lens), 4, HEAD_DIM, device=DEVICE)
     meta = metadata(context_lens, tables)
     for split_tokens in (64, 512):
-        out = triton_attention.decode_paged(
+        out = triton_decode_attention.decode_paged(
             q,
             k_cache,
             v_cache,
@@ -230,10 +231,11 @@ def test_align_by_expert_gives_each_tile_one_expert_and_each_pair_one_row():
             assert pairs[sorted_ids[row]] == tile_experts[row // 2]
 
 
+# 72: one group, a part-filled tile
 @pytest.mark.parametrize(
     "rows, in_features, out_features, group",
     [(1, 128, 96, 32), (5, 256, 64, 128), (40, 72, 80, 72)],
-)  # 72: one group, a part-filled tile
+)
 def test_int4_matmul_equals_the_dequantized_weight(
     rows, in_features, out_features, group
 ):

@@ -140,9 +140,10 @@ class Backend:
 
 
 def triton_kernels() -> tuple:
-    from nanopaged.core import triton_attention as kernels
+    from nanopaged.core.triton_attention import prefill, store_kvcache
+    from nanopaged.core.triton_decode_attention import decode
 
-    return kernels.store_kvcache, kernels.prefill, kernels.decode
+    return store_kvcache, prefill, decode
 
 
 def needs_triton(on_gpu: bool, kv_dtype: torch.dtype) -> str | None:

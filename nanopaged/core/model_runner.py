@@ -43,18 +43,25 @@ class ModelRunner:
     steps run eagerly over a ragged batch; decode steps replay a CUDA graph captured for
     the next larger batch size, when graphs are on. Seams: a subclass may run `execute`
     on several processes (tensor parallelism); an `extension` takes part in each step
-    (LoRA). `extra_kv_bytes_per_block` are left free, per block, for another model's
-    cache in the same blocks (a speculative draft's)."""
+    (LoRA); a `sampler` class its sampling (vLLM's settings). `extra_kv_bytes_per_block`
+    are left free, per block, for another model's cache in the same blocks (a
+    speculative draft's)."""
 
-    def __init__(self, config: Config, extra_kv_bytes_per_block=0, extension=None):
+    def __init__(
+        self,
+        config: Config,
+        extra_kv_bytes_per_block: int = 0,
+        extension: RunnerExtension | None = None,
+        sampler: type[Sampler] = Sampler,
+    ):
         self.config = config
         self.extra_kv_bytes_per_block = extra_kv_bytes_per_block
-        self.extension: RunnerExtension = extension or RunnerExtension()
+        self.extension = extension or RunnerExtension()
         self.block_size = config.kvcache_block_size
         self.device = torch.device(config.device)
         self.backend = BACKENDS[config.attention_backend]
         self.model = load_model(config, self.device)
-        self.sampler = Sampler(self.device, config.seed, self.backend.sample)
+        self.sampler = sampler(self.device, config.seed, self.backend.sample)
         self.max_blocks_per_seq = cdiv(config.max_model_len, self.block_size)
         self.graphs: DecodeGraphs | None = None
         self.extension.prepare_model(self)
@@ -122,10 +129,9 @@ class ModelRunner:
             seq.block_table = [0] * cdiv(seq_len, self.block_size)
             step.add(seq, seq_len)
         self.execute(self.prepare_inputs(step))
-        seq = Sequence([0], SamplingOptions(temperature=1.0, top_p=0.9))
+        rows = self.sampler.profile_rows(config.max_num_seqs)
         vocab_size = config.hf_config.vocab_size
-        logits = torch.randn(config.max_num_seqs, vocab_size, device=self.device)
-        self.sampler(logits, [seq] * config.max_num_seqs)
+        self.sampler(torch.randn(len(rows), vocab_size, device=self.device), rows)
         torch.cuda.synchronize()
         free, total = torch.cuda.mem_get_info()
         activations = torch.cuda.max_memory_allocated() - torch.cuda.memory_allocated()

@@ -11,17 +11,12 @@ def cdiv(a: int, b: int) -> int:
 
 @dataclass
 class SamplingOptions:
-    """How one sequence is sampled and how long it may grow. `temperature=0` is greedy
-    decoding. `top_k` (0 or -1: off), `top_p` (1: off) and `min_p` (0: off) keep only
-    the most likely tokens of the tempered distribution. A completion ends after
-    `max_tokens` tokens (None: at the model's `max_model_len`), or at a stop token.
-    vLLM's `SamplingParams` (`nanopaged/sampling_params.py`) extends these with its own
-    fields and checks them all."""
+    """How one sequence is sampled and how long it may grow: `temperature=0` is greedy
+    decoding; a completion ends after `max_tokens` tokens (None: at the model's
+    `max_model_len`), or at a stop token. vLLM's `SamplingParams`
+    (`nanopaged/sampling_params.py`) extends these with its own fields."""
 
     temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-    min_p: float = 0.0
     max_tokens: int | None = 16
 
 
@@ -31,11 +26,11 @@ class Sequence:
     tokens whose K/V the scheduled steps have computed (or are computing).
     `num_cached_tokens` is how many prompt tokens the prefix cache served. Seams, all
     off until the layer above sets them: `stop_token_ids` end the completion (EOS);
-    `logits_processors` change its row's logits (see `Sampler`); `seed` makes its
-    samples independent of its batch; `prompt_logits` asks for the logits of the prompt
-    tokens it runs (for their logprobs); `cache_salt` starts the hash chain of its
-    blocks (see `hash_block`), so that sequences with other salts share none (a LoRA
-    adapter's K/V differs from the base model's)."""
+    `logits_processors` and `seed` are for its sampler above the core (which changes its
+    row's logits; which makes its samples independent of its batch); `prompt_logits`
+    asks for the logits of the prompt tokens it runs (for their logprobs); `cache_salt`
+    starts the hash chain of its blocks (see `hash_block`), so that sequences with other
+    salts share none (a LoRA adapter's K/V differs from the base model's)."""
 
     _ids = count()
 

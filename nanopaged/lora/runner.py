@@ -98,9 +98,8 @@ class LoRAExtension(RunnerExtension):
         )
         self.staged: OrderedDict[tuple, dict] = OrderedDict()
         self.generations: dict[tuple, int] = {}  # times each adapter was forgotten
-        self.slots: list[tuple | None] = [
-            None
-        ] * lora.max_loras  # the adapter in each slot
+        # the adapter in each slot
+        self.slots: list[tuple | None] = [None] * lora.max_loras
         self.last_used = [0] * lora.max_loras
         self.num_steps = 0
 

@@ -41,11 +41,12 @@ def _int4_matmul_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for start in range(0, K, BLOCK_K):
         ks = start + tl.arange(0, BLOCK_K)
+        # (BM, BK)
         x = tl.load(
             x_ptr + rows[:, None] * K + ks[None, :],
             mask=(rows[:, None] < M) & (ks[None, :] < K),
             other=0.0,
-        )  # (BM, BK)
+        )
         inside = (ks[:, None] < K) & (cols[None, :] < N)
         words = tl.load(
             packed_ptr + (ks // 8)[:, None] * N + cols[None, :], mask=inside, other=0
