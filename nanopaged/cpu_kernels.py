@@ -161,7 +161,7 @@ def paged_attention(
     block_tables = block_tables.to(torch.int32).contiguous()
     context_lens = context_lens.to(torch.int32).contiguous()
     cu = None if cu_seqlens_q is None else cu_seqlens_q.to(torch.int32).contiguous()
-    out = torch.empty(queries.shape)
+    out = torch.empty(queries.shape, dtype=torch.float32)
     failed = (lib.prefill_attention if tiled else lib.paged_attention)(
         queries.data_ptr(),
         queries.stride(0),
@@ -196,7 +196,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return layers.rms_norm(x, weight, eps)
     rows = x if x.dim() == 3 else x.reshape(-1, 1, x.shape[-1])
     rows = _heads(rows)
-    out = torch.empty(x.shape)
+    out = torch.empty(x.shape, dtype=torch.float32)
     library().rms_norm(
         rows.data_ptr(),
         rows.stride(0),
@@ -220,7 +220,8 @@ def add_rms_norm(
     if not _float32(x, residual, weight):
         return layers.add_rms_norm(x, residual, weight, eps)
     x, residual = x.contiguous(), residual.contiguous()
-    out, total = torch.empty(x.shape), torch.empty(x.shape)
+    out = torch.empty(x.shape, dtype=torch.float32)
+    total = torch.empty(x.shape, dtype=torch.float32)
     n = x.shape[-1]
     library().rms_norm(
         x.data_ptr(),
@@ -248,7 +249,7 @@ def apply_rotary(
     positions, cos_sin = positions.to(torch.int64).contiguous(), cos_sin.contiguous()
     rotated = []
     for x in (_heads(q), _heads(k)):
-        out = torch.empty(x.shape)
+        out = torch.empty(x.shape, dtype=torch.float32)
         library().rotary(
             x.data_ptr(),
             x.stride(0),
@@ -270,7 +271,7 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
         return layers.silu_and_mul(gate_up)
     gate_up = gate_up.contiguous()
     n = gate_up.shape[-1] // 2
-    out = torch.empty(*gate_up.shape[:-1], n)
+    out = torch.empty(*gate_up.shape[:-1], n, dtype=torch.float32)
     library().silu_and_mul(
         gate_up.data_ptr(),
         gate_up.numel() // (2 * n),
@@ -351,7 +352,7 @@ def panel_matmul(x: torch.Tensor, panels: torch.Tensor) -> torch.Tensor:
     rows = x.reshape(-1, x.shape[-1]).float()
     rows = rows if rows.stride(-1) == 1 else rows.contiguous()
     n = panels.shape[0] * PANEL
-    out = torch.empty(len(rows), n)
+    out = torch.empty(len(rows), n, dtype=torch.float32)
     library().panel_matmul(
         rows.data_ptr(),
         rows.stride(0),

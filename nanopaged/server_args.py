@@ -65,6 +65,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args.model = args.model_tag or args.model
     if args.lora_modules and not args.enable_lora:
         parser.error("--lora-modules needs --enable-lora")
+    taken = {args.served_model_name or args.model}  # the names clients ask for
+    for name, _, _ in args.lora_modules or ():
+        if name in taken:
+            parser.error(
+                f"--lora-modules: the name {name!r} is taken (by the served "
+                f"model, or another adapter): each model needs its own name"
+            )
+        taken.add(name)
     return args
 
 

@@ -207,6 +207,54 @@ def test_tiled_prefill_at_each_head_size(head_dim):
     )
 
 
+def elementwise_cases() -> list:
+    """(kernel, the core's function it replaces, float32 arguments)."""
+    g = torch.Generator().manual_seed(0)
+    x, residual = torch.randn(2, 7, 96, generator=g), torch.randn(2, 7, 96, generator=g)
+    weight = torch.rand(96, generator=g) + 0.5
+    qkv = torch.randn(7, 8 * 16, generator=g) * 3
+    q, k = qkv[:, :64].view(7, 4, 16), qkv[:, 64:96].view(7, 2, 16)
+    positions, cos_sin = torch.tensor([0, 5, 9, 100, 3, 3, 511]), torch.randn(512, 16)
+    gate_up = torch.randn(7, 80, generator=g)
+    return [
+        (cpu_kernels.rms_norm, layers.rms_norm, (x, weight, 1e-6)),
+        (cpu_kernels.add_rms_norm, layers.add_rms_norm, (x, residual, weight, 1e-6)),
+        (cpu_kernels.apply_rotary, layers.apply_rotary, (q, k, positions, cos_sin)),
+        (cpu_kernels.silu_and_mul, layers.silu_and_mul, (gate_up,)),
+    ]
+
+
+@pytest.mark.parametrize("default", [torch.float64, torch.float16, torch.bfloat16])
+def test_the_kernels_write_float32_whatever_torchs_default_dtype(default):
+    """The C code writes float32: its output buffers are float32 under any default
+    dtype (a float64 buffer read garbage, a float16 one was written past its end)."""
+    cases = elementwise_cases()
+    expected = [function(*args) for _, function, args in cases]
+    weight = torch.randn(48, 40)
+    x = torch.randn(3, 40)
+    panels = cpu_kernels.pack_panels(weight)
+    k_cache, v_cache, tables = paged_cache(16, [40, 7], 2, seed=1)
+    meta = metadata([40, 7], tables)
+    q = torch.randn(2, 4, HEAD_DIM)
+    reference = decode_torch(q, k_cache, v_cache, meta, 0.125)
+    saved = torch.get_default_dtype()
+    torch.set_default_dtype(default)
+    try:
+        got = [kernel(*args) for kernel, _, args in cases]
+        matmul = cpu_kernels.panel_matmul(x, panels)
+        attention = cpu.decode(q, k_cache, v_cache, meta, 0.125)
+    finally:
+        torch.set_default_dtype(saved)
+    for out, want in zip(got, expected):
+        for a, b in zip(*(v if isinstance(v, tuple) else (v,) for v in (out, want))):
+            assert a.dtype == torch.float32 and relative_error(a, b) < 1e-6
+    assert matmul.dtype == torch.float32
+    assert relative_error(matmul, F.linear(x, weight)) < 1e-6
+    assert (
+        attention.dtype == torch.float32 and relative_error(attention, reference) < 1e-6
+    )
+
+
 def test_fused_kernels_match_the_functions_they_replace():
     g = torch.Generator().manual_seed(0)
     x, residual = torch.randn(2, 7, 96, generator=g), torch.randn(2, 7, 96, generator=g)

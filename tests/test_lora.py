@@ -406,6 +406,51 @@ def test_bad_adapters_are_refused_when_added_and_the_engine_goes_on(adapters, tm
     ) == peft_greedy(base, [second], prompt)
 
 
+@pytest.mark.parametrize("bad", ["nan-matrix", "inf-matrix", "nan-alpha", "inf-alpha"])
+def test_an_adapter_with_non_finite_numbers_is_refused_and_no_row_is_touched(
+    adapters, tmp_path, bad
+):
+    """A NaN or an infinity in a matrix, or a lora_alpha of NaN or Infinity (which
+    `<= 0` lets through), is refused by name when the adapter is read; the engine then
+    serves the base model and a good adapter, batched together, as before."""
+    base, (first, second) = adapters("qwen3")
+    tensors = load_file(f"{first.lora_path}/adapter_model.safetensors")
+    key = next(k for k in tensors if "v_proj.lora_B" in k)
+    poisoned = tensors[key].clone()
+    poisoned[0, 0] = float("nan") if bad.startswith("nan") else float("inf")
+    if bad.endswith("matrix"):
+        path = _broken(
+            first.lora_path, tmp_path / bad, tensors={**tensors, key: poisoned}
+        )
+        message = f"tensor '{key}' in .* holds NaN or infinite values"
+    else:
+        alpha = float("nan") if bad.startswith("nan") else float("inf")
+        path = _broken(first.lora_path, tmp_path / bad, {"lora_alpha": alpha})
+        message = "lora_alpha must be a positive number, got (nan|inf)"
+    llm = LLM(base, enable_lora=True, max_loras=2, max_lora_rank=8, max_model_len=128)
+    with pytest.raises(ValueError, match=message):
+        llm.add_lora(LoRARequest("bad", 9, path))
+    prompts = random_prompts([20, 14], seed=17)
+    outputs = llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=[None, second])
+    assert token_ids(outputs) == peft_greedy(base, [None, second], prompts)
+
+
+def test_a_slot_holding_a_nan_reaches_no_other_row():
+    """Rows of other slots and of the base model never meet a slot's numbers: a NaN
+    there (never loaded: it is refused, but whatever is in a slot) stays in its rows."""
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.randn(6, 16, generator=g), torch.randn(6, 24, generator=g)
+    a, b = torch.randn(3, 4, 16, generator=g), torch.randn(24, 3, 4, generator=g)
+    a[1], b[:, 1] = float("nan"), float("inf")
+    slots = torch.tensor([-1, 0, 1, 2, -1, 0])
+    out, expected = y.clone(), y.clone()
+    lora_delta_torch(out, x, a, b, slots)
+    lora_delta_reference(expected, x, a, b, slots)
+    clean = slots != 1
+    assert torch.isfinite(out[clean]).all()
+    assert torch.allclose(out[clean], expected[clean], atol=1e-5)
+
+
 def test_the_server_answers_the_base_model_and_two_adapters_in_one_run(
     adapters, monkeypatch
 ):
@@ -503,6 +548,30 @@ def test_the_server_answers_the_base_model_and_two_adapters_in_one_run(
         timeout=120,
     )
     assert refused.returncode != 0 and "LoRA adapter 'x': cannot read" in refused.stderr
+
+
+@pytest.mark.parametrize(
+    "names", [["--served-model-name", "m", "m=A"], ["a=A", "a=B"], ["BASE=A"]]
+)
+def test_an_adapter_named_as_another_model_is_refused_at_start(names, adapters):
+    """`--lora-modules m=PATH` beside `--served-model-name m` would list `m` twice and
+    hide the base model: refused before the engine starts, as the runtime endpoint does;
+    so is an adapter named twice, or named as the model's path."""
+    from nanopaged.server_args import parse_args
+
+    base, (first, second) = adapters("qwen3")
+    paths = {"A": first.lora_path, "B": second.lora_path}
+    argv = [arg.replace("BASE", base) for arg in names]
+    flags = [a for a in argv if "=" not in a]
+    modules = [
+        name + "=" + paths[path]
+        for name, path in (a.split("=") for a in argv if "=" in a)
+    ]
+    with pytest.raises(SystemExit):
+        parse_args([base, "--enable-lora", *flags, "--lora-modules", *modules])
+    assert parse_args(
+        [base, "--enable-lora", "--lora-modules", f"ok={first.lora_path}"]
+    )
 
 
 def test_the_runtime_adapter_endpoints_are_off_without_vllms_variable(

@@ -361,6 +361,132 @@ def halve(suffix: str):
     return edit
 
 
+def poison(suffix: str, value: float):
+    """One entry of the tensor named `...suffix` set to `value` (a NaN, an infinity)."""
+
+    def edit(tensors):
+        name = next(n for n in tensors if n.endswith(suffix))
+        tensors[name] = tensors[name].clone()
+        tensors[name].view(-1)[0] = value
+
+    return edit
+
+
+def store_as(suffix: str, dtype: torch.dtype):
+    """The tensor named `...suffix` stored in `dtype` (its values cast, or its bytes
+    viewed where the sizes agree), as a broken converter might."""
+
+    def edit(tensors):
+        name = next(n for n in tensors if n.endswith(suffix))
+        tensor = tensors[name]
+        same_size = tensor.dtype.itemsize == torch.empty(0, dtype=dtype).itemsize
+        tensors[name] = tensor.view(dtype) if same_size else tensor.to(dtype)
+
+    return edit
+
+
+def flatten(suffix: str):
+    def edit(tensors):
+        name = next(n for n in tensors if n.endswith(suffix))
+        tensors[name] = tensors[name].flatten().contiguous()
+
+    return edit
+
+
+def reverse_g_idx(suffix: str):
+    """One part's g_idx out of group order (as desc_act writes it), its siblings'
+    unchanged: each part is checked, not only the last one loaded."""
+
+    def edit(tensors):
+        name = next(n for n in tensors if n.endswith(suffix))
+        tensors[name] = tensors[name].flip(0).contiguous()
+
+    return edit
+
+
+SCALES = {
+    "fp8-block": "weight_scale_inv",
+    "fp8-tensor": "weight_scale",
+    "compressed-tensors": "weight_scale",
+    "awq": "scales",
+    "gptq": "scales",
+}
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+@pytest.mark.parametrize("fmt", list(SCALES))
+def test_a_non_finite_scale_is_refused_by_name(fmt, value, bases, tmp_path):
+    """A NaN or an infinity in any scale the format defines: a ValueError naming the
+    tensor and its file, where it used to load and generate token 0 or garbage."""
+    suffix = f"k_proj.{SCALES[fmt]}"
+    path = write_quantized(
+        bases["qwen3"], str(tmp_path / fmt), fmt, poison(suffix, value)
+    )
+    with pytest.raises(
+        ValueError,
+        match=rf"weight '.*{suffix}' in .*model.safetensors "
+        r"holds NaN or infinities",
+    ):
+        LLM(path, max_model_len=256)
+
+
+@pytest.mark.parametrize(
+    "fmt, edit, message",
+    [  # a dtype the format does not define: refused, not cast by value
+        (
+            "fp8-block",
+            store_as("q_proj.weight", torch.int8),
+            "int8, not torch.float8_e4m3fn",
+        ),
+        (
+            "fp8-tensor",
+            store_as("q_proj.weight", torch.float8_e5m2),
+            "float8_e5m2, not torch.float8_e4m3fn",
+        ),
+        (
+            "fp8-tensor",
+            store_as("q_proj.weight_scale", torch.int32),
+            "int32, not torch.float32",
+        ),
+        ("gptq", store_as("q_proj.qweight", torch.float32), "float32, not torch.int32"),
+        ("awq", store_as("up_proj.qzeros", torch.float32), "float32, not torch.int32"),
+        # fewer dimensions than the format's: named, not a bare IndexError
+        ("fp8-block", flatten("o_proj.weight_scale_inv"), "does not fit the model"),
+        (
+            "gptq",
+            reverse_g_idx("k_proj.g_idx"),
+            r"g_idx' in .* does not put the inputs",
+        ),
+        (
+            "gptq",
+            reverse_g_idx("up_proj.g_idx"),
+            r"g_idx' in .* does not put the inputs",
+        ),
+    ],
+)
+def test_a_tensor_stored_other_than_the_format_says_is_refused_by_name(
+    fmt, edit, message, bases, tmp_path
+):
+    path = write_quantized(bases["qwen3"], str(tmp_path / fmt), fmt, edit)
+    with pytest.raises(ValueError, match=r"weight '.*' in .*model.safetensors"):
+        LLM(path, max_model_len=256)
+    with pytest.raises(ValueError, match=message):
+        LLM(path, max_model_len=256)
+
+
+def test_a_plain_weight_stored_one_dimensional_is_named(qwen3_path, tmp_path):
+    path = str(tmp_path / "flat")
+    shutil.copytree(qwen3_path, path)
+    tensors = load_file(os.path.join(path, "model.safetensors"))
+    name = next(n for n in tensors if n.endswith("o_proj.weight"))
+    tensors[name] = tensors[name].flatten().contiguous()
+    save_file(tensors, os.path.join(path, "model.safetensors"))
+    with pytest.raises(
+        ValueError, match=rf"weight '{name}' in .* does not fit the model"
+    ):
+        LLM(path, max_model_len=256)
+
+
 @pytest.mark.parametrize(
     "fmt, edit, message",
     [

@@ -1,6 +1,7 @@
 """Sampling: seeds reproduce, top-k=1 is greedy, and the filters keep only what they
 should."""
 
+import pytest
 import torch
 from conftest import random_prompts
 
@@ -47,14 +48,19 @@ def test_top_k_1_equals_greedy(qwen3_path):
     ]
 
 
-def test_a_tiny_temperature_samples_the_argmax(qwen3_path):
-    llm = LLM(qwen3_path, max_model_len=256)
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+@pytest.mark.parametrize("temperature", [1e-38, 1e-40, 1e-6])
+def test_a_tiny_temperature_samples_the_argmax(qwen3_path, backend, temperature):
+    """Whatever temperature SamplingParams accepts gives the same tokens on every
+    backend: below 1e-5 (vLLM's bound) greedy ones, even where 1 / T would overflow
+    float32 (under ~3e-39)."""
+    llm = LLM(qwen3_path, max_model_len=256, attention_backend=backend)
     greedy = llm.generate(
         PROMPTS, SamplingParams(temperature=0, max_tokens=20), use_tqdm=False
     )
     for params in (
-        SamplingParams(temperature=1e-38, max_tokens=20, seed=1),
-        SamplingParams(temperature=1e-38, top_p=0.9, max_tokens=20, seed=1),
+        SamplingParams(temperature=temperature, max_tokens=20, seed=1),
+        SamplingParams(temperature=temperature, top_p=0.9, max_tokens=20, seed=1),
     ):
         tiny = llm.generate(PROMPTS, params, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in tiny] == [

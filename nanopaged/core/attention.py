@@ -129,8 +129,8 @@ def decode_flash(q, k_cache, v_cache, meta, scale, window=None) -> torch.Tensor:
 class Backend:
     """An attention backend: `kernels()` gives what a model built for it computes with
     (its module imported only then); `missing(on_gpu, kv_dtype)` names what it lacks
-    here (None: usable); "auto" may pick it on `auto_on` devices; `sample` is its
-    sampler's function (None: `sampler.sample`), `zeros` allocates its KV cache."""
+    here (None: usable); "auto" picks it on `auto_on` devices; `sample` is its sampling
+    function (None: `sampler.sample`), `zeros` allocates its KV cache."""
 
     kernels: Callable[[], Kernels]
     missing: Callable[[bool, torch.dtype], str | None]

@@ -21,8 +21,7 @@ def capture_cuda_graph(forward: Callable[[], None], pool) -> torch.cuda.CUDAGrap
 class DecodeGraphs:
     """One graph of the model's decode forward per batch size (1, 2, 4, 8, then steps of
     16), captured largest first into one memory pool by `capture`. A batch replays the
-    next larger size's graph, over static buffers (padding rows: slot -1, no
-    context)."""
+    next larger size's graph over static buffers (padding rows: slot -1, no context)."""
 
     def __init__(
         self,

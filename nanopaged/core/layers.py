@@ -50,17 +50,25 @@ def tp_shard(loaded: torch.Tensor, dim: int, rank: int, size: int) -> torch.Tens
 
 
 def parameter(
-    data: torch.Tensor, output_dim=None, input_dim=None, output_pack=1, input_pack=1
+    data: torch.Tensor,
+    output_dim=None,
+    input_dim=None,
+    output_pack=1,
+    input_pack=1,
+    checks=(),
 ):
     """A weight tensor that knows which of its dims hold the layer's output and input
     features (None: neither) and how many features one entry stands for along each (a
     4-bit word packs 8; a scale may cover a group of 128): all a weight loader needs to
-    place q/k/v or gate/up parts and tensor-parallel shards of it."""
+    place q/k/v or gate/up parts and tensor-parallel shards of it. The loader runs its
+    `checks` (a format's own) on each checkpoint tensor: each says what is wrong, or
+    None."""
     param = nn.Parameter(data, requires_grad=False)
     param.output_dim = output_dim
     param.input_dim = input_dim
     param.output_pack = output_pack
     param.input_pack = input_pack
+    param.checks = checks
     return param
 
 

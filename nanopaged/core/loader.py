@@ -82,14 +82,28 @@ def load_tensor(model: nn.Module, params: dict, name: str, f, file: str) -> tupl
     param_name, part = model.checkpoint_param(name)
     if param_name not in params:
         raise ValueError(f"unexpected weight {name!r} in {file}")
+    param, tensor = params[param_name], f.get_tensor(name)
     owner = model.get_submodule(param_name.rpartition(".")[0])
+    problems = [check(tensor) for check in getattr(param, "checks", ())]
+    if not stored_dtype_fits(tensor, param):
+        problems.insert(0, f"is stored as {tensor.dtype}, not {param.dtype}")
+    if any(problems):
+        raise ValueError(f"weight {name!r} in {file} {next(filter(None, problems))}")
     try:
         if hasattr(owner, "weight_loader"):
-            owner.weight_loader(params[param_name], f.get_tensor(name), part)
+            owner.weight_loader(param, tensor, part)
         else:
-            params[param_name].data.copy_(f.get_tensor(name))
+            param.data.copy_(tensor)
     except (RuntimeError, ValueError, IndexError) as error:  # a shape that does not fit
         raise ValueError(
             f"weight {name!r} in {file} does not fit the model: {error}"
         ) from None
     return param_name, part
+
+
+def stored_dtype_fits(tensor: torch.Tensor, param: torch.Tensor) -> bool:
+    """An integer or FP8 parameter takes a tensor of its own dtype; another, any float
+    but FP8, cast to its dtype."""
+    if not param.is_floating_point() or param.dtype.itemsize == 1:
+        return tensor.dtype == param.dtype
+    return tensor.is_floating_point() and tensor.dtype.itemsize > 1

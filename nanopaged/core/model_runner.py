@@ -22,10 +22,9 @@ CPU_KV_CACHE_FRACTION = 0.25
 
 
 class RunnerExtension:
-    """A feature's part in the runner of every rank (LoRA's), through three seams:
-    `prepare_model(runner)` once the model is loaded, before the KV pool is sized (to
-    add weights, wrap layers); `prepare_inputs(step, inputs)` on rank 0, whose result
-    travels with the step's inputs to every rank (`StepInputs.extension`);
+    """A feature's part in every rank's runner (LoRA's): `prepare_model(runner)` before
+    the KV pool is sized (to add weights, wrap layers); `prepare_inputs(step, inputs)`
+    on rank 0, whose result goes with the inputs to every rank (`StepInputs.extension`);
     `before_forward(inputs)` on every rank, before the model runs the step."""
 
     def prepare_model(self, runner: "ModelRunner") -> None:

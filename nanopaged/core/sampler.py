@@ -27,10 +27,9 @@ class Sampler:
     """Samples one token per row of logits, each row at its sequence's temperature (0:
     greedy), by inverting the cumulative distribution at one uniform number per row
     (cheaper than a vocabulary of noise) with `sample_fn` (a backend's own, else
-    `sample`); the numbers come from the engine's generator, seeded once (`seed`), so
-    that a run repeats. Seam: a subclass may change the rows' logits first (`adjust`)
-    and their numbers (`uniform`); `profile_rows` are the rows that take the most memory
-    to sample (the runner samples them once, before it sizes the KV cache)."""
+    `sample`), the numbers from the engine's generator, seeded once (`seed`): a run
+    repeats. Seam: a subclass may change the rows' logits (`adjust`) and numbers
+    (`uniform`); the runner samples `profile_rows` (the most memory) once."""
 
     def __init__(self, device: torch.device, seed: int = 0, sample_fn=None):
         self.device = device

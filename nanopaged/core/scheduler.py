@@ -1,5 +1,4 @@
-"""Decides what the next step runs: its sequences, their tokens, the rows that
-sample."""
+"""Decides what the next step runs: its sequences, their tokens, which rows sample."""
 
 from collections import deque
 

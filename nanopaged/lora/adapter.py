@@ -102,7 +102,9 @@ def read_config(request: LoRARequest) -> dict:
                 f"(nanopaged serves plain LoRA: W + scaling B A)"
             )
     for field in ("r", "lora_alpha"):
-        if not isinstance(config.get(field), (int, float)) or config[field] <= 0:
+        value = config.get(field)
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if not number or not math.isfinite(value) or value <= 0:
             raise ValueError(
                 f"LoRA adapter {name!r}: {field} must be a positive number, got "
                 f"{config.get(field)!r}"
@@ -134,6 +136,11 @@ def stage(
             raise ValueError(
                 f"LoRA adapter {name!r}: tensor {key!r} is not a LoRA A or B "
                 f"matrix (embeddings, DoRA and biases are not supported)"
+            )
+        if tensor.is_floating_point() and not torch.isfinite(tensor).all():
+            raise ValueError(
+                f"LoRA adapter {name!r}: tensor {key!r} in {file} holds NaN or "
+                f"infinite values"
             )
         pairs.setdefault(match.group(1), {})[match.group(2)] = tensor
     modules = dict(model.named_modules())
@@ -186,6 +193,12 @@ def stage(
             ) from None
     if not staged:
         raise ValueError(f"LoRA adapter {name!r}: {file} holds no LoRA matrices")
+    for layer_name, (slot_a, slot_b) in staged.items():
+        if not (torch.isfinite(slot_a).all() and torch.isfinite(slot_b).all()):
+            raise ValueError(
+                f"LoRA adapter {name!r}: {layer_name}'s lora_B times its scaling is "
+                f"not finite in {dtype}"
+            )
     return staged
 
 

@@ -18,30 +18,21 @@ rows (zeros elsewhere).
 On a GPU two Triton kernels gather each row's slot (punica's "BGMV": batched gather
 matrix-vector), a program per row and tile, rows of the base model returning at once;
 the slots are a tensor, so a CUDA graph captured once serves any mix. In torch (the CPU
-path, and the reference) the same is two matmuls over every slot at once, the other
-slots' ranks masked to zero: L x more work in the small rank-R products, no loop over
-adapters, no gathered copies.
+path, and the reference) each adapter present gathers its rows and multiplies them by
+its own A and B: a row never meets another slot's numbers (a NaN there stays there).
 """
 
 import torch
 import torch.nn.functional as F
 
 
-def lora_delta_torch(
-    y: torch.Tensor,
-    x: torch.Tensor,
-    a: torch.Tensor,
-    b: torch.Tensor,
-    slots: torch.Tensor,
-) -> None:
+def lora_delta_torch(y, x, a, b, slots: torch.Tensor) -> None:
     """y (T, out) += each row's adapter delta. x (T, in); a (L, PR, in); b (out, L, PR);
     slots (T,) int64 in [-1, L)."""
-    num_slots, rank = a.shape[0], a.shape[1]
-    # (T, L, PR)
-    h = F.linear(x, a.view(num_slots * rank, -1)).view(-1, num_slots, rank)
-    own = slots[:, None] == torch.arange(num_slots, device=slots.device)  # (T, L)
-    h = h * own[:, :, None].to(h.dtype)
-    y += F.linear(h.view(-1, num_slots * rank), b.view(b.shape[0], -1))
+    for slot in slots.unique().tolist():
+        if slot >= 0:
+            rows = (slots == slot).nonzero().squeeze(1)
+            y.index_add_(0, rows, F.linear(F.linear(x[rows], a[slot]), b[:, slot]))
 
 
 def lora_delta_reference(

@@ -21,6 +21,7 @@ from nanopaged.quantization.dequantize import (
     check_group,
     check_keys,
     check_skipped,
+    finite,
     unpack_int4,
 )
 
@@ -54,6 +55,7 @@ class AwqLinear(Int4Linear):
                 1,
                 0,
                 input_pack=self.group_size,
+                checks=(finite,),
             ),
         }
 

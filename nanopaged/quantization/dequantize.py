@@ -69,6 +69,12 @@ class Int4Linear(DequantizedLinear):
         return Int4Kernel.keep(layer, *parts)
 
 
+def finite(tensor: torch.Tensor) -> str | None:
+    """A scale's check: every value a finite number (a NaN would give token 0 or
+    garbage)."""
+    return None if torch.isfinite(tensor.float()).all() else "holds NaN or infinities"
+
+
 def drop_stored(layer: nn.Module) -> None:
     """Frees the tensors as the checkpoint stored them, once turned into what
     multiplies."""

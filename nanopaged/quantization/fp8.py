@@ -25,6 +25,7 @@ from nanopaged.quantization.dequantize import (
     check_keys,
     check_skipped,
     drop_stored,
+    finite,
 )
 
 FP8_MAX = torch.finfo(torch.float8_e4m3fn).max
@@ -56,12 +57,15 @@ class Fp8Linear(DequantizedLinear):
             bn, bk = self.block
             check_group("weight_block_size", in_features, bk)
             shape = (cdiv(out_features, bn), cdiv(in_features, bk))
-            scale = parameter(torch.empty(shape, dtype=torch.float32), 0, 1, bn, bk)
+            scale = torch.empty(shape, dtype=torch.float32)
+            scale = parameter(scale, 0, 1, bn, bk, checks=(finite,))
         else:
-            scale = parameter(torch.empty(out_features, 1, dtype=torch.float32), 0)
+            scale = torch.empty(out_features, 1, dtype=torch.float32)
+            scale = parameter(scale, 0, checks=(finite,))
         found = {"weight": weight, self.scale_name: scale}
         if self.static_input:
-            found["input_scale"] = parameter(torch.empty(out_features, 1), 0)
+            scale = torch.empty(out_features, 1)
+            found["input_scale"] = parameter(scale, 0, checks=(finite,))
         return found
 
     def process_weights(self, layer: nn.Module) -> LinearMethod:

@@ -20,6 +20,7 @@ from nanopaged.quantization.dequantize import (
     Int4Linear,
     check_group,
     check_keys,
+    finite,
     unpack_int4,
 )
 
@@ -54,22 +55,33 @@ class GptqLinear(Int4Linear):
                 1,
                 0,
                 input_pack=group,
+                checks=(finite,),
             ),
-            "g_idx": parameter(torch.empty(in_features, dtype=torch.int32), None, 0),
+            "g_idx": parameter(
+                torch.empty(in_features, dtype=torch.int32),
+                None,
+                0,
+                checks=(self.in_group_order,),
+            ),
         }
+
+    def in_group_order(self, g_idx: torch.Tensor) -> str | None:
+        """Whether a part's g_idx (each input's group) is in order: with `desc_act` it
+        is not, which nanopaged does not implement."""
+        group = self.group_size if self.group_size > 0 else len(g_idx)
+        in_order = torch.arange(len(g_idx)) // group
+        if g_idx.dim() != 1 or not torch.equal(g_idx.long() - g_idx[0], in_order):
+            return (
+                "does not put the inputs in order of their groups (a desc_act "
+                "checkpoint?), which nanopaged does not implement"
+            )
+        return None
 
     def int4(
         self, layer: nn.Module
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
         in_features = layer.g_idx.shape[0]
         group = self.group_size if self.group_size > 0 else in_features
-        g_idx = layer.g_idx.long()
-        in_order = torch.arange(in_features, device=g_idx.device) // group
-        if not torch.equal(g_idx - g_idx[0], in_order):
-            raise ValueError(
-                "a GPTQ g_idx does not put the inputs in order of their groups "
-                "(a desc_act checkpoint?), which nanopaged does not implement"
-            )
         zeros = (unpack_int4(layer.qzeros, 1) + self.zero_offset) & 0xF  # (groups, out)
         return unpack_int4(layer.qweight, 0), zeros, layer.scales, group
 
