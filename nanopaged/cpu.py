@@ -20,10 +20,12 @@ backend computes (the reference), with these changes:
   A decode step reads the cache's blocks where they lie and the LM head's tens of MB:
   with 4 KB pages, a miss in the TLB every 4 KB, each a page-table walk (two levels deep
   in a VM).
-- The process keeps freed memory for reuse (glibc's mmap and trim thresholds raised): a
-  step's activations are tens of MB, which glibc would otherwise return to the OS after
-  each use and fault in again, page by page; and torch's threads are as many as the
-  cores this process may use (its CPU affinity and cgroup quota), not the machine's.
+- While an engine lives, the process keeps freed memory for reuse (glibc's mmap and trim
+  thresholds raised; glibc's defaults are back, and the memory returned, once the last
+  such engine is gone): a step's activations are tens of MB, which glibc would otherwise
+  return to the OS after each use and fault in again, page by page. Torch's threads are
+  as many as the cores this process may use (its CPU affinity and cgroup quota), not
+  the machine's.
 """
 
 import ctypes
@@ -31,6 +33,7 @@ import functools
 import math
 import mmap
 import os
+import weakref
 
 import torch
 from torch import nn
@@ -50,8 +53,10 @@ from nanopaged.core.layers import Kernels, LinearBase, LinearMethod
 # speculative verification, a small chunk): more, and tiles of matrix products are
 # faster
 KERNEL_QUERIES = 16
-# glibc's mallopt parameters, and the size under which freed memory is kept
-M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, KEEP_BYTES = -1, -3, 2**31 - 1
+# glibc's mallopt parameters, the size under which freed memory is kept while an engine
+# lives, and glibc's default
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+KEEP_BYTES, GLIBC_THRESHOLD = 2**31 - 1, 128 << 10
 
 
 def usable_cores() -> int:
@@ -82,17 +87,50 @@ def usable_cores() -> int:
 
 @functools.cache
 def tune_process() -> None:
-    """Once a process: no more torch threads than usable cores, and freed memory kept by
-    glibc's allocator for the next step (see the module's docstring)."""
+    """Once a process: no more torch threads than usable cores."""
     # setting it even unchanged slows small GEMMs
     if usable_cores() < torch.get_num_threads():
         torch.set_num_threads(usable_cores())
+
+
+# the engines alive that asked glibc to keep freed memory
+_keeping = 0
+
+
+def keep_freed_memory(kv_cache: torch.Tensor) -> None:
+    """While the engine of `kv_cache` lives, glibc keeps the memory a step frees for the
+    next (its mmap and trim thresholds raised: see the module's docstring); once the
+    last such engine is gone, glibc's default thresholds (128 KB) come back and the
+    kept memory is returned to the system. No-op where the allocator is not glibc's."""
     try:
-        libc = ctypes.CDLL("libc.so.6")
+        libc = glibc()
         libc.mallopt(M_MMAP_THRESHOLD, KEEP_BYTES)
         libc.mallopt(M_TRIM_THRESHOLD, KEEP_BYTES)
     except (OSError, AttributeError):  # not glibc: its own allocator's policy stays
-        pass
+        return
+    global _keeping
+    _keeping += 1
+    weakref.finalize(kv_cache, _release_freed_memory, libc)
+
+
+def glibc() -> ctypes.CDLL:
+    return ctypes.CDLL("libc.so.6")
+
+
+def _release_freed_memory(libc) -> None:
+    global _keeping
+    _keeping -= 1
+    if _keeping == 0:  # the last engine keeping memory is gone
+        libc.mallopt(M_MMAP_THRESHOLD, GLIBC_THRESHOLD)
+        libc.mallopt(M_TRIM_THRESHOLD, GLIBC_THRESHOLD)
+        libc.malloc_trim(0)
+
+
+def kv_zeros(shape: tuple[int, ...], dtype: torch.dtype, device="cpu") -> torch.Tensor:
+    """The backend's KV cache: `huge_zeros`, and freed memory kept while it lives."""
+    kv_cache = huge_zeros(shape, dtype, device)
+    keep_freed_memory(kv_cache)
+    return kv_cache
 
 
 @functools.cache
@@ -129,7 +167,9 @@ class PackedLinear(LinearMethod):
     embedding's too."""
 
     def process_weights(self, layer: nn.Module) -> LinearMethod:
-        panels = cpu_kernels.pack_panels(layer.weight.data)
+        panels = None
+        if cpu_kernels.panels_faster():  # measured on this machine
+            panels = cpu_kernels.pack_panels(layer.weight.data)
         if panels is not None:
             layer.panels = huge_zeros(panels.shape, panels.dtype).copy_(panels)
             method = PanelLinear()
@@ -251,5 +291,5 @@ BACKENDS["cpu"] = Backend(
     lambda on_gpu, dtype: "device='cpu'" if on_gpu else None,
     ("cpu",),
     sample,
-    huge_zeros,
+    kv_zeros,
 )

@@ -14,11 +14,12 @@ returns None or runs the plain PyTorch code.
 import ctypes
 import functools
 import hashlib
+import json
 import logging
 import os
-import platform
 import subprocess
 import tempfile
+import time
 
 import torch
 
@@ -52,19 +53,29 @@ PANEL = 16  # output features in a panel of a packed weight (the C file's PANEL)
 logger = logging.getLogger(__name__)
 
 
-def _cpu_signature() -> str:
-    """What -march=native compiles for: a library built on another CPU may not run
-    here."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        return platform.processor()
+@functools.cache
+def _target(compiler: str) -> str:
+    """What `compiler -march=native` targets here, as its predefined macros (the
+    instruction sets: __AVX2__, __ARM_FEATURE_SVE...) and its version: a library built
+    for another CPU, or by another compiler, gets another key, on every platform."""
+    said = []
+    for flags in (["-march=native", "-dM", "-E", "-x", "c", "-"], ["--version"]):
+        try:
+            run = subprocess.run(
+                [compiler, *flags], input=b"", capture_output=True, timeout=60
+            )
+            said.append(run.stdout)
+        except (OSError, subprocess.SubprocessError):
+            said.append(b"")
+    return b"\0".join([b"\n".join(sorted(said[0].splitlines())), said[1]]).decode(
+        errors="replace"
+    )
 
 
 def _compile(compiler: str, path: str) -> None:
     """Builds the library at `path`: with OpenMP, else (a compiler without it) on one
-    thread. Raises OSError with what the compiler said."""
+    thread, said in a file beside it (`.serial`). Raises OSError with what the
+    compiler said."""
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(path))
     os.close(fd)
     try:
@@ -76,6 +87,8 @@ def _compile(compiler: str, path: str) -> None:
                     capture_output=True,
                     timeout=120,
                 )
+                if "-fopenmp" not in flags:
+                    open(path + ".serial", "w").close()
                 # atomic: a concurrent process sees all the file or none
                 os.replace(tmp, path)
                 return
@@ -90,24 +103,31 @@ def _compile(compiler: str, path: str) -> None:
             os.unlink(tmp)
 
 
-@functools.cache
-def library() -> ctypes.CDLL | None:
-    """The compiled kernels, built on first use; None where they cannot be built or
-    loaded (a missing compiler, a read-only or noexec cache folder): said once, in the
-    log."""
+def library_path() -> str:
+    """Where the library built from this source, by this compiler, for this CPU lies."""
     with open(SOURCE, "rb") as f:
         source = f.read()
     compiler = os.environ.get("CC", "cc")
-    key = hashlib.sha256(
-        b"\0".join(
-            [source, " ".join([compiler, *FLAGS]).encode(), _cpu_signature().encode()]
-        )
-    ).hexdigest()[:16]
-    path = os.path.join(CACHE_DIR, f"cpu_kernels-{key}.so")
+    parts = [source, " ".join([compiler, *FLAGS]).encode(), _target(compiler).encode()]
+    key = hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
+    return os.path.join(CACHE_DIR, f"cpu_kernels-{key}.so")
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The compiled kernels, built on first use; None where they cannot be built or
+    loaded (a missing compiler, a read-only or noexec cache folder), or where they were
+    built without OpenMP and PyTorch has several threads (its operators are then
+    faster): said once, in the log."""
+    path = library_path()
     try:
         if not os.path.exists(path):
             os.makedirs(CACHE_DIR, exist_ok=True)
-            _compile(compiler, path)
+            _compile(os.environ.get("CC", "cc"), path)
+        if os.path.exists(path + ".serial") and torch.get_num_threads() > 1:
+            raise OSError(
+                "the compiler has no OpenMP: the kernels would run on 1 thread"
+            )
         lib = ctypes.CDLL(path)
     except OSError as error:
         logger.warning(
@@ -120,6 +140,59 @@ def library() -> ctypes.CDLL | None:
         getattr(lib, name).restype = restype
         getattr(lib, name).argtypes = argtypes
     return lib
+
+
+@functools.cache
+def panels_faster() -> bool:
+    """Whether `panel_matmul` multiplies faster than oneDNN here, at this many threads:
+    measured once (a decode's and a prefill's rows, best of 5 each) and kept beside the
+    library, so that every process on this machine makes the same choice."""
+    if library() is None or not torch.backends.mkldnn.is_available():
+        return library() is not None
+    record, threads = library_path() + ".json", str(torch.get_num_threads())
+    try:
+        with open(record) as f:
+            measured = json.load(f)
+    except (OSError, ValueError):
+        measured = {}
+    if threads not in measured:
+        measured[threads] = _measure_panels()
+        try:  # atomic, as the library: a concurrent process reads all of it or none
+            fd, tmp = tempfile.mkstemp(dir=CACHE_DIR)
+            with os.fdopen(fd, "w") as f:
+                json.dump(measured, f)
+            os.replace(tmp, record)
+        except OSError:
+            pass  # measured again by the next process
+    return bool(measured[threads])
+
+
+def _measure_panels() -> bool:
+    g = torch.Generator().manual_seed(0)
+    weight = torch.randn(1024, 1024, generator=g)
+    panels = pack_panels(weight)
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight, 64)
+    for rows in (8, 256):
+        x = torch.randn(rows, 1024, generator=g)
+        ours = _best_time(lambda x=x: panel_matmul(x, panels))
+        theirs = _best_time(
+            lambda x=x: torch.ops.mkldnn._linear_pointwise(
+                x, packed, None, "none", [None], ""
+            )
+        )
+        if ours >= theirs:
+            return False
+    return True
+
+
+def _best_time(run, repeats: int = 5) -> float:
+    run()  # warm-up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    return min(times)
 
 
 @functools.cache

@@ -2,9 +2,11 @@
 plain-PyTorch reference: its attention, fused element-wise functions and sampling, its
 packed linear layers, how the kernels are built, and the process settings it makes."""
 
+import gc
 import math
 import mmap
 import os
+import shutil
 
 import pytest
 import torch
@@ -426,24 +428,83 @@ def test_a_packed_linear_multiplies_as_f_linear_and_frees_the_projections_weight
 
 
 # tiles of at most 6 rows, as even as can be (27: 6 6 5 5 5); 1 to 3 rows keep more sums
-# a row; 2000 rows of 40: x in 2 blocks of 1000 (the kernel's blocks are 256 KB of x)
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 6, 7, 13, 27, 40, 2000])
-def test_the_panel_matmul_is_f_linear(rows):
+# a row; 2000 rows of 40: x in 2 blocks of 1000 (the kernel's blocks are 256 KB of x); K
+# of 1000: a panel of 64 KB, whose next page the kernel asks for before each tile
+@pytest.mark.parametrize(
+    "rows, k",
+    [
+        (1, 40),
+        (2, 40),
+        (3, 40),
+        (5, 40),
+        (6, 40),
+        (7, 40),
+        (13, 40),
+        (27, 40),
+        (40, 40),
+        (2000, 40),
+        (1, 1000),
+        (27, 1000),
+        (300, 1000),
+    ],
+)
+def test_the_panel_matmul_is_f_linear(rows, k, monkeypatch):
+    monkeypatch.setattr(cpu_kernels, "panels_faster", lambda: True)
     g = torch.Generator().manual_seed(rows)
-    weight, bias = torch.randn(48, 40, generator=g), torch.randn(48, generator=g)
+    weight, bias = torch.randn(48, k, generator=g), torch.randn(48, generator=g)
     panels = cpu_kernels.pack_panels(weight)
-    x = torch.randn(2, rows, 80, generator=g)[..., ::2]  # 3-D, its rows not contiguous
+    x = torch.randn(2, rows, 2 * k, generator=g)[..., ::2]  # 3-D, rows not contiguous
     assert (
         relative_error(cpu_kernels.panel_matmul(x, panels), F.linear(x, weight)) < 1e-6
     )
     from nanopaged.core.layers import ColumnParallelLinear
 
-    layer = ColumnParallelLinear(40, 48, True, cpu.PackedLinear())
+    layer = ColumnParallelLinear(k, 48, True, cpu.PackedLinear())
     layer.weight.data.copy_(weight)
     layer.bias.data.copy_(bias)
     layer.method = layer.method.process_weights(layer)
     assert type(layer.method) is cpu.PanelLinear and layer.weight is None
     assert relative_error(layer(x), F.linear(x, weight, bias)) < 1e-6
+
+
+@pytest.mark.skipif(
+    not torch.backends.mkldnn.is_available(), reason="torch without oneDNN"
+)
+def test_the_panel_matmul_is_used_only_where_measured_faster(monkeypatch, tmp_path):
+    """Measured once per library and thread count, the choice kept beside the library
+    (every later process reads it); oneDNN where the panels were slower."""
+    from nanopaged.core.layers import ColumnParallelLinear
+
+    monkeypatch.setattr(cpu_kernels, "library_path", lambda: str(tmp_path / "k.so"))
+    monkeypatch.setattr(cpu_kernels, "CACHE_DIR", str(tmp_path))
+    measured = []
+    for faster in (False, True):
+        monkeypatch.setattr(
+            cpu_kernels, "_measure_panels", lambda f=faster: measured.append(f) or f
+        )
+        (tmp_path / "k.so.json").unlink(missing_ok=True)
+        for _ in range(2):  # a second process: read, not measured
+            cpu_kernels.panels_faster.cache_clear()
+            layer = ColumnParallelLinear(32, 48, False, cpu.PackedLinear())
+            layer.method = layer.method.process_weights(layer)
+            assert (type(layer.method) is cpu.PanelLinear) == faster
+    assert measured == [False, True]
+    cpu_kernels.panels_faster.cache_clear()
+
+
+def test_kernels_built_without_openmp_give_way_to_torchs_threads(monkeypatch, tmp_path):
+    """A compiler without OpenMP (Apple's clang) builds kernels that run on one thread:
+    beside several torch threads, PyTorch's operators run instead (said in the log)."""
+    cpu_kernels.library()  # built, where every test finds it
+    built, path = cpu_kernels.library_path(), tmp_path / "k.so"
+    monkeypatch.setattr(cpu_kernels, "library_path", lambda: str(path))
+    monkeypatch.setattr(cpu_kernels, "_compile", lambda cc, p: shutil.copy(built, p))
+    (tmp_path / "k.so.serial").touch()
+    for threads, usable in ((2, False), (1, True)):
+        monkeypatch.setattr(torch, "get_num_threads", lambda n=threads: n)
+        cpu_kernels.library.cache_clear()
+        assert (cpu_kernels.library() is not None) == usable
+    cpu_kernels.library.cache_clear()
 
 
 def vm_flags(address: int) -> set[str]:
@@ -465,7 +526,10 @@ def vm_flags(address: int) -> set[str]:
     not os.path.exists("/proc/self/smaps") or not hasattr(mmap, "MADV_HUGEPAGE"),
     reason="Linux's transparent huge pages",
 )
-def test_the_kv_cache_and_the_panels_ask_for_huge_pages_and_start_zeroed(qwen3_path):
+def test_the_kv_cache_and_the_panels_ask_for_huge_pages_and_start_zeroed(
+    qwen3_path, monkeypatch
+):
+    monkeypatch.setattr(cpu_kernels, "panels_faster", lambda: True)
     runner = LLM(qwen3_path).engine.runner
     assert "hg" in vm_flags(runner.kv_cache.data_ptr())  # hg: madvise(MADV_HUGEPAGE)
     assert not runner.kv_cache.any()
@@ -665,3 +729,39 @@ def test_threads_are_lowered_to_the_usable_cores_never_raised(monkeypatch):
         monkeypatch.setattr(cpu, "usable_cores", lambda usable=usable: usable)
         cpu.tune_process.__wrapped__()
         assert threads[0] == after
+
+
+def test_freed_memory_is_kept_while_an_engine_lives_and_returned_after(
+    qwen3_path, monkeypatch
+):
+    """glibc's thresholds are raised while a CPU engine lives, and glibc's defaults
+    come back (the kept memory returned) when the last one goes: a program that
+    embeds the engine gets its memory back."""
+    calls = []
+
+    class Glibc:
+        def mallopt(self, param, value):
+            calls.append((param, value))
+
+        def malloc_trim(self, pad):
+            calls.append(("trim", pad))
+
+    monkeypatch.setattr(cpu, "glibc", Glibc)
+    raised = [
+        (cpu.M_MMAP_THRESHOLD, cpu.KEEP_BYTES),
+        (cpu.M_TRIM_THRESHOLD, cpu.KEEP_BYTES),
+    ]
+    restored = [
+        (cpu.M_MMAP_THRESHOLD, cpu.GLIBC_THRESHOLD),
+        (cpu.M_TRIM_THRESHOLD, cpu.GLIBC_THRESHOLD),
+        ("trim", 0),
+    ]
+    first = LLM(qwen3_path, max_model_len=128)
+    second = LLM(qwen3_path, max_model_len=128)
+    assert calls == raised * 2
+    del first
+    gc.collect()
+    assert calls == raised * 2  # one engine still lives
+    del second
+    gc.collect()
+    assert calls == raised * 2 + restored

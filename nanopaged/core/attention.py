@@ -1,14 +1,12 @@
 """Paged attention: store each new token's K/V in its cache slot, then attend through
-block tables.
-
-The KV cache of one layer is two tensors of shape (num_blocks, block_size, nkv, hs).
-Token `p` of a sequence lives in block `block_table[p // block_size]` at offset
-`p % block_size`; its flat *slot* is `block * block_size + offset`. A backend computes
-the same three functions as plain PyTorch here (the CPU path and the reference):
-`store_kvcache(k, v, k_cache, v_cache, slot_mapping)`, and `prefill` and `decode` of
-(q, k_cache, v_cache, meta, scale, window), which return the attention output of the
-queries q; with a `window`, a query sees the last `window` positions only. Shapes: T
-tokens of the step, B sequences, L context, nh query heads, nkv K/V heads, hs head."""
+block tables. A layer's cache is two tensors (num_blocks, block_size, nkv, hs); token
+`p` of a sequence lives in block `block_table[p // block_size]` at offset
+`p % block_size`, its *slot* `block * block_size + offset`. Each backend computes the
+functions of plain PyTorch here (the CPU path and the reference): `store_kvcache(k, v,
+k_cache, v_cache, slot_mapping)`, then `prefill` or `decode(q, k_cache, v_cache, meta,
+scale, window)`: attention of the queries q, each seeing the last `window` positions
+only with a window. Shapes: T tokens, B sequences, L context, nh query heads, nkv K/V
+heads, hs head size."""
 
 import importlib.util
 import os
@@ -162,22 +160,19 @@ def needs_flash(on_gpu: bool, kv_dtype: torch.dtype) -> str | None:
     return None
 
 
-def flash_kernels() -> Kernels:
-    return Kernels("flash", (triton_kernels()[0], prefill_flash, decode_flash))
-
-
-def torch_kernels() -> Kernels:
-    return Kernels("torch", (store_kvcache_torch, prefill_torch, decode_torch))
-
-
+TORCH = (store_kvcache_torch, prefill_torch, decode_torch)
 # name -> backend, in the order "auto" tries them (plain "torch" last). A backend above
 # the core enters itself here (nanopaged/cpu.py), as a model family in ARCHITECTURES.
 BACKENDS: dict[str, Backend] = {
-    "flash": Backend(flash_kernels, needs_flash, ("cuda",)),
+    "flash": Backend(
+        lambda: Kernels("flash", (triton_kernels()[0], prefill_flash, decode_flash)),
+        needs_flash,
+        ("cuda",),
+    ),
     "triton": Backend(
         lambda: Kernels("triton", triton_kernels()), needs_triton, ("cuda",)
     ),
-    "torch": Backend(torch_kernels, lambda on_gpu, kv_dtype: None),
+    "torch": Backend(lambda: Kernels("torch", TORCH), lambda on_gpu, kv_dtype: None),
 }
 
 

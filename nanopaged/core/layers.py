@@ -74,12 +74,12 @@ def parameter(
 
 class LinearMethod:
     """How a linear layer keeps and multiplies its weight: here a float (out, in) weight
-    and `F.linear`. The seam of a backend's own kernels (the CPU backend's) and of
-    quantized formats (nanopaged/quantization/): `create_weights(layer, in_features,
-    out_features)` registers the layer's parameters (see `parameter`); once the
-    checkpoint is loaded, `process_weights(layer)` may repack or dequantize them and
-    returns the method that multiplies from then on (the loader sets it as the layer's
-    `method`); `apply(layer, x)` multiplies."""
+    and `F.linear`. The seam of a backend's kernels (the CPU's) and of quantized formats
+    (nanopaged/quantization/): `create_weights(layer, in_features, out_features)`
+    registers the layer's parameters (see `parameter`); once the checkpoint is loaded,
+    `process_weights(layer)` may repack or dequantize them and returns the method that
+    multiplies from then on (the loader sets the layer's `method`); `apply(layer, x)`
+    multiplies."""
 
     def create_weights(self, layer: nn.Module, in_features: int, out_features: int):
         layer.weight = parameter(torch.empty(out_features, in_features), 0, 1)
@@ -98,9 +98,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * x32.to(x.dtype)
 
 
-def add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
-):
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight, eps: float):
     """(norm(x + residual), x + residual): the residual add fused with the next norm."""
     x = x + residual
     return rms_norm(x, weight, eps), x
@@ -112,8 +110,7 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions, cos_sin: torch.Tensor):
-    # q: (T, nh, hs), k: (T, nkv, hs); cos, sin: (T, 1, hs/2) in the model's dtype, as
-    # transformers
+    # q (T, nh, hs), k (T, nkv, hs); cos, sin (T, 1, hs/2) in q's dtype, as transformers
     cos, sin = cos_sin[positions].unsqueeze(1).to(q.dtype).chunk(2, dim=-1)
     return rotate(q, cos, sin), rotate(k, cos, sin)
 
@@ -125,10 +122,9 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 @dataclass
 class Kernels:
-    """What one model's layers compute with, chosen by its engine: its attention
-    backend's functions (store_kvcache, prefill, decode), linear method and element-wise
-    functions (the CPU backend's C kernels), and its projections' method (a quantized
-    format's, or `linear`)."""
+    """What one model's layers compute with, chosen by its engine: its backend's
+    attention functions (store_kvcache, prefill, decode), linear method and element-wise
+    functions (the CPU's C kernels); its projections' method (a format's, or linear)."""
 
     backend: str
     attention: tuple

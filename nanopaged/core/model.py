@@ -1,8 +1,7 @@
 """One decoder for Qwen3 (q and k normalised per head), Qwen2 (q/k/v biases) and Llama.
 Other families stand above the core (`nanopaged/models/`): a `CausalLM` subclass with
 its own `decoder_layer`, entered in `ARCHITECTURES` (and `QK_NORM` or `QKV_BIAS`) by its
-module. Which configs the decoder does not implement is checked above the core too
-(`nanopaged/checks.py`)."""
+module. What a config asks that no decoder does is refused above (`checks.py`)."""
 
 import torch
 from torch import nn

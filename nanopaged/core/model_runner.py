@@ -42,9 +42,8 @@ class ModelRunner:
     steps run eagerly over a ragged batch; decode steps replay a CUDA graph captured for
     the next larger batch size, when graphs are on. Seams: a subclass may run `execute`
     on several processes (tensor parallelism); an `extension` takes part in each step
-    (LoRA); a `sampler` class its sampling (vLLM's settings). `extra_kv_bytes_per_block`
-    are left free, per block, for another model's cache in the same blocks (a
-    speculative draft's)."""
+    (LoRA); a `sampler` class samples (vLLM's). `extra_kv_bytes_per_block` are left free
+    a block for another model's cache in the same blocks (a speculative draft's)."""
 
     def __init__(
         self,

@@ -29,7 +29,6 @@ class Scheduler:
 
     def __init__(self, config: Config, block_manager: BlockManager):
         self.config = config
-        self.max_num_batched_tokens = config.max_num_batched_tokens
         self.block_manager = block_manager
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
@@ -44,7 +43,7 @@ class Scheduler:
 
     def schedule(self) -> ScheduledStep:
         """The next step (with no sequences when there is nothing to run), booked."""
-        step, budget = ScheduledStep(), self.max_num_batched_tokens
+        step, budget = ScheduledStep(), self.config.max_num_batched_tokens
         if self.config.scheduling == "mixed":
             self._schedule_decode(step)
             self._schedule_prefill(step, budget - step.num_scheduled_tokens)
@@ -80,7 +79,7 @@ class Scheduler:
 
     def _schedule_decode(self, step: ScheduledStep) -> None:
         scheduled: list[Sequence] = []
-        while self.running and len(scheduled) < self.max_num_batched_tokens:
+        while self.running and len(scheduled) < self.config.max_num_batched_tokens:
             seq = self.running.popleft()
             if self._make_room(seq, step):
                 self.block_manager.may_append(seq)
