@@ -22,6 +22,31 @@ def bench():
     return importlib.import_module("bench")
 
 
+@pytest.fixture
+def figures(monkeypatch) -> list:
+    """The matplotlib figures bench saves, as they are saved."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib.figure import Figure
+
+    saved, savefig = [], Figure.savefig
+    monkeypatch.setattr(
+        Figure,
+        "savefig",
+        lambda fig, *a, **k: saved.append(fig) or savefig(fig, *a, **k),
+    )
+    return saved
+
+
+def assert_png(path, size: tuple[int, int]) -> None:
+    """A PNG of `size` pixels (width, height), not all one colour."""
+    from matplotlib.image import imread
+
+    image = imread(str(path))
+    assert image.shape[1::-1] == size and image.std() > 0
+
+
 def test_every_command_the_docs_quote_parses(bench):
     """The `python bench.py ...` commands of the README and docs/, inline or in their
     blocks, name flags bench.py has, with values it takes."""
@@ -38,7 +63,9 @@ def test_every_command_the_docs_quote_parses(bench):
         bench.parse_args(shlex.split(" ".join(arguments.split("#")[0].split())))
 
 
-def test_throughput_with_peers(bench, qwen3_path, tmp_path, capsys, monkeypatch):
+def test_throughput_with_peers(
+    bench, qwen3_path, tmp_path, capsys, monkeypatch, figures
+):
     """Each engine on the same workload, a row printed as soon as it finishes (before
     the next engine starts); the JSON and the plot of the results."""
     out, order = tmp_path / "bench.json", []
@@ -71,7 +98,16 @@ def test_throughput_with_peers(bench, qwen3_path, tmp_path, capsys, monkeypatch)
     assert json.loads(out.read_text()) == json.loads(json.dumps(result))
     nano = result["engines"]["nanopaged"]
     assert nano["output_tokens"] == result["workload"]["output_tokens"]
-    assert nano["prefix_hit_rate"] > 0 and nano["kv_blocks"] > 0
+    # every prompt after the first finds the shared 16 tokens (a block) cached
+    work = workload.make_workload(
+        bench.parse_args(["--tiny", "--prefix-len", "16"]), 512
+    )
+    prompt_tokens = sum(map(len, work.prompts))
+    assert nano["prefix_hit_rate"] == pytest.approx(
+        16 * (len(work.prompts) - 1) / prompt_tokens
+    )
+    largest = max(len(p) + n for p, n in zip(work.prompts, work.output_lens))
+    assert nano["kv_blocks"] * 16 >= largest and nano["preemptions"] == 0
     assert (
         result["engines"]["hf-static"]["output_tokens"]
         == result["workload"]["output_tokens"]
@@ -81,7 +117,16 @@ def test_throughput_with_peers(bench, qwen3_path, tmp_path, capsys, monkeypatch)
         or "skipped" in result["engines"]["nano-vllm"]
     )
     assert result["floor"]["seconds"] > 0 and result["device"]["dtype"] == "float32"
-    assert (tmp_path / "bench.png").stat().st_size > 0
+    assert_png(tmp_path / "bench.png", (720, 480))
+    [bars] = [fig.axes[0] for fig in figures]
+    plotted = {
+        t.get_text(): b.get_height()
+        for t, b in zip(bars.get_xticklabels(), bars.patches)
+    }
+    engines = result["engines"]
+    assert plotted == {
+        k: v["output_tok_per_s"] for k, v in engines.items() if "output_tok_per_s" in v
+    }
 
 
 def test_a_mixture_of_experts_runs_with_its_own_floor(bench, model_path):
@@ -289,7 +334,7 @@ def test_rows_come_as_engines_finish_and_the_missing_are_listed_last(qwen3_path)
     assert "0.00 s" not in result.stdout and " 0% of the floor" not in result.stdout
 
 
-def test_step_times(bench, qwen3_path, tmp_path):
+def test_step_times(bench, qwen3_path, tmp_path, figures):
     result = bench.main(
         [
             "--tiny",
@@ -307,7 +352,11 @@ def test_step_times(bench, qwen3_path, tmp_path):
     # each row measured the step it names: b sequences decoding, or 2 prompts of 64
     # tokens
     assert [row["tokens"] for row in result["steps"]] == [1, 4, 128]
-    assert (tmp_path / "steps.png").stat().st_size > 0
+    assert_png(tmp_path / "steps.png", (720, 480))
+    [line] = figures[0].axes[0].get_lines()  # one backend: decode tok/s by batch size
+    decode = result["steps"][:2]
+    assert list(line.get_xdata()) == [1, 4]
+    assert list(line.get_ydata()) == [r["tokens"] / (r["ms"] / 1e3) for r in decode]
 
 
 def test_step_times_fit_a_cpu_pool_at_a_larger_batch(bench, qwen3_path):
@@ -367,7 +416,7 @@ def test_lora_off_on_and_with_adapters(bench, qwen3_path):
     assert len({r["output_tokens"] for r in rows}) == 1 and rows[0]["vs_off"] == 1
 
 
-def test_serving_compares_both_policies(bench, qwen3_path, tmp_path):
+def test_serving_compares_both_policies(bench, qwen3_path, tmp_path, figures):
     result = bench.main(
         [
             "--tiny",
@@ -398,4 +447,11 @@ def test_serving_compares_both_policies(bench, qwen3_path, tmp_path):
         assert 0 < run["ttft_50_ms"] <= run["ttft_99_ms"]
         assert 0 < run["itl_50_ms"] <= run["itl_99_ms"] <= run["itl_max_ms"]
         assert run["long_prompt_ttft_ms"] > 0
-    assert (tmp_path / "serve.png").stat().st_size > 0
+    assert_png(tmp_path / "serve.png", (1200, 480))
+    ttft, itl = figures[0].axes
+    for ax, key in ((ttft, "ttft_99_ms"), (itl, "itl_99_ms")):
+        lines = {line.get_label(): list(line.get_ydata()) for line in ax.get_lines()}
+        assert lines == {
+            server: [r[key] for r in rates.values()]
+            for server, rates in result["serving"].items()
+        }

@@ -7,6 +7,8 @@ import math
 import mmap
 import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -17,6 +19,7 @@ from nanopaged import LLM, SamplingParams, cpu, cpu_kernels
 from nanopaged.core import layers, sampler
 from nanopaged.core.attention import (
     BACKENDS,
+    TORCH,
     decode_torch,
     prefill_torch,
     store_kvcache_torch,
@@ -602,11 +605,14 @@ def test_auto_picks_the_cpu_backend_on_a_cpu_and_torch_stays_the_reference(qwen3
     )
     runner = LLM(qwen3_path, attention_backend="torch").engine.runner
     assert runner.sampler.sample is sampler.sample
-    assert all(
-        type(m.method) is LinearMethod
-        for m in runner.model.modules()
-        if hasattr(m, "method")
-    )
+    modules = list(runner.model.modules())
+    assert all(type(m.method) is LinearMethod for m in modules if hasattr(m, "method"))
+    # after the cpu engine loaded its C kernels: none in the torch engine's layers
+    kernels = set(cpu_kernels.ELEMENTWISE.values()) | {cpu.store_kvcache, cpu.decode}
+    used = [f for m in modules for f in vars(m).values() if callable(f)]
+    used += [f for m in modules for f in getattr(m, "kernels", ())]
+    assert used and not set(used) & kernels
+    assert all(m.kernels == TORCH for m in modules if hasattr(m, "kernels"))
 
 
 def cdf_bounds(logits, temperatures, tokens):
@@ -765,3 +771,18 @@ def test_freed_memory_is_kept_while_an_engine_lives_and_returned_after(
     del second
     gc.collect()
     assert calls == raised * 2 + restored
+
+
+@pytest.mark.parametrize("preset, expected", [(None, "PASSIVE"), ("ACTIVE", "ACTIVE")])
+def test_openmp_threads_wait_asleep_unless_the_user_said_otherwise(preset, expected):
+    """Imported before torch, nanopaged has the OpenMP runtime's threads wait asleep
+    between regions (spinning ones collapse on a shared machine: docs/cpu.md); a policy
+    the user set stays."""
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    if preset is not None:
+        env["OMP_WAIT_POLICY"] = preset
+    script = "import nanopaged, os, torch; print(os.environ['OMP_WAIT_POLICY'])"
+    result = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True
+    )
+    assert result.stdout.strip() == expected, result.stderr[-2000:]

@@ -249,14 +249,31 @@ def test_mixed_steps_of_one_prompt_token_beside_decodes(qwen3_path, hf_greedy):
     assert outputs[ids[2]].outputs[1].token_ids == expected[2]
 
 
-def test_the_progress_bar_shows_the_prefill_and_decode_rates(qwen3_path, capsys):
-    LLM(qwen3_path, max_model_len=512).generate(PROMPTS, GREEDY, use_tqdm=True)
+def test_the_progress_bar_shows_the_prefill_and_decode_rates(
+    qwen3_path, capsys, monkeypatch
+):
+    """The bar shows each kind's last step: its tokens over its seconds (here on a clock
+    that ticks one second a reading: each step reads it twice more, then ends)."""
+    import itertools
+
+    import nanopaged.llm
+
+    llm = LLM(qwen3_path, max_model_len=512)
+    clock = itertools.count()
+    monkeypatch.setattr(nanopaged.llm.time, "perf_counter", lambda: next(clock))
+    last, run_step = {}, llm.run_step
+
+    def recording():
+        step, requests = run_step()
+        last["prefill" if step.ragged else "decode"] = step.num_scheduled_tokens
+        return step, requests
+
+    monkeypatch.setattr(llm, "run_step", recording)
+    llm.generate(PROMPTS, GREEDY, use_tqdm=True)
     bar = capsys.readouterr().err
     assert "Generating: 100%" in bar and f"{len(PROMPTS)}/{len(PROMPTS)}" in bar
-    prefill, decode = re.findall(r"prefill ([\d,]+) tok/s, decode ([\d,]+) tok/s", bar)[
-        -1
-    ]
-    assert int(prefill.replace(",", "")) > 0 and int(decode.replace(",", "")) > 0
+    shown = re.findall(r"prefill ([\d,]+) tok/s, decode ([\d,]+) tok/s", bar)[-1]
+    assert shown == (f"{last['prefill'] / 2:,.0f}", f"{last['decode'] / 2:,.0f}")
 
 
 def test_chat_and_stream_refuse_too_while_step_api_requests_are_unfinished(qwen3_path):

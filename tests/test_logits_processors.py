@@ -61,20 +61,49 @@ def test_repetition_penalty_is_transformers(llm, qwen3_path, hf_model, penalty):
         )
 
 
-@pytest.mark.parametrize("frequency, presence", [(0.9, 0.0), (0.0, 1.5), (-0.8, 0.6)])
+@pytest.mark.parametrize(
+    "frequency, presence, repeats",  # repeats: completions that tell the two apart
+    [
+        (0.9, 0.0, False),
+        (0.0, 1.5, False),
+        (-0.8, 0.6, False),
+        (-0.5, 1.0, True),
+        (-1.5, 2.0, True),
+    ],
+)
 def test_frequency_and_presence_penalties_count_the_completion(
-    llm, qwen3_path, hf_model, frequency, presence
+    llm, qwen3_path, hf_model, frequency, presence, repeats
 ):
-    def adjust(logits, completion):
+    """A frequency penalty per occurrence, a presence penalty once per token that
+    occurred: completions whose tokens repeat tell the two apart (a presence penalty
+    counted per occurrence gives other tokens)."""
+
+    def adjust(logits, completion, per_occurrence=False):
         counts = torch.bincount(
             torch.tensor(completion, dtype=torch.int64), minlength=logits.shape[0]
         ).float()
-        return logits - frequency * counts - presence * (counts > 0).float()
+        present = counts if per_occurrence else (counts > 0).float()
+        return logits - frequency * counts - presence * present
 
+    completions = []
     for prompt in PROMPTS:
-        assert generate(
+        tokens = generate(
             llm, prompt, frequency_penalty=frequency, presence_penalty=presence
-        ) == reference_greedy(hf_model, qwen3_path, prompt, adjust)
+        )
+        assert tokens == reference_greedy(hf_model, qwen3_path, prompt, adjust)
+        completions.append(tokens)
+    if repeats:  # a presence penalty counted per occurrence would give other tokens
+        assert any(len(set(tokens)) < len(tokens) for tokens in completions)
+        wrong = [
+            reference_greedy(
+                hf_model,
+                qwen3_path,
+                p,
+                lambda lg, c: adjust(lg, c, per_occurrence=True),
+            )
+            for p in PROMPTS
+        ]
+        assert wrong != completions
 
 
 def test_logit_bias_is_transformers_sequence_bias(llm, qwen3_path, hf_model):

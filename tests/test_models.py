@@ -222,13 +222,23 @@ def test_every_expert_matrix_is_required(model_path, tmp_path):
         LLM(path)
 
 
-def test_the_random_checkpoint_command_writes_each_family(tmp_path, capsys):
-    from nanopaged.random_checkpoint import main
+@pytest.mark.parametrize(
+    "shape", ["qwen3", "qwen3-moe", "mixtral", "mistral", "gemma3"]
+)
+def test_the_random_checkpoint_command_writes_each_family(
+    shape, tmp_path, capsys, hf_greedy
+):
+    """`python -m nanopaged.random_checkpoint DIR --shape S` writes a checkpoint of each
+    family that the engine runs as transformers does."""
+    from nanopaged.random_checkpoint import SHAPES, main
 
-    main([str(tmp_path / "gemma"), "--shape", "gemma3"])
-    assert "Gemma3ForCausalLM checkpoint (3 layers" in capsys.readouterr().out
-    [out] = LLM(str(tmp_path / "gemma")).generate([[5, 6, 7]], GREEDY, use_tqdm=False)
-    assert len(out.outputs[0].token_ids) > 0
+    path = str(tmp_path / shape)
+    main([path, "--shape", shape])
+    architecture = SHAPES[shape]["architectures"][0]
+    assert f"a random-weight {architecture} checkpoint" in capsys.readouterr().out
+    prompts = random_prompts([7, 12], seed=31)
+    outputs = LLM(path, max_model_len=256).generate(prompts, GREEDY, use_tqdm=False)
+    assert token_ids(outputs) == hf_greedy(path, prompts, GREEDY.max_tokens)
 
 
 def test_speculation_on_a_sliding_window_model(model_path, qwen3_path, hf_greedy):

@@ -216,11 +216,12 @@ def test_eos_and_max_tokens_on_the_same_token_is_a_stop(llm):
     )
 
 
-@pytest.mark.parametrize("min_tokens", [0, 7])
+@pytest.mark.parametrize("min_tokens", [0, 5, 6])
 def test_stop_token_ids_and_min_tokens_match_transformers(
     llm, qwen3_path, hf_model, min_tokens
 ):
-    # greedy: token 511 comes fifth, then repeats
+    """Greedy, token 511 comes fifth; with min_tokens 5 or 6 it is the model's choice at
+    the boundary itself: masked one step too few, the completion would end earlier."""
     prompt_ids = llm.tokenizer.encode(POEM)
     expected = hf_continuation(
         hf_model,
@@ -242,6 +243,16 @@ def test_stop_token_ids_and_min_tokens_match_transformers(
     assert len(expected) == (
         5 if min_tokens == 0 else min_tokens + expected[min_tokens:].index(511) + 1
     )
+    if min_tokens:
+        one_step_less = hf_continuation(
+            hf_model,
+            qwen3_path,
+            prompt_ids,
+            30,
+            eos_token_id=[511],
+            min_new_tokens=min_tokens - 1,
+        )
+        assert len(one_step_less) < len(expected)
     assert (completion.finish_reason, completion.stop_reason) == ("stop", 511)
     assert completion.text == added_text(llm.tokenizer, prompt_ids, expected[:-1])
     kept = llm.generate(
