@@ -123,7 +123,7 @@ def measure_device(dtype: "torch.dtype") -> dict:  # noqa: F821
             ),
         )
     name = torch.cuda.get_device_name() if device == "cuda" else "CPU"
-    # the threads nanopaged's CPU backend runs with (see nanopaged/cpu.py)
+    # the threads nanopaged's CPU backend runs with (see nanopaged/cpu/__init__.py)
     if device == "cpu":
         from nanopaged.cpu import usable_cores
 

@@ -1,5 +1,5 @@
 """`python -m nanopaged serve MODEL`: the `nanopaged` command (see `cli.py`)."""
 
-from nanopaged.cli import main
+from nanopaged.serving.cli import main
 
 main()

@@ -1,4 +1,4 @@
-"""The CPU backend (nanopaged/cpu.py, its C kernels in cpu_kernels.c) against the
+"""The CPU backend (nanopaged/cpu/, its C kernels in kernels.c) against the
 plain-PyTorch reference: its attention, fused element-wise functions and sampling, its
 packed linear layers, how the kernels are built, and the process settings it makes."""
 
@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from conftest import HEAD_DIM, metadata, paged_cache, random_prompts, relative_error
 
-from nanopaged import LLM, SamplingParams, cpu, cpu_kernels
+from nanopaged import LLM, SamplingParams, cpu
 from nanopaged.core import layers, sampler
 from nanopaged.core.attention import (
     BACKENDS,
@@ -25,6 +25,7 @@ from nanopaged.core.attention import (
     store_kvcache_torch,
 )
 from nanopaged.core.layers import LinearMethod
+from nanopaged.cpu import kernels as cpu_kernels
 
 CONTEXT_LENS = [1, 17, 300, 64, 129, 130, 31]
 KV_DTYPES = [torch.float32, torch.bfloat16, torch.float8_e4m3fn]

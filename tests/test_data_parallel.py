@@ -10,7 +10,7 @@ from conftest import random_prompts
 
 from nanopaged import LLM, LoRARequest, SamplingParams
 from nanopaged.data_parallel import DataParallelLLM, Replica
-from nanopaged.router import Router
+from nanopaged.serving.router import Router
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12)
 

@@ -87,7 +87,7 @@ def test_default_sampling_samples_16_tokens_from_the_whole_distribution(qwen3_pa
 
 
 @pytest.mark.parametrize(
-    "command", [["example.py"], ["bench.py"], ["-m", "nanopaged.cli", "serve"]]
+    "command", [["example.py"], ["bench.py"], ["-m", "nanopaged.serving.cli", "serve"]]
 )
 def test_help_loads_neither_torch_nor_transformers(command):
     """`--help` answers at once: nothing heavy is imported before the arguments are
@@ -107,7 +107,7 @@ def test_help_loads_neither_torch_nor_transformers(command):
 
 def test_serve_help_says_what_it_serves_uncut():
     result = subprocess.run(
-        [sys.executable, "-m", "nanopaged.cli", "serve", "--help"],
+        [sys.executable, "-m", "nanopaged.serving.cli", "serve", "--help"],
         cwd=ROOT,
         capture_output=True,
         text=True,

@@ -557,7 +557,7 @@ def test_an_adapter_named_as_another_model_is_refused_at_start(names, adapters):
     """`--lora-modules m=PATH` beside `--served-model-name m` would list `m` twice and
     hide the base model: refused before the engine starts, as the runtime endpoint does;
     so is an adapter named twice, or named as the model's path."""
-    from nanopaged.server_args import parse_args
+    from nanopaged.serving.args import parse_args
 
     base, (first, second) = adapters("qwen3")
     paths = {"A": first.lora_path, "B": second.lora_path}

@@ -163,7 +163,7 @@ def test_no_value_of_any_field_is_a_500(server, path):
     on."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from nanopaged.openai_api import CHAT_FIELDS, COMPLETION_FIELDS
+    from nanopaged.serving.openai_api import CHAT_FIELDS, COMPLETION_FIELDS
 
     chat = path.endswith("chat/completions")
     base = (
@@ -423,12 +423,12 @@ def test_the_command_line_as_a_newcomer_meets_it(qwen3_path, tmp_path):
 @pytest.mark.parametrize(
     "entry",
     [
-        ("-m", "nanopaged.server", "{model}"),
+        ("-m", "nanopaged.serving.server", "{model}"),
         ("-m", "nanopaged.entrypoints.openai.api_server", "--model", "{model}"),
     ],
 )
 def test_the_server_at_its_module_paths(qwen3_path, entry):
-    """`python -m nanopaged.server MODEL` and vLLM's `python -m
+    """`python -m nanopaged.serving.server MODEL` and vLLM's `python -m
     nanopaged.entrypoints.openai.api_server --model MODEL` serve as `nanopaged serve`
     does."""
     server = Server(

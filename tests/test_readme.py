@@ -25,7 +25,7 @@ import httpx
 import pytest
 
 from nanopaged.parallel import free_port
-from nanopaged.server_args import parse_args
+from nanopaged.serving.args import parse_args
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PAGES = ["README.md"] + sorted(
@@ -36,7 +36,7 @@ PAGES = ["README.md"] + sorted(
 MODEL_IDS = re.compile(r"Qwen/Qwen3-[0-9.]+B")
 SERVER_COMMANDS = (
     "nanopaged serve",
-    "python -m nanopaged.server",
+    "python -m nanopaged.serving.server",
     "python -m nanopaged.entrypoints.openai.api_server",
 )
 
@@ -127,7 +127,7 @@ def readme_server(qwen3_path):
     executable = (
         [shutil.which("nanopaged")]
         if shutil.which("nanopaged")
-        else [sys.executable, "-m", "nanopaged.cli"]
+        else [sys.executable, "-m", "nanopaged.serving.cli"]
     )
     server = subprocess.Popen(
         [

@@ -10,7 +10,7 @@ import pydantic
 import pytest
 from test_server import OPTIONS, Server
 
-from nanopaged import tool_calls
+from nanopaged.serving import tool_calls
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("llguidance")

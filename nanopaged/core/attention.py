@@ -162,7 +162,7 @@ def needs_flash(on_gpu: bool, kv_dtype: torch.dtype) -> str | None:
 
 TORCH = (store_kvcache_torch, prefill_torch, decode_torch)
 # name -> backend, in the order "auto" tries them (plain "torch" last). A backend above
-# the core enters itself here (nanopaged/cpu.py), as a model family in ARCHITECTURES.
+# the core enters itself here (nanopaged/cpu/), as a model family in ARCHITECTURES.
 BACKENDS: dict[str, Backend] = {
     "flash": Backend(
         lambda: Kernels("flash", (triton_kernels()[0], prefill_flash, decode_flash)),

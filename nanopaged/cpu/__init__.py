@@ -5,7 +5,7 @@
 backend computes (the reference), with these changes:
 
 - Attention reads each sequence's K/V blocks where they lie in the cache, in C
-  (`cpu_kernels.c`: the Triton kernels' online softmax in a loop nest), a query at a
+  (`kernels.c`: the Triton kernels' online softmax in a loop nest), a query at a
   time in decode steps and small chunks, in tiles of matrix products in prefills; the
   plain backend copies every context out of the cache first.
 - The core's fused element-wise functions (RMSNorm, RoPE, SiLU-and-multiply) and
@@ -38,7 +38,6 @@ import weakref
 import torch
 from torch import nn
 
-from nanopaged import cpu_kernels
 from nanopaged.core import sampler
 from nanopaged.core.attention import (
     BACKENDS,
@@ -48,6 +47,7 @@ from nanopaged.core.attention import (
     prefill_torch,
 )
 from nanopaged.core.layers import Kernels, LinearBase, LinearMethod
+from nanopaged.cpu import kernels as cpu_kernels
 
 # Queries a sequence, at most, for which a prefill step attends a query at a time (a
 # speculative verification, a small chunk): more, and tiles of matrix products are
@@ -275,7 +275,7 @@ def store_kvcache(
         cache.view(-1, *new.shape[1:]).index_copy_(0, slot_mapping, new)
 
 
-def kernels() -> Kernels:
+def model_kernels() -> Kernels:
     """What a model built for this backend computes with: the C kernels where they are
     built (else PyTorch's), the linear layers packed where oneDNN is."""
     tune_process()
@@ -287,7 +287,7 @@ def kernels() -> Kernels:
 
 
 BACKENDS["cpu"] = Backend(
-    kernels,
+    model_kernels,
     lambda on_gpu, dtype: "device='cpu'" if on_gpu else None,
     ("cpu",),
     sample,

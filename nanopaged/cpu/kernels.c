@@ -1,4 +1,4 @@
-/* The CPU backend's kernels (see cpu_kernels.py, which builds and calls them).
+/* The CPU backend's kernels (see kernels.py, which builds and calls them).
 
    paged_attention is the algorithm of the Triton kernels (core/triton_attention.py) in a loop
    nest: one task per query token holds all its heads, walks the sequence's blocks through its

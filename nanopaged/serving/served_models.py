@@ -10,7 +10,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 
 from nanopaged.lora.request import LoRARequest
-from nanopaged.openai_responses import bad_request, error_response, read_body
+from nanopaged.serving.openai_responses import bad_request, error_response, read_body
 
 
 class ServedModels:

@@ -1,6 +1,6 @@
 """An OpenAI-compatible HTTP server: `nanopaged serve MODEL`, `python -m
-nanopaged.server MODEL`, or vLLM's `python -m nanopaged.entrypoints.openai.api_server
---model MODEL` (the arguments: `server_args.py`).
+nanopaged.serving.server MODEL`, or vLLM's `python -m
+nanopaged.entrypoints.openai.api_server --model MODEL` (the arguments: `args.py`).
 
 One engine loop runs in a thread of its own and is the only caller of the engine:
 handlers hand it requests and aborts through a queue, and after every step it hands each
@@ -26,15 +26,21 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from nanopaged import LLM, chat, envs, openai_api
+from nanopaged import LLM, chat, envs
 from nanopaged.data_parallel import ReplicaDied, sum_stats
 from nanopaged.engine_args import EngineArgs
 from nanopaged.lora.request import LoRARequest
-from nanopaged.openai_responses import Response, bad_request, error_response, read_body
 from nanopaged.outputs import EngineStats
-from nanopaged.router import Router
-from nanopaged.served_models import ServedModels
-from nanopaged.server_args import parse_args
+from nanopaged.serving import openai_api
+from nanopaged.serving.args import parse_args
+from nanopaged.serving.openai_responses import (
+    Response,
+    bad_request,
+    error_response,
+    read_body,
+)
+from nanopaged.serving.router import Router
+from nanopaged.serving.served_models import ServedModels
 
 
 class EngineLoop:
@@ -395,7 +401,7 @@ class Server(uvicorn.Server):
 
 
 def serve(args: argparse.Namespace) -> None:
-    """Runs the server the command line (`server_args.py`) asked for, until SIGTERM or
+    """Runs the server the command line (`args.py`) asked for, until SIGTERM or
     Ctrl-C."""
     loras = [
         LoRARequest(name, i + 1, path, base)
@@ -422,7 +428,7 @@ def serve(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """`python -m nanopaged.server MODEL [options]`."""
+    """`python -m nanopaged.serving.server MODEL [options]`."""
     serve(parse_args(sys.argv[1:] if argv is None else argv))
 
 

@@ -1,6 +1,6 @@
 """The command line of the server, read before anything heavy is imported (so that
 `--help` and a wrong flag answer at once): `nanopaged serve MODEL [options]` (`cli.py`),
-`python -m nanopaged.server MODEL [options]` and vLLM's `python -m
+`python -m nanopaged.serving.server MODEL [options]` and vLLM's `python -m
 nanopaged.entrypoints.openai.api_server --model MODEL [options]` all take these
 arguments."""
 

@@ -10,8 +10,9 @@ is the only field taken and unused.
 
 from dataclasses import dataclass
 
-from nanopaged import chat, tool_calls
+from nanopaged import chat
 from nanopaged.sampling_params import SamplingParams, StructuredOutputsParams
+from nanopaged.serving import tool_calls
 
 SAMPLING_FIELDS = {  # request field -> SamplingParams field
     "n": "n",

@@ -12,9 +12,9 @@ import uuid
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
-from nanopaged import tool_calls
-from nanopaged.openai_api import ParsedRequest
 from nanopaged.outputs import CompletionOutput, Logprob, RequestOutput
+from nanopaged.serving import tool_calls
+from nanopaged.serving.openai_api import ParsedRequest
 
 LOGPROB_FLOOR = -9999.0  # what vLLM reports for -inf: JSON has no infinities
 

@@ -1,4 +1,4 @@
-"""The CPU backend's native kernels (`cpu_kernels.c`), compiled once per machine with
+"""The CPU backend's native kernels (`kernels.c`), compiled once per machine with
 its C compiler, and the functions that call them on torch tensors.
 
 PyTorch on a CPU has no fused paged attention: the plain path copies every context out
@@ -25,7 +25,7 @@ import torch
 
 from nanopaged.core import layers
 
-SOURCE = os.path.join(os.path.dirname(__file__), "cpu_kernels.c")
+SOURCE = os.path.join(os.path.dirname(__file__), "kernels.c")
 CACHE_DIR = os.path.join(
     os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "nanopaged"
 )
