@@ -242,6 +242,7 @@ class Request:
         self.cumulative_logprobs = [0.0] * len(seqs)
         self.prompt_logprobs: list[dict[int, Logprob] | None] = [None]
         self.error: str | None = None
+        self.lora_request = None  # the adapter its samples run with (lora/), if any
         # whether each token needs a look (a grammar, logprobs, stop strings), or only
         # the last
         self.each_token = bool(matchers or params.logprobs is not None or params.stop)

@@ -75,7 +75,7 @@ class LoRAAdmission:
 
     def admits(self, request: Request, engine: LLMEngine) -> bool:
         """Whether the engine may take `request` now (without exceeding `max_loras`)."""
-        adapter = getattr(request, "lora_request", None)
+        adapter = request.lora_request
         if adapter is None:
             return True
         present = self._adapters_in(engine)
