@@ -2,10 +2,11 @@
 
 The engine every request passes through is `nanopaged/core/`; vLLM's API stands above
 it. Names are imported on first use, so that a command's `--help` loads neither torch
-nor a model. `LLMEngine` is vLLM's name for the engine driven a step at a time
-(`add_request`, `step`): nanopaged's `LLM` has both APIs, so it is the same class (the
-core's `LLMEngine`, inside it, is `nanopaged.core.LLMEngine`). vLLM's other module paths
-are modules of this package (`nanopaged.engine.arg_utils`, `nanopaged.distributed`,
+nor a model. Inside nanopaged, `LLMEngine` names the core's engine
+(`nanopaged.core.llm_engine`); `nanopaged.LLMEngine` is only vLLM's public name, kept
+for scripts written for vLLM, of its engine driven a step at a time (`add_request`,
+`step`): nanopaged's `LLM` has both APIs, so it is `LLM`. vLLM's other module paths are
+modules of this package (`nanopaged.engine.arg_utils`, `nanopaged.distributed`,
 `nanopaged.envs`, ...).
 """
 

@@ -787,3 +787,14 @@ def test_openmp_threads_wait_asleep_unless_the_user_said_otherwise(preset, expec
         [sys.executable, "-c", script], env=env, capture_output=True, text=True
     )
     assert result.stdout.strip() == expected, result.stderr[-2000:]
+
+
+def test_the_library_is_keyed_by_what_the_compiler_targets_here(monkeypatch):
+    """Another CPU's instruction sets (or another compiler version) make another key, on
+    every platform (ARM's /proc/cpuinfo has no `flags` line): a shared cache never hands
+    a library built for another CPU."""
+    here = cpu_kernels.library_path()
+    assert "#define" in cpu_kernels._target(os.environ.get("CC", "cc"))
+    for other in ("#define __ARM_FEATURE_SVE 1", "#define __AVX512F__ 1\ngcc 99"):
+        monkeypatch.setattr(cpu_kernels, "_target", lambda compiler, o=other: o)
+        assert cpu_kernels.library_path() != here
