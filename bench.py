@@ -10,6 +10,7 @@
     python bench.py --host               # host time per decode step (no GPU needed)
     python bench.py --spec               # speculative decoding off and on
     python bench.py --lora 4             # LoRA off, on, and with 4 adapters
+    python bench.py --pooling            # embeddings/s beside sentence-transformers
     python bench.py --tiny               # a seconds-long run on CPU
     python bench.py --serve              # the server at several request rates,
                                          # prefill-first beside mixed scheduling
@@ -116,6 +117,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="nanopaged with LoRA off, on, and with N random adapters",
     )
     modes.add_argument(
+        "--pooling",
+        action="store_true",
+        help="embeddings a second, beside sentence-transformers on the same checkpoint",
+    )
+    modes.add_argument(
         "--serve",
         action="store_true",
         help="time a server under requests that arrive over time",
@@ -188,7 +194,9 @@ def parse_args(argv=None) -> argparse.Namespace:
             setattr(args, name, value)
     if args.serve and importlib.util.find_spec("httpx") is None:
         p.error('--serve needs httpx: pip install -e ".[bench]"')
-    if args.plot and (args.host or args.profile or args.spec or args.lora):
+    if args.plot and (
+        args.host or args.profile or args.spec or args.lora or args.pooling
+    ):
         p.error("--plot draws throughput, --steps or --serve results")
     if args.plot and importlib.util.find_spec("matplotlib") is None:
         p.error('--plot needs matplotlib: pip install -e ".[bench]"')
@@ -227,6 +235,11 @@ def main(argv=None) -> dict:
 
         result = dict(lora=lora_times(model, args))
         print_lora(result["lora"])
+    elif args.pooling:
+        from benchmarks.pooling import pooling_times, print_pooling
+
+        result = dict(pooling=pooling_times(model, args))
+        print_pooling(result["pooling"])
     elif args.serve:
         from benchmarks.serve import print_serving, serve_times
 

@@ -32,6 +32,11 @@ NAMES = {
     "Logprob": "outputs",
     "RequestOutput": "outputs",
     "LoRARequest": "lora.request",
+    "PoolingParams": "pooling.params",
+    "PoolingRequestOutput": "pooling.params",
+    "EmbeddingRequestOutput": "pooling.params",
+    "ClassificationRequestOutput": "pooling.params",
+    "ScoringRequestOutput": "pooling.params",
 }
 __all__ = list(NAMES)
 

@@ -22,7 +22,15 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 # The features that enter themselves in the core's registries (a backend, model
 # families, quantized formats): imported where they are, so that a forker may delete any
 # of them
-FEATURES = ("nanopaged.cpu", "nanopaged.models", "nanopaged.quantization")
+FEATURES = (
+    "nanopaged.cpu",
+    "nanopaged.models",
+    "nanopaged.pooling",
+    "nanopaged.quantization",
+)
+# the architectures that pool (vLLM's pooling runner): bare decoders, classifiers
+POOLING_SUFFIXES = ("Model", "ForSequenceClassification")
+POOLING_TASKS = ("embed", "classify", "score")
 GENERATION_SETTINGS = {
     "temperature": "temperature",
     "top_p": "top_p",
@@ -59,6 +67,38 @@ def resolve_model(model: str) -> str:
         ) from None
 
 
+def pools(architecture: str) -> bool:
+    return architecture.endswith(POOLING_SUFFIXES)
+
+
+def choose_runner(model: str, options: dict) -> str:
+    """ "generate" or "pooling": the `runner` option (or vLLM's older `task`), and for
+    "auto" what the checkpoint's first architecture does (`pools`). An option or a
+    checkpoint it cannot read is left to the engine's own checks ("generate")."""
+    runner, task = options.get("runner", "auto"), options.get("task")
+    if task is not None and task not in ("auto", "generate", *POOLING_TASKS):
+        return "generate"  # split_options names the bad value
+    wanted = {None: None, "auto": None, "generate": "generate"}.get(task, "pooling")
+    if runner != "auto" and wanted not in (None, runner):
+        raise ValueError(f"task={task!r} does not go with runner={runner!r}")
+    if runner != "auto" or wanted:
+        return runner if runner != "auto" else wanted
+    try:
+        with open(os.path.join(resolve_model(model), "config.json")) as f:
+            architectures = json.load(f).get("architectures") or [""]
+    except (OSError, ValueError, AttributeError):
+        return "generate"
+    return "pooling" if pools(architectures[0]) else "generate"
+
+
+def checkpoint_architecture(config: PretrainedConfig) -> str:
+    """The architecture a checkpoint's model is built as: its first that nanopaged
+    has."""
+    from nanopaged.core.model import ARCHITECTURES
+
+    return next(a for a in config.architectures if a in ARCHITECTURES)
+
+
 def load_features() -> None:
     """Imports each of `FEATURES` that exists."""
     for name in FEATURES:
@@ -92,7 +132,7 @@ def read_checkpoint_config(path: str) -> PretrainedConfig:
             f"unsupported architecture {architectures}; nanopaged supports "
             f"{', '.join(ARCHITECTURES)}"
         )
-    architecture = next(a for a in architectures if a in ARCHITECTURES)
+    architecture = checkpoint_architecture(config)
     found = UNSUPPORTED.get(architecture, unsupported_fields)(config)
     quant = getattr(config, "quantization_config", None)
     if quant and quant.get("quant_method") not in QUANTIZATIONS:

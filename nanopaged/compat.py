@@ -166,6 +166,16 @@ class VLLMEngineAPI:
         self.profiler = None
         return path
 
+    def embed(self, *args, **kwargs) -> list:
+        """vLLM's pooling methods (`embed`, `classify`, `score`, `encode`): a pooling
+        engine's (`pooling/llm.py`); this one generates, and says so."""
+        raise ValueError(
+            "this engine generates (runner='generate'): embed(), classify(), score() "
+            "and encode() need a pooling one, LLM(model, runner='pooling')"
+        )
+
+    classify = score = encode = embed
+
     def grammars(self):
         """The structured outputs' grammars (see `InputProcessor.grammars`)."""
         return self.inputs.grammars()

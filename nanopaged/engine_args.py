@@ -136,6 +136,23 @@ OPTIONS = {
         None,
         "LoRA adapters kept read on the host (default: max_loras)",
     ),
+    "runner": (
+        str,
+        "auto",
+        "generate, pooling (embeddings, classes, scores), or auto: pooling for the "
+        "checkpoints whose architecture pools (*Model, *ForSequenceClassification)",
+    ),
+    "task": (
+        str | None,
+        None,
+        "vLLM's older --runner: generate, or embed, classify, score (pooling)",
+    ),
+    "pooler_config": (
+        dict | None,
+        None,
+        'how a pooling engine pools, over the checkpoint\'s: {"pooling_type": '
+        '"MEAN", "normalize": false} (LAST, MEAN, CLS, ALL)',
+    ),
     "trace": (
         str | None,
         None,
@@ -191,6 +208,8 @@ CHOICES = {
     "dtype": tuple(DTYPES),
     "scheduling": ("prefill-first", "mixed"),
     "kv_cache_dtype": ("auto", "fp8", "fp8_e4m3"),
+    "runner": ("auto", "generate", "pooling"),
+    "task": (None, "auto", "generate", "embed", "classify", "score"),
 }
 POSITIVE = (
     "max_num_batched_tokens",
@@ -212,6 +231,9 @@ SURFACE = (
     "max_loras",
     "max_lora_rank",
     "max_cpu_loras",
+    "runner",
+    "task",
+    "pooler_config",
     "trace",
 )
 
@@ -278,7 +300,7 @@ def make_config(path: str, core: dict):
         hf_config,
         **dict(
             core,
-            dtype=DTYPES[core.get("dtype")],
+            dtype=DTYPES[core.get("dtype")] and getattr(torch, DTYPES[core["dtype"]]),
             kv_cache_dtype=None if kv_dtype == "auto" else torch.float8_e4m3fn,
         ),
     )

@@ -115,14 +115,7 @@ class InputProcessor:
         text, token_ids = self.tokenize(prompt)
         token_ids = token_ids[-(params.truncate_prompt_tokens or len(token_ids)) :]
         self._check_fits(token_ids, params)
-        if request_id is None:  # the first automatic id nobody chose
-            request_id = next(
-                i for i in map(str, self.request_ids) if i not in ids_in_use
-            )
-        if not isinstance(request_id, str) or request_id in ids_in_use:
-            raise ValueError(
-                f"request_id must be a string not in use, got {request_id!r}"
-            )
+        request_id = self.request_id(request_id, ids_in_use)
         spec = params.structured_outputs or params.guided_decoding
         matchers = (
             self.grammars().matchers(spec, params.n) if spec is not None else None
@@ -153,6 +146,18 @@ class InputProcessor:
         return Request(
             request_id, text, token_ids, params, seqs, self.tokenizer, matchers
         )
+
+    def request_id(self, request_id: str | None, ids_in_use) -> str:
+        """`request_id`, checked; None: the first automatic id nobody chose."""
+        if request_id is None:
+            request_id = next(
+                i for i in map(str, self.request_ids) if i not in ids_in_use
+            )
+        if not isinstance(request_id, str) or request_id in ids_in_use:
+            raise ValueError(
+                f"request_id must be a string not in use, got {request_id!r}"
+            )
+        return request_id
 
     def _check_fits(self, token_ids: list[int], params: SamplingParams) -> None:
         """Whether the engine can ever run the request: its length, its blocks, its

@@ -6,14 +6,22 @@ its sequences: the prompt's text and tokens, its n samples, their text and stop 
 their logprobs, the checks before anything is queued, and the engine's counters.
 """
 
+import importlib
 import time
 import warnings
 import weakref
 
 from tqdm.auto import tqdm
 
-from nanopaged.checkpoint import load_features, resolve_model
+from nanopaged.checkpoint import (
+    checkpoint_architecture,
+    choose_runner,
+    load_features,
+    pools,
+    resolve_model,
+)
 from nanopaged.compat import VLLMEngineAPI
+from nanopaged.core.config import Config
 from nanopaged.core.llm_engine import LLMEngine
 from nanopaged.core.sequence import Sequence
 from nanopaged.core.step import SamplerOutput, ScheduledStep
@@ -26,6 +34,9 @@ from nanopaged.sampling_params import SamplingParams
 
 # the backends, model families and quantized formats present enter the core's registries
 load_features()
+# a runner other than "generate" -> (the module, the name) of its engine, a subclass of
+# LLM above this module: imported when asked for, so that a forker may delete it
+RUNNERS = {"pooling": ("nanopaged.pooling.llm", "PoolingLLM")}
 
 
 class LLM(VLLMEngineAPI):
@@ -43,20 +54,38 @@ class LLM(VLLMEngineAPI):
     replicas of this engine, each in its own process, behind the same API.
 
     The features an option asks for are imported when it does (speculative decoding, the
-    trace, data parallelism): without them, their files could be deleted.
+    trace, data parallelism, pooling): without them, their files could be deleted. With
+    `runner="pooling"` (or a checkpoint that pools, see `checkpoint.choose_runner`),
+    `LLM(...)` returns a `PoolingLLM` (`pooling/llm.py`): a subclass that makes its own
+    requests (`make_request`), takes its own note of each step (`take`) and adapts the
+    config before the runner is built (`prepare`).
     """
+
+    runner_type = "generate"  # vLLM's name for what the engine does
+    progress = "Generating"  # the progress bar's label
+    params_types: tuple[type, ...] = (SamplingParams,)  # what add_request takes
 
     def __new__(cls, model: str = "Qwen/Qwen3-0.6B", **options):
         size = options.get("data_parallel_size")
+        pooling = cls is LLM and choose_runner(model, options) == "pooling"
         if isinstance(size, int) and not isinstance(size, bool) and size > 1:
+            if pooling:
+                raise ValueError(
+                    "runner='pooling' runs one engine: data_parallel_size > 1 is not "
+                    "supported with it"
+                )
             from nanopaged.data_parallel import DataParallelLLM
 
             return DataParallelLLM(cls, model, **options)
+        if pooling:
+            module, name = RUNNERS["pooling"]
+            return super().__new__(getattr(importlib.import_module(module), name))
         return super().__new__(cls)
 
     def __init__(self, model: str = "Qwen/Qwen3-0.6B", **options):
         core, parallel, surface = split_options(model, options)
         self.config = config = make_config(resolve_model(model), core)
+        self.prepare(config, surface)
         self.parallel = ParallelConfig(**parallel)
         self.parallel.check(config)
         spec = surface["speculative_config"]
@@ -103,6 +132,16 @@ class LLM(VLLMEngineAPI):
             self.tracer.attach(self.engine, config)
         self.inputs.num_blocks = self.engine.block_manager.num_blocks
 
+    def prepare(self, config: Config, surface: dict) -> None:
+        """Checks (and may adapt) the config before the runner is built: this engine
+        generates, so the checkpoint must have an LM head."""
+        architecture = checkpoint_architecture(config.hf_config)
+        if pools(architecture):
+            raise ValueError(
+                f"{architecture} has no LM head: it cannot generate; "
+                f"LLM(model, runner='pooling') embeds or classifies with it"
+            )
+
     # ---- requests in ----
 
     def add_request(
@@ -118,19 +157,20 @@ class LLM(VLLMEngineAPI):
         model."""
         self._check_open()
         # vLLM's order
-        if not isinstance(sampling_params, (SamplingParams, type(None))):
+        if not isinstance(sampling_params, (*self.params_types, type(None))):
             request_id, prompt, sampling_params = prompt, sampling_params, request_id
         return self._enqueue(
-            self._make_request(prompt, sampling_params, request_id, lora_request)
+            self.make_request(prompt, sampling_params, request_id, lora_request)
         )
 
-    def _make_request(
+    def make_request(
         self,
         prompt: Prompt,
         params: SamplingParams | None,
         request_id: str | None = None,
         lora_request=None,
     ) -> Request:
+        """A checked request of `prompt` (a ValueError names what is wrong)."""
         request = self.inputs.make_request(prompt, params, request_id, self.requests)
         if lora_request is not None:
             self._lora().prepare(request, lora_request)
@@ -208,7 +248,7 @@ class LLM(VLLMEngineAPI):
             if self.lora is not None:  # the held requests whose adapter fits now
                 self.lora.release(self.engine, self._add_to_engine)
             step, sampled = self.engine.step()
-            requests = self._take(step, sampled)
+            requests = self.take(step, sampled)
         except BaseException as error:
             self._abort_all()
             if self.tracer:
@@ -218,7 +258,7 @@ class LLM(VLLMEngineAPI):
             self.tracer.stepped(step, sampled)
         return step, requests
 
-    def _take(self, step: ScheduledStep, sampled: SamplerOutput) -> list[Request]:
+    def take(self, step: ScheduledStep, sampled: SamplerOutput) -> list[Request]:
         """Takes note of each sampling row's tokens in its request (grammar, logprobs,
         stop strings), and of the prompt logprobs asked for. Returns the requests that
         got tokens, in the order of their first row; a request whose bookkeeping fails
@@ -361,7 +401,7 @@ class LLM(VLLMEngineAPI):
         prompts, sampling_params = as_batch(prompts, sampling_params)
         adapters = per_prompt(lora_request, len(prompts))
         requests = [
-            self._make_request(p, sp, lora_request=lr)
+            self.make_request(p, sp, lora_request=lr)
             for p, sp, lr in zip(prompts, sampling_params, adapters)
         ]
         try:
@@ -383,7 +423,7 @@ class LLM(VLLMEngineAPI):
     def _run(self, num_requests: int, use_tqdm: bool) -> None:
         bar = tqdm(
             total=num_requests,
-            desc="Generating",
+            desc=self.progress,
             dynamic_ncols=True,
             disable=not use_tqdm,
         )

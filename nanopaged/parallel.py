@@ -225,7 +225,7 @@ class MultiprocRunner(ModelRunner):
                 wait_for_gpu(self.workers)
             return sampled
 
-    def execute(self, inputs: StepInputs) -> torch.Tensor | None:
+    def execute(self, inputs: StepInputs) -> tuple[torch.Tensor | None, torch.Tensor]:
         if self.workers:  # built: the workers wait for every step
             broadcast(inputs, self.group, self.workers)
         return super().execute(inputs)

@@ -416,6 +416,17 @@ def test_lora_off_on_and_with_adapters(bench, qwen3_path):
     assert len({r["output_tokens"] for r in rows}) == 1 and rows[0]["vs_off"] == 1
 
 
+def test_pooling_beside_sentence_transformers(bench, qwen3_path):
+    pytest.importorskip("sentence_transformers")
+    result = bench.main(["--tiny", "--model", qwen3_path, "--pooling", "--no-progress"])
+    rows = result["pooling"]
+    assert [r["engine"] for r in rows] == ["nanopaged", "sentence-transformers"]
+    assert all(r["inputs"] == 8 and r["elapsed"] > 0 for r in rows)
+    # the same vectors: the same checkpoint, pooling and inputs
+    assert rows[1]["max_abs_diff"] < 1e-4 and rows[0]["max_abs_diff"] == 0
+    assert rows[1]["vs_sentence_transformers"] == 1
+
+
 def test_serving_compares_both_policies(bench, qwen3_path, tmp_path, figures):
     result = bench.main(
         [

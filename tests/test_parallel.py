@@ -12,6 +12,7 @@ import time
 
 import psutil
 import pytest
+import torch
 from conftest import ARCHITECTURES, random_prompts
 
 from nanopaged import LLM, SamplingParams
@@ -281,7 +282,7 @@ def test_tensor_parallel_errors(qwen3_path, monkeypatch):
     monkeypatch.setattr("torch.cuda.is_available", lambda: True)
     monkeypatch.setattr("torch.cuda.device_count", lambda: 1)
     on_gpu = Config(
-        qwen3_path, device="cuda", dtype="bfloat16", attention_backend="torch"
+        qwen3_path, device="cuda", dtype=torch.bfloat16, attention_backend="torch"
     )
     with pytest.raises(ValueError, match="only 1 CUDA GPU"):
         ParallelConfig(tensor_parallel_size=2).check(on_gpu)

@@ -36,7 +36,9 @@ def decode_step(llm: LLM, batch: int):
     return step, runner.device_inputs(runner.prepare_inputs(step))
 
 
-def test_a_decode_batch_replays_the_next_larger_graph_over_padding_rows(qwen3_path):
+def test_a_decode_batch_replays_the_next_larger_graph_over_padding_rows(
+    qwen3_path, monkeypatch
+):
     llm = LLM(
         qwen3_path, attention_backend="torch", max_num_seqs=40, num_kvcache_blocks=64
     )
@@ -46,7 +48,8 @@ def test_a_decode_batch_replays_the_next_larger_graph_over_padding_rows(qwen3_pa
         captured.append(forward)
         return StandInGraph(forward, pool)
 
-    graphs = DecodeGraphs(runner.model, llm.config, runner.max_blocks_per_seq, capture)
+    monkeypatch.setattr("nanopaged.core.cuda_graphs.capture_cuda_graph", capture)
+    graphs = DecodeGraphs(runner.model, llm.config, runner.max_blocks_per_seq)
     # sizes 1, 2, 4, 8, then steps of 16 up to max_num_seqs; captured largest first
     assert graphs.batch_sizes == [1, 2, 4, 8, 16, 32] and graphs.max_batch == 32
     assert list(graphs.graphs) == [32, 16, 8, 4, 2, 1] and len(captured) == 6
@@ -60,14 +63,13 @@ def test_a_decode_batch_replays_the_next_larger_graph_over_padding_rows(qwen3_pa
     assert graphs.meta.context_lens[5:8].tolist() == [0] * 3
 
 
-def test_a_batch_larger_than_every_graph_runs_eagerly(qwen3_path):
+def test_a_batch_larger_than_every_graph_runs_eagerly(qwen3_path, monkeypatch):
     llm = LLM(
         qwen3_path, attention_backend="torch", max_num_seqs=40, num_kvcache_blocks=64
     )
     runner = llm.engine.runner
-    runner.graphs = DecodeGraphs(
-        runner.model, llm.config, runner.max_blocks_per_seq, StandInGraph
-    )
+    monkeypatch.setattr("nanopaged.core.cuda_graphs.capture_cuda_graph", StandInGraph)
+    runner.graphs = DecodeGraphs(runner.model, llm.config, runner.max_blocks_per_seq)
     _, inputs = decode_step(llm, 33)
     runner.run_model(*inputs)
     assert not any(g.replays for g in runner.graphs.graphs.values())

@@ -26,7 +26,7 @@ class Config:
     model: str
     hf_config: PretrainedConfig | None = None
     device: str | None = None
-    dtype: torch.dtype | str | None = None
+    dtype: torch.dtype | None = None
     max_num_batched_tokens: int | None = None
     max_num_seqs: int = 512
     max_model_len: int | None = None
@@ -48,8 +48,6 @@ class Config:
         self.device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
         if self.max_num_batched_tokens is None:
             self.max_num_batched_tokens = 16384 if self.device == "cuda" else 4096
-        if isinstance(self.dtype, str):
-            self.dtype = getattr(torch, self.dtype)
         if self.dtype is None:
             checkpoint_dtype = getattr(self.hf_config, "dtype", None) or torch.float32
             self.dtype = checkpoint_dtype if self.device == "cuda" else torch.float32

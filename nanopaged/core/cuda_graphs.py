@@ -20,16 +20,10 @@ def capture_cuda_graph(forward: Callable[[], None], pool) -> torch.cuda.CUDAGrap
 
 class DecodeGraphs:
     """One graph of the model's decode forward per batch size (1, 2, 4, 8, then steps of
-    16), captured largest first into one memory pool by `capture`. A batch replays the
+    16), captured largest first into one memory pool. A batch replays the
     next larger size's graph over static buffers (padding rows: slot -1, no context)."""
 
-    def __init__(
-        self,
-        model: nn.Module,
-        config: Config,
-        max_blocks_per_seq: int,
-        capture: Callable = capture_cuda_graph,
-    ):
+    def __init__(self, model: nn.Module, config: Config, max_blocks_per_seq: int):
         sizes = [1, 2, 4, 8, *range(16, 513, 16)]
         self.batch_sizes = [s for s in sizes if s <= min(config.max_num_seqs, 512)]
         self.max_batch = size = self.batch_sizes[-1]
@@ -49,9 +43,9 @@ class DecodeGraphs:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         with torch.inference_mode():
             for batch_size in reversed(self.batch_sizes):
-                self.graphs[batch_size] = self.capture(model, batch_size, capture)
+                self.graphs[batch_size] = self.capture(model, batch_size)
 
-    def capture(self, model: nn.Module, n: int, capture: Callable):
+    def capture(self, model: nn.Module, n: int) -> torch.cuda.CUDAGraph:
         """The graph of a decode batch of `n`, over the buffers' first `n` rows."""
         meta = self.meta
         rows = (meta.slot_mapping[:n], meta.context_lens[:n], meta.block_tables[:n])
@@ -63,7 +57,7 @@ class DecodeGraphs:
 
         forward()  # warm-up
         pool = next(iter(self.graphs.values())).pool() if self.graphs else None
-        return capture(forward, pool)
+        return capture_cuda_graph(forward, pool)
 
     def replay(self, input_ids, positions, meta: AttentionMetadata) -> torch.Tensor:
         """The hidden states of a decode batch of at most `max_batch` sequences."""

@@ -61,8 +61,7 @@ def parameter(
     features (None: neither) and how many features one entry stands for along each (a
     4-bit word packs 8; a scale may cover a group of 128): all a weight loader needs to
     place q/k/v or gate/up parts and tensor-parallel shards of it. The loader runs its
-    `checks` (a format's own) on each checkpoint tensor: each says what is wrong, or
-    None."""
+    `checks` (a format's own) on each checkpoint tensor: each names a fault, or None."""
     param = nn.Parameter(data, requires_grad=False)
     param.output_dim = output_dim
     param.input_dim = input_dim

@@ -78,6 +78,7 @@ class LLMEngine:
     def apply(self, step: ScheduledStep, sampled: SamplerOutput) -> SamplerOutput:
         """Appends each row's tokens to its sequence, deciding after each whether it
         stops (the tokens after a stop are dropped); returns what it applied."""
+        self.scheduler.finish(step.ended, "length")  # their prompt ran
         for seq, token_ids in zip(step.samplers, sampled.token_ids):
             for token_id in token_ids:
                 seq.token_ids.append(token_id)

@@ -148,8 +148,7 @@ class ModelRunner:
         ]
         num_tokens = np.array([len(t) for t in tokens])
         cu_seqlens_q = np.cumsum([0, *num_tokens])
-        # the step's token t, of sequence i, is at position starts[i] + t -
-        # cu_seqlens_q[i]
+        # token t of sequence i sits at position starts[i] + t - cu_seqlens_q[i]
         seq_of_token = np.repeat(np.arange(len(tokens)), num_tokens)
         offsets = np.array(step.starts) - cu_seqlens_q[:-1]
         positions = np.arange(cu_seqlens_q[-1]) + offsets[seq_of_token]
@@ -193,12 +192,12 @@ class ModelRunner:
     def run(self, step: ScheduledStep) -> SamplerOutput:
         """One step: runs the model over the step's tokens and samples every row of
         `step.samplers` (and after each of its proposals)."""
-        inputs = self.prepare_inputs(step)
-        return self.sample(self.execute(inputs), step)
+        return self.sample(*self.execute(self.prepare_inputs(step)), step)
 
-    def sample(self, logits, step: ScheduledStep) -> SamplerOutput:
+    def sample(self, logits, hidden, step: ScheduledStep) -> SamplerOutput:
         """A token for each sampling row, and one after each of its proposals (sampled
-        at the position it would take: a seeded sequence's numbers stay its own)."""
+        at the position it would take: a seeded sequence's numbers stay its own); the
+        hidden states if the step asks for them."""
         counts = step.sample_counts
         rows = [seq for seq, n in zip(step.samplers, counts) for _ in range(n)]
         offsets = [j for n in counts for j in range(n)]
@@ -206,21 +205,21 @@ class ModelRunner:
         if rows:
             tokens = self.sampler(logits[: len(rows)], rows, offsets).tolist()
         firsts = step.first_rows
-        return SamplerOutput(
-            [tokens[a : a + n] for a, n in zip(firsts, counts)], logits
-        )
+        tokens = [tokens[a : a + n] for a, n in zip(firsts, counts)]
+        return SamplerOutput(tokens, logits, hidden if step.hidden_states else None)
 
     @torch.inference_mode()
-    def execute(self, inputs: StepInputs) -> torch.Tensor | None:
-        """Runs the model over one step's inputs; returns the logits of the rows
-        `inputs.logits_indices` picks (None when there are none)."""
+    def execute(self, inputs: StepInputs) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """The model run over a step's inputs: the logits of the rows `logits_indices`
+        picks (None when there are none), and every token's last hidden state."""
         self.extension.before_forward(inputs)
         hidden = self.run_model(*self.device_inputs(inputs))
         if len(inputs.logits_indices) == 0:
-            return None
+            return None, hidden
+        rows = hidden
         if inputs.ragged:  # a decode step samples every row, once
-            hidden = hidden[to_device(self.device, inputs.logits_indices, torch.int64)]
-        return self.model.compute_logits(hidden)
+            rows = hidden[to_device(self.device, inputs.logits_indices, torch.int64)]
+        return self.model.compute_logits(rows), hidden
 
     def device_inputs(self, inputs: StepInputs) -> tuple:
         """The model's arguments for a step's inputs: ids, positions, metadata."""

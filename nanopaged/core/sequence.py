@@ -12,9 +12,8 @@ def cdiv(a: int, b: int) -> int:
 @dataclass
 class SamplingOptions:
     """How one sequence is sampled and how long it may grow: `temperature=0` is greedy
-    decoding; a completion ends after `max_tokens` tokens (None: at the model's
-    `max_model_len`), or at a stop token. vLLM's `SamplingParams`
-    (`nanopaged/sampling_params.py`) extends these with its own fields."""
+    decoding; a completion ends after `max_tokens` tokens (None: at `max_model_len`; 0:
+    once its prompt ran), or at a stop token. vLLM's `SamplingParams` extends these."""
 
     temperature: float = 1.0
     max_tokens: int | None = 16
@@ -28,9 +27,10 @@ class Sequence:
     off until the layer above sets them: `stop_token_ids` end the completion (EOS);
     `logits_processors` and `seed` are for its sampler above the core (which changes its
     row's logits; which makes its samples independent of its batch); `prompt_logits`
-    asks for the logits of the prompt tokens it runs (for their logprobs); `cache_salt`
-    starts the hash chain of its blocks (see `hash_block`), so that sequences with other
-    salts share none (a LoRA adapter's K/V differs from the base model's)."""
+    asks for the logits of the prompt tokens it runs (logprobs), `hidden_states` for the
+    step's hidden states (pooling); `cache_salt` starts the hash chain of its blocks
+    (see `hash_block`): sequences with other salts share none (a LoRA adapter's K/V
+    differs from the base model's)."""
 
     _ids = count()
 
@@ -43,6 +43,7 @@ class Sequence:
         self.logits_processors: list = []
         self.seed: int | None = None
         self.prompt_logits = False
+        self.hidden_states = False
         self.cache_salt: int | None = None
         self.block_table: list[int] = []
         self.num_computed_tokens = 0

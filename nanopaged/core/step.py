@@ -14,18 +14,21 @@ from nanopaged.core.sequence import Sequence
 class ScheduledStep:
     """One step as the scheduler decided it. The model runs `num_tokens[i]` tokens of
     `seqs[i]` from position `starts[i]`; a sequence whose tokens reach its last token
-    samples the next: it is one of `samplers`, at rows `sample_rows`. A step of last
-    tokens only is a decode step, any other `ragged`. `proposals` maps a sequence (by
-    index) to tokens that run after its last one, in slots reserved for them, each
-    sampled too (speculative decoding's). `preempted`: the sequences preempted to make
-    room for it (they may run in it again, recomputed)."""
+    samples the next: it is one of `samplers`, at rows `sample_rows`, or, never sampled
+    (`max_tokens=0`), one of `ended`. A step of last tokens only, each sampled, is a
+    decode step, any other `ragged`; `hidden_states`: a sequence asks for them.
+    `proposals` maps a sequence (by index) to tokens that run after its last one, in
+    slots reserved for them, each sampled too (speculative decoding's). `preempted`: the
+    sequences preempted to make room for it (they may run in it again, recomputed)."""
 
     seqs: list[Sequence] = field(default_factory=list)
     starts: list[int] = field(default_factory=list)
     num_tokens: list[int] = field(default_factory=list)
     samplers: list[Sequence] = field(default_factory=list)
     sample_rows: list[int] = field(default_factory=list)
+    ended: list[Sequence] = field(default_factory=list)
     ragged: bool = False
+    hidden_states: bool = False
     proposals: dict[int, list[int]] = field(default_factory=dict)
     preempted: list[Sequence] = field(default_factory=list)
 
@@ -35,10 +38,15 @@ class ScheduledStep:
         self.seqs.append(seq)
         self.starts.append(start)
         self.num_tokens.append(num_tokens)
-        self.ragged = self.ragged or num_tokens != 1 or start + 1 != len(seq)
-        if start + num_tokens == len(seq):
+        last = start + num_tokens == len(seq)
+        sampled = last and seq.sampling_params.max_tokens != 0
+        self.ragged = self.ragged or num_tokens != 1 or not sampled
+        self.hidden_states = self.hidden_states or seq.hidden_states
+        if sampled:
             self.samplers.append(seq)
             self.sample_rows.append(len(self.seqs) - 1)
+        elif last:
+            self.ended.append(seq)
 
     def add_decodes(self, seqs: list[Sequence]) -> None:
         """Runs the last token of each of `seqs` (whose K/V it does not hold yet)."""
@@ -104,7 +112,9 @@ class SamplerOutput:
     (before any processor or temperature) that the tokens came from: row
     `step.first_rows[i] + j` for token j of sampling row i; then those of the step's
     `prompt_rows`, in order, row j of sequence i predicting its token after position
-    `step.starts[i] + j`."""
+    `step.starts[i] + j`. `hidden_states` (when the step's do): each token's last
+    hidden state, sequence by sequence, proposals last; valid until the next step."""
 
     token_ids: list[list[int]]
     logits: torch.Tensor | None = None
+    hidden_states: torch.Tensor | None = None

@@ -222,6 +222,10 @@ def create_app(
         "max_model_len": llm.config.max_model_len,
     }
     models = ServedModels(engine, model_card, lora_modules)
+    if getattr(llm, "runner_type", "generate") == "pooling":
+        from nanopaged.serving.pooling_api import add_pooling_routes
+
+        add_pooling_routes(app, engine, models)
     # vLLM's endpoints, behind vLLM's variable
     if envs.VLLM_ALLOW_RUNTIME_LORA_UPDATING:
         models.add_lora_routes(app)
