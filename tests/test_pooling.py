@@ -402,3 +402,18 @@ def test_a_one_token_prompt_never_sampled_makes_its_step_ragged(qwen3_path, hf_g
     while not engine.is_finished():
         engine.step()
     assert generating.token_ids[1:] == hf_greedy(qwen3_path, [[7]], 4)[0]
+
+
+def test_a_bad_request_leaves_the_requests_in_flight_as_they_were(st_path):
+    llm = LLM(st_path, max_num_batched_tokens=16, num_kvcache_blocks=64)
+    good = llm.add_request(TEXTS[1], PoolingParams(task="embed"))
+    llm.step()  # its first chunk ran
+    for bad in ([], "", [10**6]):
+        with pytest.raises(ValueError):
+            llm.add_request(bad, PoolingParams(task="embed"))
+    outputs = []
+    while not llm.is_finished():
+        outputs += llm.step()
+    assert list(llm.requests) == [] and outputs[-1].request_id == good
+    want = st_encode(st_path, TEXTS[1:2])[0]
+    assert np.abs(np.array(outputs[-1].outputs.embedding) - want).max() < ATOL

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# On the CPU machine, before a `device` call: puts into .gpu/ (kept out of git) what the GPU
+# machine cannot fetch: the trimmed flash-attn build (../shared/gpu), nano-vllm at a pinned
+# commit, and the wheels the tests need that it lacks (Python 3.12). Then the device call is
+#   run(command="bash benchmarks/gpu/run.sh", carry=[".gpu"], timeout_s=560)
+# NANO_VLLM_GIT: the git directory `fetch github:GeeeekExplorer/nano-vllm` returned.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+NANO_VLLM_COMMIT=${NANO_VLLM_COMMIT:-bb823b3}
+exclude=$(git rev-parse --git-path info/exclude)
+mkdir -p "$(dirname "$exclude")"
+grep -qsx '/.gpu/' "$exclude" || echo /.gpu/ >> "$exclude"
+mkdir -p .gpu/wheels
+cp ../shared/gpu/fa-src.tar.xz ../shared/gpu/fa_build.py ../shared/gpu/fa_smoke.py .gpu/
+if [ -n "${NANO_VLLM_GIT:-}" ]; then
+    rm -rf .gpu/nano-vllm
+    git --git-dir "$NANO_VLLM_GIT" archive --prefix=nano-vllm/ "$NANO_VLLM_COMMIT" | tar x -C .gpu
+else
+    echo "NANO_VLLM_GIT unset: the bench will list nano-vllm as not importable" >&2
+fi
+for package in "llguidance>=1.7" compressed-tensors "sentence-transformers>=6"; do
+    python3 -m pip download -q --only-binary=:all: --no-deps --python-version 3.12 \
+        --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 \
+        -d .gpu/wheels "$package" || echo "no wheel of $package: its GPU tests skip" >&2
+done
+du -sh .gpu

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# On the GPU machine (the `device` call prepare.sh names): flash-attn built (or its .so kept
+# from an earlier build), the wheels unpacked, then tests/test_gpu.py and the benches, each
+# under a time limit, their logs and JSON under $OUT. About 9 minutes on an H100.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+OUT=${OUT:-/tmp/gpu-out}
+SITE=/tmp/site
+mkdir -p "$OUT" "$SITE"
+export PYTHONPATH=$PWD:$SITE:$PWD/.gpu/nano-vllm
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu.txt"
+git log -1 --format=%H > "$OUT/commit.txt" 2>/dev/null || true
+
+# flash-attn: a kept build, else a build (about 2 minutes)
+if [ -f .gpu/flash_attn_2_cuda.so.xz ]; then
+    xz -dc .gpu/flash_attn_2_cuda.so.xz > "$SITE/flash_attn_2_cuda.so"
+    tar xJf .gpu/fa-src.tar.xz -C /tmp && cp -r /tmp/fa/pkg/flash_attn "$SITE/"
+elif [ -f .gpu/fa-src.tar.xz ]; then
+    tar xJf .gpu/fa-src.tar.xz -C /tmp
+    if timeout 300 python3 .gpu/fa_build.py /tmp/fa /tmp/fabuild > "$OUT/fa_build.log" 2>&1; then
+        cp -r /tmp/fa/pkg/flash_attn "$SITE/" && cp /tmp/fabuild/flash_attn_2_cuda.so "$SITE/"
+        xz -c "$SITE/flash_attn_2_cuda.so" > "$OUT/flash_attn_2_cuda.so.xz"  # keep it
+    fi
+fi
+python3 .gpu/fa_smoke.py > "$OUT/fa_smoke.log" 2>&1 || echo "flash-attn unusable" >> "$OUT/fa_smoke.log"
+for wheel in .gpu/wheels/*.whl; do
+    [ -e "$wheel" ] && python3 -m zipfile -e "$wheel" "$SITE" 2>/dev/null
+done
+
+step() {  # name, seconds, command...: its output in $OUT/name.log, its status in status.txt
+    local name=$1 seconds=$2; shift 2
+    timeout "$seconds" "$@" > "$OUT/$name.log" 2>&1
+    echo "$name $?" >> "$OUT/status.txt"
+}
+step test_gpu 200 python3 -m pytest -q -x -p no:cacheprovider tests/test_gpu.py
+step bench 240 python3 bench.py --engines nanopaged:flash,nanopaged:triton,nano-vllm \
+    --no-progress --out "$OUT/bench.json"
+step steps 90 python3 bench.py --steps --no-progress --out "$OUT/steps.json"
+cat "$OUT/status.txt"
+tail -15 "$OUT/bench.log"
