@@ -72,9 +72,11 @@ def pools(architecture: str) -> bool:
 
 
 def choose_runner(model: str, options: dict) -> str:
-    """ "generate" or "pooling": the `runner` option (or vLLM's older `task`), and for
-    "auto" what the checkpoint's first architecture does (`pools`). An option or a
-    checkpoint it cannot read is left to the engine's own checks ("generate")."""
+    """The runner, "generate" or "pooling": the `runner` option (or vLLM's older
+    `task`), and for "auto" what the checkpoint is: one whose first architecture
+    `pools`, or a Sentence Transformers model (a `modules.json`: Qwen3-Embedding's
+    decoder is a causal LM's). An option or a checkpoint it cannot read is left to the
+    engine's checks ("generate")."""
     runner, task = options.get("runner", "auto"), options.get("task")
     if task is not None and task not in ("auto", "generate", *POOLING_TASKS):
         return "generate"  # split_options names the bad value
@@ -84,11 +86,13 @@ def choose_runner(model: str, options: dict) -> str:
     if runner != "auto" or wanted:
         return runner if runner != "auto" else wanted
     try:
-        with open(os.path.join(resolve_model(model), "config.json")) as f:
+        path = resolve_model(model)
+        with open(os.path.join(path, "config.json")) as f:
             architectures = json.load(f).get("architectures") or [""]
     except (OSError, ValueError, AttributeError):
         return "generate"
-    return "pooling" if pools(architectures[0]) else "generate"
+    sentence_transformers = os.path.exists(os.path.join(path, "modules.json"))
+    return "pooling" if pools(architectures[0]) or sentence_transformers else "generate"
 
 
 def checkpoint_architecture(config: PretrainedConfig) -> str:

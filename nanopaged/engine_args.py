@@ -139,8 +139,9 @@ OPTIONS = {
     "runner": (
         str,
         "auto",
-        "generate, pooling (embeddings, classes, scores), or auto: pooling for the "
-        "checkpoints whose architecture pools (*Model, *ForSequenceClassification)",
+        "generate, pooling (embeddings, classes, scores), or auto: pooling for "
+        "*Model and *ForSequenceClassification checkpoints and Sentence Transformers "
+        "models",
     ),
     "task": (
         str | None,

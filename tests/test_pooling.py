@@ -169,6 +169,20 @@ def test_a_causal_lm_pools_its_hidden_states_as_transformers_computes_them(
     assert torch.allclose(every_token[0].outputs.data, want, atol=ATOL)
 
 
+def test_a_sentence_transformers_causal_lm_pools_by_default(tmp_path):
+    """Qwen3-Embedding's layout: a causal LM's architecture in config.json, the
+    decoder's weights without `model.`, Sentence Transformers' files."""
+    path = write_sentence_transformer(str(tmp_path), "lasttoken", True)
+    with open(f"{path}/config.json") as f:
+        config = json.load(f)
+    with open(f"{path}/config.json", "w") as f:
+        json.dump(dict(config, architectures=["Qwen3ForCausalLM"]), f)
+    llm = LLM(path, num_kvcache_blocks=64)
+    assert isinstance(llm, PoolingLLM)
+    got = embeddings(llm.embed(TEXTS, use_tqdm=False))
+    assert np.abs(got - st_encode(path, TEXTS)).max() < ATOL
+
+
 def test_matryoshka_dimensions_cut_then_normalize(tmp_path):
     path = write_sentence_transformer(
         str(tmp_path), "lasttoken", True, body={"matryoshka_dimensions": [16, 32]}
@@ -287,9 +301,13 @@ def test_tensor_parallel_embeddings_equal_sentence_transformers(st_path):
     llm.close()
 
 
-def test_the_runner_follows_the_checkpoint_and_the_options(st_path, qwen3_path):
+def test_the_runner_follows_the_checkpoint_and_the_options(
+    st_path, qwen3_path, classifier_paths
+):
     assert type(LLM(qwen3_path)) is LLM
     assert isinstance(LLM(qwen3_path, task="embed"), PoolingLLM)
+    assert LLM(classifier_paths[3], task="embed").default_task == "embed"
+    assert LLM(classifier_paths[3]).default_task == "classify"
     with pytest.raises(ValueError, match="Qwen3Model has no LM head: it cannot"):
         LLM(st_path, runner="generate")
     with pytest.raises(ValueError, match="task='generate' does not go with"):

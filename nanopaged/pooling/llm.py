@@ -126,6 +126,8 @@ class PoolingLLM(LLM):
                 f"{architecture} has no classifier head"
             )
         self.default_task = "classify" if self.classifier else "embed"
+        if task in ("embed", "classify"):
+            self.default_task = task
         self.salts = itertools.count(1 << 62)  # a cache_salt no adapter hash takes
 
     # ---- requests in ----
