@@ -404,6 +404,12 @@ class LLM(VLLMEngineAPI):
             self.make_request(p, sp, lora_request=lr)
             for p, sp, lr in zip(prompts, sampling_params, adapters)
         ]
+        return self.run_requests(requests, use_tqdm)
+
+    def run_requests(self, requests: list, use_tqdm: bool) -> list:
+        """Runs a batch of requests (from `make_request`) to their end; returns their
+        outputs, in order, with a warning for each that failed alone. Interrupted, it
+        leaves none of them behind."""
         try:
             for request in requests:
                 self._enqueue(request)
@@ -416,7 +422,7 @@ class LLM(VLLMEngineAPI):
         for output in outputs:
             if output.error is not None:
                 warnings.warn(
-                    f"request {output.request_id} failed: {output.error}", stacklevel=2
+                    f"request {output.request_id} failed: {output.error}", stacklevel=3
                 )
         return outputs
 

@@ -13,8 +13,6 @@ pooling shares prefixes as generation does.
 
 import itertools
 import time
-import warnings
-from collections.abc import Sequence as Many
 
 import torch
 import torch.nn.functional as F
@@ -308,7 +306,7 @@ class PoolingLLM(LLM):
         prompts, params = as_batch(prompts, pooling_params)
         params = [self._checked(p, pooling_task) for p in params]
         requests = [self.make_request(p, sp) for p, sp in zip(prompts, params)]
-        return self._pool(requests, use_tqdm)
+        return self.run_requests(requests, use_tqdm)
 
     def embed(self, prompts, pooling_params=None, use_tqdm: bool = True) -> list:
         """The embedding of every prompt (`outputs.embedding`), in order."""
@@ -342,10 +340,10 @@ class PoolingLLM(LLM):
             params = self._checked(pooling_params, "score")
             pairs = [self.pair_prompt(a, b) for a, b in zip(first, second)]
             requests = [self.make_request(pair, params) for pair in pairs]
-            return self._pool(requests, use_tqdm)
+            return self.run_requests(requests, use_tqdm)
         params = self._checked(pooling_params, "embed")
         requests = [self.make_request(p, params) for p in first + second]
-        outputs = self._pool(requests, use_tqdm)
+        outputs = self.run_requests(requests, use_tqdm)
         n = len(first)
         return [
             self._cosine(a, b) for a, b in zip(outputs[:n], outputs[n:], strict=True)
@@ -376,20 +374,3 @@ class PoolingLLM(LLM):
             a.metrics,
             error,
         )
-
-    def _pool(self, requests: Many[PoolingRequest], use_tqdm: bool) -> list:
-        try:
-            for request in requests:
-                self._enqueue(request)
-            self._run(len(requests), use_tqdm)
-            outputs = [self._output(request) for request in requests]
-        finally:
-            if self.requests:  # interrupted: no request of this call may stay behind
-                for request_id in list(self.requests):
-                    self.abort(request_id)
-        for output in outputs:
-            if output.error is not None:
-                warnings.warn(
-                    f"request {output.request_id} failed: {output.error}", stacklevel=3
-                )
-        return outputs
