@@ -20,14 +20,17 @@ from nanopaged.checks import UNSUPPORTED, unsupported_fields
 MODEL_FILES = ["*.json", "*.safetensors", "*.txt", "*.model", "*.tiktoken"]
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 # The features that enter themselves in the core's registries (a backend, model
-# families, quantized formats): imported where they are, so that a forker may delete any
-# of them
+# families, quantized formats, the GPU's sampling kernel): imported where they are, so
+# that a forker may delete any of them; one that needs a package the machine lacks
+# (`OPTIONAL_PACKAGES`) is skipped as if deleted
 FEATURES = (
     "nanopaged.cpu",
     "nanopaged.models",
     "nanopaged.pooling",
     "nanopaged.quantization",
+    "nanopaged.triton_sample",
 )
+OPTIONAL_PACKAGES = ("triton",)
 # the architectures that pool (vLLM's pooling runner): bare decoders, classifiers
 POOLING_SUFFIXES = ("Model", "ForSequenceClassification")
 POOLING_TASKS = ("embed", "classify", "score")
@@ -104,12 +107,12 @@ def checkpoint_architecture(config: PretrainedConfig) -> str:
 
 
 def load_features() -> None:
-    """Imports each of `FEATURES` that exists."""
+    """Imports each of `FEATURES` that exists and has its packages."""
     for name in FEATURES:
         try:
             importlib.import_module(name)
         except ModuleNotFoundError as error:
-            if error.name != name:
+            if error.name not in (name, *OPTIONAL_PACKAGES):
                 raise
 
 

@@ -408,6 +408,19 @@ def test_structured_outputs_under_graphs(gpu_path, no_tf32):
     )
 
 
+def test_the_sampling_kernel_at_qwen3s_vocabulary_is_the_reference():
+    """The bench's shape: 256 bfloat16 rows of 151,936 logits, compiled."""
+    from nanopaged.core.sampler import sample
+    from nanopaged.triton_sample import sample as sample_kernel
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    logits = (torch.randn(256, 151_936, device="cuda", generator=g) * 4).bfloat16()
+    temperatures = torch.full((256,), 0.6, device="cuda")
+    uniform = torch.rand(256, device="cuda", generator=g) * 0.998 + 1e-3
+    tokens = sample_kernel(logits, temperatures, uniform)
+    assert (tokens == sample(logits, temperatures, uniform)).float().mean() > 0.99
+
+
 def test_del_gives_the_gpu_memory_back_so_a_second_engine_fits(gpu_path):
     """Each engine takes 60% of the card: the second starts only if `del` freed the
     first's KV cache and graphs."""

@@ -42,6 +42,7 @@ LAYERS = [
     "checks",
     "cpu.kernels",
     "cpu",
+    "triton_sample",
     "quantization.int4_triton",
     "quantization.dequantize",
     "quantization.fp8",
@@ -356,6 +357,7 @@ def test_speculation_reaches_the_core_through_one_seam(qwen3_path, hf_greedy):
         "models",
         "cpu",
         "pooling serving/pooling_api.py",
+        "triton_sample",
     ],
 )
 def test_a_feature_deleted_leaves_a_plain_generate_working(
@@ -388,3 +390,27 @@ def test_a_feature_deleted_leaves_a_plain_generate_working(
     )
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip() == str(hf_greedy(qwen3_path, [[5, 6, 7]], 6)[0])
+
+
+@pytest.mark.parametrize("missing", ["triton", "safetensors"])
+def test_a_feature_skipped_only_for_an_optional_package(missing):
+    """A machine without triton samples with `sampler.sample` (load_features skips
+    triton_sample); a feature missing any other package is an error, not a silent
+    skip."""
+    import subprocess
+    import sys
+
+    script = (
+        f"import sys; sys.modules[{missing!r}] = None\n"
+        "from nanopaged.checkpoint import load_features\n"
+        "load_features()\n"
+        "from nanopaged.core.attention import BACKENDS\n"
+        "print(BACKENDS['triton'].sample, BACKENDS['flash'].sample)"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
+    if missing == "triton":
+        assert result.stdout.split() == ["None", "None"], result.stderr[-2000:]
+    else:
+        assert result.returncode != 0 and "safetensors" in result.stderr

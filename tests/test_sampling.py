@@ -96,3 +96,22 @@ def test_the_first_of_n_seeded_samples_is_the_single_sample(qwen3_path):
     assert (
         samples[0] == single.outputs[0].token_ids and len(set(map(tuple, samples))) == 3
     )
+
+
+def test_the_triton_backend_samples_by_its_kernel_the_tokens_of_torch(qwen3_path):
+    """`triton_sample` is the GPU backends' sampler: seeded, through top-p, the tokens
+    of the plain backend."""
+    pytest.importorskip("triton")
+    from nanopaged.triton_sample import sample as kernel
+
+    params = [
+        SamplingParams(temperature=0.8, top_p=0.9, max_tokens=12, seed=seed)
+        for seed in (1, 2, 3)
+    ]
+    tokens = {}
+    for backend in ("torch", "triton"):
+        llm = LLM(qwen3_path, max_model_len=256, attention_backend=backend)
+        outputs = llm.generate(PROMPTS, params, use_tqdm=False)
+        tokens[backend] = [o.outputs[0].token_ids for o in outputs]
+    assert llm.engine.runner.sampler.sample is kernel
+    assert tokens["triton"] == tokens["torch"]

@@ -262,3 +262,40 @@ def test_int4_matmul_equals_the_dequantized_weight(
         group,
     )
     assert relative_error(out, (x @ weight).to(DEVICE)) < 1e-5
+
+
+@pytest.mark.parametrize(
+    "vocab_size, dtype", [(1000, torch.float32), (5000, torch.bfloat16)]
+)
+def test_sampling_kernel_inverts_the_cumulative_distribution(vocab_size, dtype):
+    """The token whose cumulative probability first exceeds the row's number (as
+    `sampler.sample`), never one that top-k/p dropped (-inf), at the ends of [0, 1)
+    too, over a vocabulary that is no multiple of the kernel's block."""
+    from nanopaged.core.sampler import sample
+    from nanopaged.triton_sample import BLOCK
+    from nanopaged.triton_sample import sample as sample_kernel
+
+    assert vocab_size % BLOCK
+    g = torch.Generator().manual_seed(vocab_size)
+    logits = (torch.randn(64, vocab_size, generator=g) * 3).to(dtype)
+    logits[:8, 1::2] = float("-inf")  # dropped tokens
+    logits[8, :-1] = float("-inf")  # one token left: the last
+    temperatures = torch.rand(64, generator=g) + 0.05
+    temperatures[:4] = 1e-5  # as good as greedy
+    uniform = torch.rand(64, generator=g)
+    uniform[[0, 4, 8, 9]], uniform[[1, 5, 10]] = 0.0, 1 - 2**-24
+    tokens = sample_kernel(*(t.to(DEVICE) for t in (logits, temperatures, uniform)))
+    tokens = tokens.cpu()
+    weights = torch.softmax(logits.double() / temperatures.double()[:, None], dim=-1)
+    cdf = weights.cumsum(dim=-1)
+    below = torch.where(
+        tokens > 0, cdf.gather(1, (tokens - 1).clamp(min=0)[:, None])[:, 0], 0
+    )
+    target = uniform.double()
+    assert (weights.gather(1, tokens[:, None]) > 0).all()
+    assert (below <= target + 1e-5).all()
+    assert (cdf.gather(1, tokens[:, None])[:, 0] > target - 1e-5).all()
+    assert tokens[8] == vocab_size - 1
+    assert torch.equal(tokens[:4], logits[:4].float().argmax(dim=-1))
+    inner = (uniform > 1e-3) & (uniform < 1 - 1e-3)
+    assert torch.equal(tokens[inner], sample(logits, temperatures, uniform)[inner])
