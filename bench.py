@@ -8,6 +8,8 @@
     python bench.py --prefix-len 512     # every prompt shares 512 leading tokens
     python bench.py --steps              # decode step time per batch, prefill tok/s
     python bench.py --host               # host time per decode step (no GPU needed)
+    python bench.py --kernels --engines nanopaged:triton,nano-vllm
+                                         # one decode step's kernels, engine by engine
     python bench.py --spec               # speculative decoding off and on
     python bench.py --lora 4             # LoRA off, on, and with 4 adapters
     python bench.py --pooling            # embeddings/s beside sentence-transformers
@@ -105,6 +107,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--host", action="store_true", help="time the host's work per decode step"
     )
     modes.add_argument(
+        "--kernels",
+        action="store_true",
+        help="profile a decode step of each engine (--batch-sizes, --context)",
+    )
+    modes.add_argument(
         "--spec",
         action="store_true",
         help="speculative decoding, off and on, on "
@@ -195,7 +202,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.serve and importlib.util.find_spec("httpx") is None:
         p.error('--serve needs httpx: pip install -e ".[bench]"')
     if args.plot and (
-        args.host or args.profile or args.spec or args.lora or args.pooling
+        args.host
+        or args.profile
+        or args.spec
+        or args.lora
+        or args.pooling
+        or args.kernels
     ):
         p.error("--plot draws throughput, --steps or --serve results")
     if args.plot and importlib.util.find_spec("matplotlib") is None:
@@ -245,6 +257,11 @@ def main(argv=None) -> dict:
 
         result = dict(serving=serve_times(model, args))
         print_serving(result["serving"])
+    elif args.kernels:
+        from benchmarks.kernels import kernel_profiles, print_kernels
+
+        result = dict(kernels=kernel_profiles(model, args))
+        print_kernels(result["kernels"])
     elif args.steps:
         from benchmarks.steps import print_steps, step_times
 

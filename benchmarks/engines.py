@@ -261,10 +261,10 @@ RUNNERS = {
 MODULES = {"nano-vllm": "nanovllm", "vllm": "vllm"}
 
 
-def _child(engine: str, model: str, work: Workload, args, queue) -> None:
+def _child(engine: str, model: str, work: Workload, args, runners, queue) -> None:
     name, _, backend = engine.partition(":")
     try:
-        queue.put(RUNNERS[name](model, work, args, *([backend] if backend else [])))
+        queue.put(runners[name](model, work, args, *([backend] if backend else [])))
     except Exception as error:  # report, so the other engines still run
         queue.put({"error": f"{type(error).__name__}: {error}"})
 
@@ -280,13 +280,19 @@ def _context() -> multiprocessing.context.BaseContext:
     return ctx
 
 
-def run_engine(engine: str, model: str, work: Workload, args) -> dict:
-    module = MODULES.get(engine)
+def run_engine(
+    engine: str, model: str, work: Workload, args, runners: dict = RUNNERS
+) -> dict:
+    """`runners[engine](model, work, args)` in a fresh process: its result, or why
+    there is none."""
+    module = MODULES.get(engine.partition(":")[0])
     if module and importlib.util.find_spec(module) is None:
         return {"skipped": f"{module} is not importable"}
     ctx = _context()
     queue = ctx.Queue()
-    process = ctx.Process(target=_child, args=(engine, model, work, args, queue))
+    process = ctx.Process(
+        target=_child, args=(engine, model, work, args, runners, queue)
+    )
     process.start()
     process.join(args.timeout)
     if process.is_alive():

@@ -10,6 +10,7 @@ import shlex
 import sys
 
 import pytest
+from transformers import AutoConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # bench.py and benchmarks/ are importable by name, as bench.py runs them
@@ -395,6 +396,36 @@ def test_host_times(bench, qwen3_path):
     ]
     # every timed step was the engine's own step, giving each sequence its next token
     assert [row["tokens_per_step"] for row in result["host"]] == [1, 1, 4, 4]
+
+
+def test_kernel_profiles_engine_beside_engine(bench, qwen3_path):
+    """Each engine's decode step under torch.profiler (on a CPU: the top-level torch
+    ops): the plain backend's step runs attention for each layer, the busy and idle
+    times split the wall time, the costliest first; an engine without a profile says
+    so."""
+    result = bench.main(
+        [
+            "--tiny",
+            "--model",
+            qwen3_path,
+            "--kernels",
+            "--engines",
+            "nanopaged:torch,hf",
+            "--batch-sizes",
+            "4",
+            "--context",
+            "40",
+        ]
+    )
+    profile, hf = result["kernels"]["nanopaged:torch"], result["kernels"]["hf"]
+    assert hf == {"skipped": "no kernel profile of hf"}
+    assert profile["busy_ms"] + profile["idle_ms"] == pytest.approx(profile["wall_ms"])
+    times = [kernel["ms"] for kernel in profile["kernels"]]
+    assert times == sorted(times, reverse=True)
+    calls = {kernel["name"]: kernel["calls"] for kernel in profile["kernels"]}
+    layers = AutoConfig.from_pretrained(qwen3_path).num_hidden_layers
+    assert calls["aten::scaled_dot_product_attention"] == layers
+    assert profile["launches"] >= sum(calls.values())
 
 
 def test_lora_off_on_and_with_adapters(bench, qwen3_path):

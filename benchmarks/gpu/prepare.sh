@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
 # On the CPU machine, before a `device` call: puts into .gpu/ (kept out of git) what the GPU
 # machine cannot fetch: the trimmed flash-attn build (../shared/gpu), nano-vllm at a pinned
-# commit, and the wheels the tests need that it lacks (Python 3.12). Then the device call is
-#   run(command="bash benchmarks/gpu/run.sh", carry=[".gpu"], timeout_s=560)
+# commit, and the wheels the tests need that it lacks (Python 3.12). Then the device calls are
+#   run(command="bash benchmarks/gpu/run.sh test_gpu bench", carry=[".gpu"], timeout_s=480)
+#   run(command="bash benchmarks/gpu/run.sh kernels steps", carry=[".gpu"], timeout_s=300)
 # NANO_VLLM_GIT: the git directory `fetch github:GeeeekExplorer/nano-vllm` returned.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 NANO_VLLM_COMMIT=${NANO_VLLM_COMMIT:-bb823b3}
 exclude=$(git rev-parse --git-path info/exclude)
 mkdir -p "$(dirname "$exclude")"
-grep -qsx '/.gpu/' "$exclude" || echo /.gpu/ >> "$exclude"
+for path in /.gpu/ /.gpu-site/; do grep -qsx "$path" "$exclude" || echo "$path" >> "$exclude"; done
 mkdir -p .gpu/wheels
 cp ../shared/gpu/fa-src.tar.xz ../shared/gpu/fa_build.py ../shared/gpu/fa_smoke.py .gpu/
 if [ -n "${NANO_VLLM_GIT:-}" ]; then

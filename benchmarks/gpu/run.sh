@@ -1,18 +1,21 @@
 #!/usr/bin/env bash
-# On the GPU machine (the `device` call prepare.sh names): flash-attn built (or its .so kept
-# from an earlier build), the wheels unpacked, then tests/test_gpu.py and the benches, each
-# under a time limit, their logs and JSON under $OUT. About 9 minutes on an H100.
+# On the GPU machine (the `device` calls prepare.sh names): flash-attn built (or its .so kept
+# from an earlier build or call), the wheels unpacked, then the parts named (all by default:
+# test_gpu bench kernels steps), each under a time limit, their logs and JSON under $OUT.
+# About 9 minutes on an H100, in two calls: `run.sh test_gpu bench`, `run.sh kernels steps`.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/gpu-out}
-SITE=/tmp/site
+SITE=$PWD/.gpu-site  # kept while the machine stays warm (ignored, not carried)
 mkdir -p "$OUT" "$SITE"
 export PYTHONPATH=$PWD:$SITE:$PWD/.gpu/nano-vllm
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu.txt"
 git log -1 --format=%H > "$OUT/commit.txt" 2>/dev/null || true
 
-# flash-attn: a kept build, else a build (about 2 minutes)
-if [ -f .gpu/flash_attn_2_cuda.so.xz ]; then
+# flash-attn: this machine's from an earlier call, a kept build, else a build (2 minutes)
+if [ -f "$SITE/flash_attn_2_cuda.so" ]; then
+    :
+elif [ -f .gpu/flash_attn_2_cuda.so.xz ]; then
     xz -dc .gpu/flash_attn_2_cuda.so.xz > "$SITE/flash_attn_2_cuda.so"
     tar xJf .gpu/fa-src.tar.xz -C /tmp && cp -r /tmp/fa/pkg/flash_attn "$SITE/"
 elif [ -f .gpu/fa-src.tar.xz ]; then
@@ -32,9 +35,18 @@ step() {  # name, seconds, command...: its output in $OUT/name.log, its status i
     timeout "$seconds" "$@" > "$OUT/$name.log" 2>&1
     echo "$name $?" >> "$OUT/status.txt"
 }
-step test_gpu 200 python3 -m pytest -q -x -p no:cacheprovider tests/test_gpu.py
-step bench 240 python3 bench.py --engines nanopaged:flash,nanopaged:triton,nano-vllm \
-    --no-progress --out "$OUT/bench.json"
-step steps 90 python3 bench.py --steps --no-progress --out "$OUT/steps.json"
+part() {
+    case $1 in
+    test_gpu) step test_gpu 200 python3 -m pytest -q -x -p no:cacheprovider tests/test_gpu.py ;;
+    bench) step bench 240 python3 bench.py --engines nanopaged:flash,nanopaged:triton,nano-vllm \
+        --no-progress --out "$OUT/bench.json" ;;
+    kernels) step kernels 150 python3 bench.py --kernels --batch-sizes 256 --context 1000 \
+        --engines nanopaged:flash,nanopaged:triton,nano-vllm --out "$OUT/kernels.json" ;;
+    steps) step steps 90 python3 bench.py --steps --no-progress --out "$OUT/steps.json" ;;
+    *) echo "unknown part $1" >> "$OUT/status.txt" ;;
+    esac
+}
+[ $# -gt 0 ] || set -- test_gpu bench kernels steps
+for name in "$@"; do part "$name"; done
 cat "$OUT/status.txt"
-tail -15 "$OUT/bench.log"
+for log in bench kernels; do if [ -f "$OUT/$log.log" ]; then tail -40 "$OUT/$log.log"; fi; done
