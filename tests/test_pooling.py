@@ -404,6 +404,51 @@ def test_a_pooling_sequence_shares_steps_with_generation_in_the_core(
     assert generating.token_ids[6:] == hf_greedy(qwen3_path, prompts[1:], 4)[0]
 
 
+@pytest.mark.parametrize("scheduling", ["prefill-first", "mixed"])
+def test_a_pooled_prompt_beside_preempted_generation_is_pooled_once(
+    qwen3_path, hf_greedy, scheduling
+):
+    """A pool too small for three generating sequences preempts them while a long
+    prompt that is never sampled runs in chunks beside them: its hidden rows come once
+    each, as transformers computes them, and the generated tokens are transformers'."""
+    from nanopaged.core.config import Config
+
+    config = Config(
+        qwen3_path,
+        max_num_batched_tokens=16,
+        kvcache_block_size=16,
+        num_kvcache_blocks=8,
+        scheduling=scheduling,
+    )
+    engine = LLMEngine(config)
+    prompts = random_prompts([20, 20, 20, 45], seed=5)
+    generating = [
+        Sequence(p, SamplingOptions(temperature=0, max_tokens=40)) for p in prompts[:3]
+    ]
+    pooled = Sequence(prompts[3], SamplingOptions(max_tokens=0))
+    pooled.hidden_states = True
+    for seq in generating:
+        engine.add(seq)
+    rows, steps = [], 0
+    while not engine.is_finished():
+        if steps == 4:  # while they decode
+            engine.add(pooled)
+        step, sampled = engine.step()
+        steps += 1
+        if pooled in step.seqs:
+            i = step.seqs.index(pooled)
+            first = sum(step.num_tokens[:i])
+            rows.append(sampled.hidden_states[first : first + step.num_tokens[i]])
+    assert engine.scheduler.num_preemptions > 0 and len(rows) > 2
+    model = AutoModelForCausalLM.from_pretrained(qwen3_path, dtype=torch.float32)
+    with torch.no_grad():
+        out = model(torch.tensor(prompts[3:]), output_hidden_states=True)
+    assert torch.allclose(torch.cat(rows), out.hidden_states[-1][0], atol=ATOL)
+    # transformers stops at the end-of-text token: the core here does not
+    for seq, want in zip(generating, hf_greedy(qwen3_path, prompts[:3], 40)):
+        assert seq.token_ids[20 : 20 + len(want)] == want
+
+
 def test_a_one_token_prompt_never_sampled_makes_its_step_ragged(qwen3_path, hf_greedy):
     """A step of one-token prompts is a decode step only if each is sampled: else the
     logits of a sampled prompt would be taken from the row of one that is not."""
