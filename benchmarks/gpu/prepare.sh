@@ -2,7 +2,7 @@
 # On the CPU machine, before a `device` call: puts into .gpu/ (kept out of git) what the GPU
 # machine cannot fetch: the trimmed flash-attn build (../shared/gpu), nano-vllm at a pinned
 # commit, and the wheels the tests need that it lacks (Python 3.12). Then the device calls are
-#   run(command="bash benchmarks/gpu/run.sh test_gpu bench", carry=[".gpu"], timeout_s=480)
+#   run(command="bash benchmarks/gpu/run.sh test_gpu bench test_gpu_flash", carry=[".gpu"], timeout_s=480)
 #   run(command="bash benchmarks/gpu/run.sh kernels steps", carry=[".gpu"], timeout_s=300)
 # NANO_VLLM_GIT: the git directory `fetch github:GeeeekExplorer/nano-vllm` returned.
 set -euo pipefail

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # On the GPU machine (the `device` calls prepare.sh names): flash-attn built (or its .so kept
 # from an earlier build or call), the wheels unpacked, then the parts named (all by default:
-# test_gpu bench kernels steps), each under a time limit, their logs and JSON under $OUT.
-# About 9 minutes on an H100, in two calls: `run.sh test_gpu bench`, `run.sh kernels steps`.
+# test_gpu bench test_gpu_flash kernels steps), each under a time limit, their logs and JSON under $OUT.
+# About 9 minutes on an H100, in two calls: `run.sh test_gpu bench test_gpu_flash`, `run.sh kernels steps`.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/gpu-out}
@@ -12,20 +12,25 @@ export PYTHONPATH=$PWD:$SITE:$PWD/.gpu/nano-vllm
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu.txt"
 git log -1 --format=%H > "$OUT/commit.txt" 2>/dev/null || true
 
-# flash-attn: this machine's from an earlier call, a kept build, else a build (2 minutes)
-if [ -f "$SITE/flash_attn_2_cuda.so" ]; then
-    :
-elif [ -f .gpu/flash_attn_2_cuda.so.xz ]; then
-    xz -dc .gpu/flash_attn_2_cuda.so.xz > "$SITE/flash_attn_2_cuda.so"
-    tar xJf .gpu/fa-src.tar.xz -C /tmp && cp -r /tmp/fa/pkg/flash_attn "$SITE/"
-elif [ -f .gpu/fa-src.tar.xz ]; then
+# flash-attn: this machine's from an earlier call, a kept build, else a build (2 minutes, in
+# the background: the tests that do not need it run meanwhile)
+build_flash_attn() {
     tar xJf .gpu/fa-src.tar.xz -C /tmp
-    if timeout 300 python3 .gpu/fa_build.py /tmp/fa /tmp/fabuild > "$OUT/fa_build.log" 2>&1; then
-        cp -r /tmp/fa/pkg/flash_attn "$SITE/" && cp /tmp/fabuild/flash_attn_2_cuda.so "$SITE/"
-        xz -c "$SITE/flash_attn_2_cuda.so" > "$OUT/flash_attn_2_cuda.so.xz"  # keep it
+    if [ -f .gpu/flash_attn_2_cuda.so.xz ]; then
+        xz -dc .gpu/flash_attn_2_cuda.so.xz > /tmp/flash_attn_2_cuda.so
+    elif timeout 300 python3 .gpu/fa_build.py /tmp/fa /tmp/fabuild > "$OUT/fa_build.log" 2>&1; then
+        cp /tmp/fabuild/flash_attn_2_cuda.so /tmp/
+        xz -c /tmp/flash_attn_2_cuda.so > "$OUT/flash_attn_2_cuda.so.xz"  # keep it
+    else
+        return 1
     fi
+    cp /tmp/flash_attn_2_cuda.so "$SITE/" && cp -r /tmp/fa/pkg/flash_attn "$SITE/"
+    python3 .gpu/fa_smoke.py > "$OUT/fa_smoke.log" 2>&1 || echo "flash-attn unusable" >> "$OUT/fa_smoke.log"
+}
+flash_pid=
+if [ ! -f "$SITE/flash_attn_2_cuda.so" ] && [ -f .gpu/fa-src.tar.xz ]; then
+    build_flash_attn & flash_pid=$!
 fi
-python3 .gpu/fa_smoke.py > "$OUT/fa_smoke.log" 2>&1 || echo "flash-attn unusable" >> "$OUT/fa_smoke.log"
 for wheel in .gpu/wheels/*.whl; do
     [ -e "$wheel" ] && python3 -m zipfile -e "$wheel" "$SITE" 2>/dev/null
 done
@@ -35,9 +40,13 @@ step() {  # name, seconds, command...: its output in $OUT/name.log, its status i
     timeout "$seconds" "$@" > "$OUT/$name.log" 2>&1
     echo "$name $?" >> "$OUT/status.txt"
 }
+TESTS="python3 -m pytest -q -rsfE --durations=12 -p no:cacheprovider tests/test_gpu.py"
+flash_later=  # test_gpu ran before flash-attn was built: test_gpu_flash runs its tests then
 part() {
+    if [ "$1" != test_gpu ] && [ -n "$flash_pid" ]; then wait "$flash_pid"; flash_pid=; fi
     case $1 in
-    test_gpu) step test_gpu 200 python3 -m pytest -q -x -p no:cacheprovider tests/test_gpu.py ;;
+    test_gpu) flash_later=$flash_pid; step test_gpu 240 $TESTS ;;
+    test_gpu_flash) [ -z "$flash_later" ] || step test_gpu_flash 120 $TESTS -k flash ;;
     bench) step bench 240 python3 bench.py --engines nanopaged:flash,nanopaged:triton,nano-vllm \
         --no-progress --out "$OUT/bench.json" ;;
     kernels) step kernels 150 python3 bench.py --kernels --batch-sizes 256 --context 1000 \
@@ -46,7 +55,7 @@ part() {
     *) echo "unknown part $1" >> "$OUT/status.txt" ;;
     esac
 }
-[ $# -gt 0 ] || set -- test_gpu bench kernels steps
+[ $# -gt 0 ] || set -- test_gpu bench test_gpu_flash kernels steps
 for name in "$@"; do part "$name"; done
 cat "$OUT/status.txt"
-for log in bench kernels; do if [ -f "$OUT/$log.log" ]; then tail -40 "$OUT/$log.log"; fi; done
+for log in test_gpu test_gpu_flash bench kernels; do if [ -f "$OUT/$log.log" ]; then tail -40 "$OUT/$log.log"; fi; done
