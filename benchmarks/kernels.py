@@ -82,11 +82,22 @@ def profile_nanopaged(model: str, work, args, backend: str = "auto") -> dict:
     params = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=64)
     for prompt in _prompts(llm.config.hf_config.vocab_size, batch, context):
         llm.add_request(prompt, params)
-    while llm.run_step()[0].ragged:  # the prompts, then the first decode step
+
+    def decode() -> bool:
+        step = llm.run_step()[0]
+        return not step.ragged and len(step.seqs) == batch
+
+    # chunked prefill puts a decode step between a prompt's chunks: until all are in
+    while not decode():
         pass
     for _ in range(WARM_STEPS):
-        llm.run_step()
-    return _profiled(llm.run_step, PROFILED_STEPS)
+        decode()
+
+    def profiled_step() -> None:
+        if not decode():
+            raise RuntimeError(f"a profiled step was not a decode of all {batch}")
+
+    return _profiled(profiled_step, PROFILED_STEPS)
 
 
 def profile_nano_vllm(model: str, work, args) -> dict:

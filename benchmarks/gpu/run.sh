@@ -58,4 +58,8 @@ part() {
 [ $# -gt 0 ] || set -- test_gpu bench test_gpu_flash kernels steps
 for name in "$@"; do part "$name"; done
 cat "$OUT/status.txt"
-for log in test_gpu test_gpu_flash bench kernels; do if [ -f "$OUT/$log.log" ]; then tail -40 "$OUT/$log.log"; fi; done
+for log in test_gpu test_gpu_flash bench kernels steps; do
+    if [ -f "$OUT/$log.log" ]; then tail -40 "$OUT/$log.log"; fi
+done
+# the device call brings back few files: the logs and JSON in one archive
+(cd "$OUT" && tar czf results.tgz --remove-files ./*.log ./*.txt ./*.json 2>/dev/null)
