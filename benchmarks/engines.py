@@ -8,7 +8,14 @@ import os
 import statistics
 import time
 
-from benchmarks.workload import Workload, bar, percentile, timed, warmup_prompts
+from benchmarks.workload import (
+    StepClock,
+    Workload,
+    bar,
+    percentile,
+    timed,
+    warmup_prompts,
+)
 
 ENGINES = ("nanopaged", "hf", "hf-static", "nano-vllm", "vllm")
 
@@ -55,6 +62,13 @@ def run_nanopaged(model: str, work: Workload, args, backend: str = "auto") -> di
         use_tqdm=False,
         lora_request=loras and loras[:4],
     )
+    llm.run_step = clock = StepClock(
+        llm.run_step,
+        lambda result: (
+            "prefill" if result[0].ragged else "decode",
+            len(result[0].seqs),
+        ),
+    )
     elapsed, outputs = timed(
         lambda: llm.generate(
             work.prompts, params, use_tqdm=args.progress, lora_request=loras
@@ -83,6 +97,7 @@ def run_nanopaged(model: str, work: Workload, args, backend: str = "auto") -> di
         kv_blocks=stats.num_blocks,
         backend=llm.config.attention_backend,
         loras=loaded,
+        phases=clock.phases(),
         **speculation_stats(stats),
     )
 
@@ -112,11 +127,18 @@ def run_nano_vllm(model: str, work: Workload, args) -> dict:
         for n in work.output_lens
     ]
     llm.generate(warmup_prompts(work), params[:4], use_tqdm=False)
+    # step() -> (outputs, a prefill's token count or minus the decode's batch size)
+    llm.step = clock = StepClock(
+        llm.step,
+        lambda result: ("prefill", 0) if result[1] > 0 else ("decode", -result[1]),
+    )
     elapsed, outputs = timed(
         lambda: llm.generate(work.prompts, params, use_tqdm=args.progress)
     )
     return dict(
-        elapsed=elapsed, output_tokens=sum(len(o["token_ids"]) for o in outputs)
+        elapsed=elapsed,
+        output_tokens=sum(len(o["token_ids"]) for o in outputs),
+        phases=clock.phases(),
     )
 
 

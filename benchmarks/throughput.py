@@ -11,7 +11,7 @@ from benchmarks.floor import (
     physical_floor,
     share_of_floor,
 )
-from benchmarks.workload import make_workload
+from benchmarks.workload import PHASES, make_workload
 
 # Seconds each engine took with the --cpu preset on a 2-core cloud CPU (model load
 # included)
@@ -72,6 +72,17 @@ def run_throughput(model: str, args) -> dict:
                 f"ms, p99 {1e3 * r['tpot_p99']:.2f} ms; prefix-cache hits "
                 f"{100 * r['prefix_hit_rate']:.1f}%; {r['preemptions']} preemptions; "
                 f"{r['kv_blocks']} KV blocks"
+            )
+    timed = {e: r["phases"] for e, r in results.items() if "phases" in r}
+    if timed:
+        print(f"\n{'steps: count, seconds':22}" + "".join(f"{e:>24}" for e in timed))
+        for kind in PHASES:
+            print(
+                f"{kind:22}"
+                + "".join(
+                    f"{p[kind]['steps']:>14,} {p[kind]['seconds']:8.3f} s"
+                    for p in timed.values()
+                )
             )
     if floor["seconds"] >= MEANINGFUL_FLOOR_S:
         print(

@@ -173,6 +173,42 @@ def timed(fn):
     return time.perf_counter() - start, result
 
 
+# where a run's steps are counted: its prefill steps, then its decode steps by batch
+# size (the run's tail is its small batches)
+PHASES = ("prefill", "decode b<=16", "decode b<=64", "decode b<=128", "decode b>128")
+
+
+class StepClock:
+    """Wraps an engine's step function and times each call by phase: `phase(result)`
+    says ("prefill" or "decode", batch size). Where a whole run's time went, engine
+    beside engine; each step ends with its sampled tokens on the host, so its wall time
+    is its own."""
+
+    def __init__(self, step, phase):
+        self.step, self.phase = step, phase
+        self.times: dict[str, list[float]] = {kind: [] for kind in PHASES}
+
+    def __call__(self, *args, **kwargs):
+        start = time.perf_counter()
+        result = self.step(*args, **kwargs)
+        seconds = time.perf_counter() - start
+        kind, batch = self.phase(result)
+        if kind == "decode":
+            kind = next(
+                (k for k in PHASES[1:-1] if batch <= int(k.partition("=")[2])),
+                PHASES[-1],
+            )
+        self.times[kind].append(seconds)
+        return result
+
+    def phases(self) -> dict:
+        """phase -> its steps and seconds."""
+        return {
+            kind: dict(steps=len(times), seconds=sum(times))
+            for kind, times in self.times.items()
+        }
+
+
 def sync() -> None:
     import torch
 

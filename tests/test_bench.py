@@ -109,6 +109,12 @@ def test_throughput_with_peers(
     )
     largest = max(len(p) + n for p, n in zip(work.prompts, work.output_lens))
     assert nano["kv_blocks"] * 16 >= largest and nano["preemptions"] == 0
+    # the timed run's steps, by phase: a sequence gets a token per decode step
+    phases = nano["phases"]
+    assert list(phases) == list(workload.PHASES) and phases["prefill"]["steps"] >= 1
+    decode_steps = sum(p["steps"] for p in phases.values()) - phases["prefill"]["steps"]
+    assert decode_steps >= max(work.output_lens) - 1
+    assert sum(p["seconds"] for p in phases.values()) <= nano["elapsed"]
     assert (
         result["engines"]["hf-static"]["output_tokens"]
         == result["workload"]["output_tokens"]
@@ -163,6 +169,20 @@ def test_a_mixture_of_experts_runs_with_its_own_floor(bench, model_path):
         == c["num_hidden_layers"] * (attention + two_experts)
         + c["vocab_size"] * c["hidden_size"]
     )
+
+
+def test_the_step_clock_counts_decode_steps_by_batch_band():
+    clock = workload.StepClock(lambda kind, batch: (kind, batch), lambda step: step)
+    calls = [("prefill", 300), ("decode", 16), ("decode", 17), ("decode", 128)]
+    for call in calls + [("decode", 129), ("decode", 256)]:
+        assert clock(*call) == call
+    assert {kind: p["steps"] for kind, p in clock.phases().items()} == {
+        "prefill": 1,
+        "decode b<=16": 1,
+        "decode b<=64": 1,
+        "decode b<=128": 1,
+        "decode b>128": 2,
+    }
 
 
 def test_the_floor_counts_the_bytes_the_weights_are_kept_in():
@@ -325,9 +345,9 @@ def test_rows_come_as_engines_finish_and_the_missing_are_listed_last(qwen3_path)
     )
     assert result.returncode == 0, result.stderr[-2000:]
     lines = result.stdout.splitlines()
-    rows = [
+    rows = [  # the table: up to the first blank line
         line.split()[0]
-        for line in lines
+        for line in lines[: lines.index("")]
         if len(line.split()) > 2 and line.split()[1].replace(".", "").isdigit()
     ]
     assert rows == ["nanopaged", "hf-static"]  # vllm has no row of its own

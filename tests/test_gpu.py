@@ -183,7 +183,6 @@ def test_4bit_layers_stay_4bit_and_give_transformers_tokens(fmt, tmp_path, no_tf
 def test_fp8_layers_multiply_in_fp8_and_give_transformers_first_tokens(tmp_path):
     """cuBLAS's FP8 GEMM (CI runs torch's CPU `_scaled_mm`): bfloat16, per-channel
     scales, dynamic per-token activations."""
-    pytest.importorskip("compressed_tensors")  # transformers' reader of the format
     from test_quantization import SHAPE, greedy, transformers_greedy, write_quantized
 
     from nanopaged.quantization.fp8 import Fp8ScaledMM
@@ -201,9 +200,36 @@ def test_fp8_layers_multiply_in_fp8_and_give_transformers_first_tokens(tmp_path)
             and qkv.weight_t.dtype == torch.float8_e4m3fn
         )
         got = greedy(llm)
+    pytest.importorskip("compressed_tensors")  # transformers' reader of the format
     assert [t[0] for t in got] == [
         t[0] for t in transformers_greedy(path, "compressed-tensors")
     ]
+
+
+def test_an_fp8_kv_cache_read_by_triton_in_graphs_gives_the_torch_backends_tokens(
+    gpu_path, no_tf32
+):
+    """The e4m3 cache read by the compiled Triton kernels, decode replayed in CUDA
+    graphs: float32, so the tokens are the plain PyTorch backend's on the same cache."""
+    tokens = {}
+    for backend, enforce_eager in (("torch", True), ("triton", False)):
+        with LLM(
+            gpu_path,
+            dtype="float32",
+            attention_backend=backend,
+            enforce_eager=enforce_eager,
+            kv_cache_dtype="fp8",
+            kvcache_block_size=16,
+            max_model_len=1024,
+            max_num_seqs=64,
+            gpu_memory_utilization=0.3,
+        ) as llm:
+            assert llm.engine.runner.kv_cache.dtype == torch.float8_e4m3fn
+            tokens[backend] = [
+                o.outputs[0].token_ids
+                for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+            ]
+    assert tokens["triton"] == tokens["torch"]
 
 
 @pytest.mark.parametrize("enforce_eager", [True, False])

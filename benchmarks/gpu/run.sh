@@ -1,16 +1,23 @@
 #!/usr/bin/env bash
 # On the GPU machine (the `device` calls prepare.sh names): flash-attn built (or its .so kept
 # from an earlier build or call), the wheels unpacked, then the parts named (all by default:
-# test_gpu bench test_gpu_flash kernels steps), each under a time limit, their logs and JSON under $OUT.
-# About 9 minutes on an H100, in two calls: `run.sh test_gpu bench test_gpu_flash`, `run.sh kernels steps`.
+# test_gpu bench test_gpu_flash kernels kernels_b8 steps), each under a time limit, their logs and JSON under $OUT.
+# About 9 minutes on an H100, in two calls: `run.sh test_gpu bench test_gpu_flash`, `run.sh kernels kernels_b8 steps`.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
+# the call's .git may be older than its tree: the sources' hash names what ran
+# (`bash benchmarks/gpu/run.sh --hash` on a checkout gives the same)
+source_hash() {
+    find nanopaged benchmarks bench.py -type f \( -name '*.py' -o -name '*.c' -o -name '*.sh' \) \
+        | LC_ALL=C sort | xargs sha1sum | sha1sum | cut -c1-12
+}
+[ "${1:-}" != --hash ] || { source_hash; exit 0; }
 OUT=${OUT:-/tmp/gpu-out}
 SITE=$PWD/.gpu-site  # kept while the machine stays warm (ignored, not carried)
 mkdir -p "$OUT" "$SITE"
 export PYTHONPATH=$PWD:$SITE:$PWD/.gpu/nano-vllm
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu.txt"
-git log -1 --format=%H > "$OUT/commit.txt" 2>/dev/null || true
+source_hash > "$OUT/source.txt"
 
 # flash-attn: this machine's from an earlier call, a kept build, else a build (2 minutes, in
 # the background: the tests that do not need it run meanwhile)
@@ -51,14 +58,16 @@ part() {
         --no-progress --out "$OUT/bench.json" ;;
     kernels) step kernels 150 python3 bench.py --kernels --batch-sizes 256 --context 1000 \
         --engines nanopaged:flash,nanopaged:triton,nano-vllm --out "$OUT/kernels.json" ;;
+    kernels_b8) step kernels_b8 120 python3 bench.py --kernels --batch-sizes 8 --context 1000 \
+        --engines nanopaged:flash,nanopaged:triton,nano-vllm --out "$OUT/kernels_b8.json" ;;
     steps) step steps 90 python3 bench.py --steps --no-progress --out "$OUT/steps.json" ;;
     *) echo "unknown part $1" >> "$OUT/status.txt" ;;
     esac
 }
-[ $# -gt 0 ] || set -- test_gpu bench test_gpu_flash kernels steps
+[ $# -gt 0 ] || set -- test_gpu bench test_gpu_flash kernels kernels_b8 steps
 for name in "$@"; do part "$name"; done
 cat "$OUT/status.txt"
-for log in test_gpu test_gpu_flash bench kernels steps; do
+for log in test_gpu test_gpu_flash bench kernels kernels_b8 steps; do
     if [ -f "$OUT/$log.log" ]; then tail -40 "$OUT/$log.log"; fi
 done
 # the device call brings back few files: the logs and JSON in one archive
