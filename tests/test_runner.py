@@ -137,3 +137,39 @@ def test_flash_decode_leaves_the_windows_right_edge_open(monkeypatch):
         assert torch.equal(decode_flash(q, None, None, meta, 0.1, window), q)
     assert [c["window_size"] for c in calls] == [(-1, -1), (23, -1)]
     assert not any(c.get("causal") for c in calls)
+
+
+def test_element_wise_kernels_vary_in_the_token_count_alone(monkeypatch):
+    """Off the CPU the fused element-wise functions are compiled with the step's token
+    count as their one variable size (a batch of one apart): heads, head size and table
+    stay constants, which inductor's kernels need to run at the memory's speed. Traced
+    here on meta tensors, each compiled graph recorded with its variable sizes."""
+    from nanopaged.core import layers
+
+    graphs = []  # (input shapes, how many sizes the graph takes as variables)
+
+    def record(gm, inputs):
+        shapes = [tuple(x.shape) for x in inputs if isinstance(x, torch.Tensor)]
+        graphs.append((shapes, sum(isinstance(x, torch.SymInt) for x in inputs)))
+        return gm.forward
+
+    compile_ = torch.compile
+    monkeypatch.setattr(
+        torch, "compile", lambda fn, **kw: compile_(fn, backend=record, **kw)
+    )
+    torch._dynamo.reset()
+    rotary = layers.compiled_on_gpu(layers.apply_rotary, rows=3)
+    cos_sin = torch.randn(4096, 128, device="meta")
+    try:
+        for tokens in (512, 7, 300, 1, 2):
+            q, k = (torch.randn(tokens, h, 128, device="meta") for h in (16, 8))
+            out = rotary(q, k, torch.arange(tokens, device="meta"), cos_sin)
+            assert [t.shape for t in out] == [q.shape, k.shape]
+        # on the CPU: as written, nothing compiled
+        layers.compiled_on_gpu(layers.rms_norm)(torch.ones(3, 8), torch.ones(8), 1e-6)
+    finally:
+        torch._dynamo.reset()
+    assert graphs == [
+        ([(4096, 128), (512,), (512, 16, 128), (512, 8, 128)], 1),  # 7, 300, 2 too
+        ([(4096, 128), (1,), (1, 16, 128), (1, 8, 128)], 0),
+    ]

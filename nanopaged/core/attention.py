@@ -4,9 +4,8 @@ block tables. A layer's cache is two tensors (num_blocks, block_size, nkv, hs); 
 `p % block_size`, its *slot* `block * block_size + offset`. Each backend computes the
 functions of plain PyTorch here (the CPU path and the reference): `store_kvcache(k, v,
 k_cache, v_cache, slot_mapping)`, then `prefill` or `decode(q, k_cache, v_cache, meta,
-scale, window)`: attention of the queries q, each seeing the last `window` positions
-only with a window. Shapes: T tokens, B sequences, L context, nh query heads, nkv K/V
-heads, hs head size."""
+scale, window)`, each query seeing only the last `window` positions if given. Shapes:
+T tokens, B sequences, L context, nh query and nkv K/V heads of size hs."""
 
 import importlib.util
 import os

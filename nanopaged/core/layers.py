@@ -15,14 +15,19 @@ import torch.nn.functional as F
 from torch import nn
 
 
-def compiled_on_gpu(fn: Callable) -> Callable:
-    """`fn`, compiled by torch.compile (on first use) for GPU tensors, where tiny
-    kernels' launches are most of a small decode step's time; else as written."""
-    compiled = functools.cache(lambda: torch.compile(fn, dynamic=True))
+def compiled_on_gpu(fn: Callable, rows: int = 1) -> Callable:
+    """`fn`, compiled by torch.compile (on first use) off the CPU, where launches are
+    most of a small decode step; as written on it. Its kernels vary in one size, the
+    step's tokens (the first of its first `rows` arguments); the model's are fixed."""
+    compiled = functools.cache(lambda: torch.compile(fn, dynamic=False))
 
     @functools.wraps(fn)
-    def dispatch(x: torch.Tensor, *args):
-        return (compiled() if x.is_cuda else fn)(x, *args)
+    def dispatch(*args):
+        if args[0].device.type == "cpu":
+            return fn(*args)
+        for x in args[:rows]:
+            torch._dynamo.maybe_mark_dynamic(x, 0)
+        return compiled()(*args)
 
     return dispatch
 
@@ -75,10 +80,9 @@ class LinearMethod:
     """How a linear layer keeps and multiplies its weight: here a float (out, in) weight
     and `F.linear`. The seam of a backend's kernels (the CPU's) and of quantized formats
     (nanopaged/quantization/): `create_weights(layer, in_features, out_features)`
-    registers the layer's parameters (see `parameter`); once the checkpoint is loaded,
-    `process_weights(layer)` may repack or dequantize them and returns the method that
-    multiplies from then on (the loader sets the layer's `method`); `apply(layer, x)`
-    multiplies."""
+    registers the layer's parameters (see `parameter`); `process_weights(layer)`, once
+    the checkpoint is loaded, may repack or dequantize them and returns the method that
+    multiplies from then on (the loader sets the layer's `method`); `apply` does it."""
 
     def create_weights(self, layer: nn.Module, in_features: int, out_features: int):
         layer.weight = parameter(torch.empty(out_features, in_features), 0, 1)
@@ -130,9 +134,9 @@ class Kernels:
     linear: LinearMethod = field(default_factory=LinearMethod)
     projections: LinearMethod | None = None
     rms_norm: Callable = compiled_on_gpu(rms_norm)
-    add_rms_norm: Callable = compiled_on_gpu(add_rms_norm)
+    add_rms_norm: Callable = compiled_on_gpu(add_rms_norm, rows=2)
     silu_and_mul: Callable = compiled_on_gpu(silu_and_mul)
-    rotary: Callable = compiled_on_gpu(apply_rotary)
+    rotary: Callable = compiled_on_gpu(apply_rotary, rows=3)
 
     def __post_init__(self) -> None:
         self.projections = self.projections or self.linear
@@ -286,8 +290,7 @@ class RMSNorm(nn.Module):
 # rope_type -> the inverse frequencies it makes of the plain ones; a model family above
 # the core enters its scalings (nanopaged/models/rope.py)
 ROPE_SCALINGS: dict[str, Callable] = {"default": lambda inv_freq, parameters: inv_freq}
-# (head_dim, max_position, parameters, device) -> cos and sin of every position, side by
-# side
+# (head_dim, max_position, parameters, device) -> every position's cos and sin
 ROPE_TABLES: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
 

@@ -16,8 +16,7 @@ from nanopaged.core.model import ARCHITECTURES
 # Checkpoint tensors the model has no parameter for, by design.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 # a `quantization_config`'s quant_method -> its projections' method, made of the config
-# and the float method: the formats above the core enter themselves there
-# (nanopaged/quantization/)
+# and the float method: the formats of nanopaged/quantization/ enter themselves there
 QUANTIZATIONS: dict[str, Callable[[dict, LinearMethod], LinearMethod]] = {}
 
 

@@ -153,8 +153,7 @@ class CausalLM(nn.Module):
     def __init__(self, config: PretrainedConfig, kernels: Kernels):
         super().__init__()
         self.model = DecoderModel(config, kernels, self.decoder_layer)
-        layers = range(config.num_hidden_layers)
-        windows = {sliding_window(config, i) for i in layers}
+        windows = {sliding_window(config, i) for i in range(config.num_hidden_layers)}
         self.sliding_window = windows.pop() if len(windows) == 1 else None
         head = ParallelLMHead(config.vocab_size, config.hidden_size, kernels.linear)
         self.lm_head = head
