@@ -447,4 +447,6 @@ class LLM(VLLMEngineAPI):
                     ", ".join(f"{k} {v:,.0f} tok/s" for k, v in rates.items()),
                     refresh=False,
                 )
-                bar.update(sum(request.finished for request in advanced))
+                # a request gets tokens until it finishes (take() times its end)
+                ended = [r for r in advanced if r.metrics.finish_time is not None]
+                bar.update(len(ended))

@@ -276,6 +276,21 @@ def test_the_progress_bar_shows_the_prefill_and_decode_rates(
     assert shown == (f"{last['prefill'] / 2:,.0f}", f"{last['decode'] / 2:,.0f}")
 
 
+def test_the_progress_bar_counts_each_request_once_when_its_last_sample_ends(
+    qwen3_path, capsys
+):
+    """Requests of two samples each, of different lengths: the bar counts a request when
+    both its samples have ended, never twice."""
+    llm = LLM(qwen3_path, max_model_len=512)
+    params = [
+        SamplingParams(n=2, temperature=1.0, max_tokens=m, ignore_eos=True)
+        for m in (3, 9, 5, 1)
+    ]
+    llm.generate(PROMPTS[:4], params, use_tqdm=True)
+    counts = [int(n) for n in re.findall(r"(\d+)/4 \[", capsys.readouterr().err)]
+    assert counts[-1] == 4 and counts == sorted(counts) and max(counts) == 4
+
+
 def test_chat_and_stream_refuse_too_while_step_api_requests_are_unfinished(qwen3_path):
     llm = LLM(qwen3_path, max_model_len=512)
     llm.add_request(PROMPTS[0], GREEDY)

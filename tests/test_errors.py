@@ -57,6 +57,10 @@ def mutated_params(**changes) -> SamplingParams:
             r"token id 512 is outside the vocabulary \[0, 512\)",
         ),
         ([GOOD, [1, -1]], GREEDY, "token id -1 is outside the vocabulary"),
+        ([GOOD, [1, 2**70]], GREEDY, f"token id {2**70} is outside the vocabulary"),
+        ([GOOD, [1, [2, 3]]], GREEDY, r"token ids must be integers, got \[2, 3\]"),
+        ([GOOD, [1, [2]]], GREEDY, r"token ids must be integers, got \[2\] \(list\)"),
+        ([GOOD, [1, "2"]], GREEDY, r"token ids must be integers, got '2' \(str\)"),
         ([GOOD, [1, 2.0]], GREEDY, r"token ids must be integers, got 2.0 \(float\)"),
         ([GOOD, [1, True]], GREEDY, r"token ids must be integers, got True \(bool\)"),
         (
