@@ -4,6 +4,7 @@
 # commit, and the wheels the tests need that it lacks (Python 3.12). Then the device calls are
 #   run(command="bash benchmarks/gpu/run.sh test_gpu bench test_gpu_flash", carry=[".gpu"], timeout_s=480)
 #   run(command="bash benchmarks/gpu/run.sh kernels kernels_b8 steps", carry=[".gpu"], timeout_s=300)
+# and with the minutes left: run.sh serve spec lora kv_fp8 (about 4 minutes in all)
 # NANO_VLLM_GIT: the git directory `fetch github:GeeeekExplorer/nano-vllm` returned.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -19,9 +20,11 @@ if [ -n "${NANO_VLLM_GIT:-}" ]; then
 else
     echo "NANO_VLLM_GIT unset: the bench will list nano-vllm as not importable" >&2
 fi
-# compressed-tensors needs loguru and pydantic, which the GPU machine's image lacks
+# compressed-tensors needs loguru and pydantic, the server fastapi and uvicorn: none is in
+# the GPU machine's image
 for package in "llguidance>=1.7" compressed-tensors "sentence-transformers>=6" loguru \
-    pydantic pydantic-core annotated-types typing-inspection typing-extensions; do
+    pydantic pydantic-core annotated-types typing-inspection typing-extensions fastapi \
+    starlette uvicorn opentelemetry-api; do
     python3 -m pip download -q --only-binary=:all: --no-deps --python-version 3.12 \
         --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 \
         -d .gpu/wheels "$package" || echo "no wheel of $package: its GPU tests skip" >&2

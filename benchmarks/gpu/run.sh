@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # On the GPU machine (the `device` calls prepare.sh names): flash-attn built (or its .so kept
 # from an earlier build or call), the wheels unpacked, then the parts named (all by default:
-# test_gpu bench test_gpu_flash kernels kernels_b8 steps), each under a time limit, their logs and JSON under $OUT.
-# About 9 minutes on an H100, in two calls: `run.sh test_gpu bench test_gpu_flash`, `run.sh kernels kernels_b8 steps`.
+# test_gpu bench test_gpu_flash kernels kernels_b8 steps; also serve spec lora kv_fp8), each
+# under a time limit, their logs and JSON under $OUT in one archive. On an H200: 334 s for
+# `run.sh test_gpu bench test_gpu_flash`, then 110-180 s for `run.sh kernels steps`.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 # the call's .git may be older than its tree: the sources' hash names what ran
@@ -61,13 +62,21 @@ part() {
     kernels_b8) step kernels_b8 120 python3 bench.py --kernels --batch-sizes 8 --context 1000 \
         --engines nanopaged:flash,nanopaged:triton,nano-vllm --out "$OUT/kernels_b8.json" ;;
     steps) step steps 90 python3 bench.py --steps --no-progress --out "$OUT/steps.json" ;;
+    # issue 48's other figures, each beside its baseline in one run
+    serve) step serve 180 python3 bench.py --serve --out "$OUT/serve.json" ;;
+    spec) step spec 150 python3 bench.py --spec --out "$OUT/spec.json" ;;
+    lora) step lora 150 python3 bench.py --lora 4 --no-progress --out "$OUT/lora.json" ;;
+    kv_fp8) step kv_bf16 60 python3 bench.py --engines nanopaged:triton --no-progress \
+        --out "$OUT/kv_bf16.json"
+        step kv_fp8 60 python3 bench.py --engines nanopaged:triton --kv-cache-dtype fp8 \
+        --no-progress --out "$OUT/kv_fp8.json" ;;
     *) echo "unknown part $1" >> "$OUT/status.txt" ;;
     esac
 }
 [ $# -gt 0 ] || set -- test_gpu bench test_gpu_flash kernels kernels_b8 steps
 for name in "$@"; do part "$name"; done
 cat "$OUT/status.txt"
-for log in test_gpu test_gpu_flash bench kernels kernels_b8 steps; do
+for log in test_gpu test_gpu_flash bench kernels kernels_b8 steps serve spec lora kv_bf16 kv_fp8; do
     if [ -f "$OUT/$log.log" ]; then tail -40 "$OUT/$log.log"; fi
 done
 # the device call brings back few files: the logs and JSON in one archive
