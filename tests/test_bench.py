@@ -64,6 +64,17 @@ def test_every_command_the_docs_quote_parses(bench):
         bench.parse_args(shlex.split(" ".join(arguments.split("#")[0].split())))
 
 
+def test_every_command_the_gpu_script_runs_parses(bench):
+    """benchmarks/gpu/run.sh runs only on a lent GPU: its bench.py commands at least
+    name flags bench.py has."""
+    with open(os.path.join(ROOT, "benchmarks", "gpu", "run.sh")) as f:
+        script = f.read().replace("\\\n", " ").replace("$OUT", "/tmp")
+    commands = re.findall(r"python3 bench\.py ([^;\n]*)", script)
+    assert len(commands) >= 8
+    for arguments in commands:
+        bench.parse_args(shlex.split(arguments))
+
+
 def test_throughput_with_peers(
     bench, qwen3_path, tmp_path, capsys, monkeypatch, figures
 ):
