@@ -15,7 +15,9 @@ EOS within a few tokens), so that they grow and fill its small KV pool.
 
 import argparse
 import os
+import shutil
 import sys
+import tempfile
 import time
 
 DEFAULT_MODEL = "Qwen/Qwen3-0.6B"
@@ -46,7 +48,12 @@ def load(model: str | None, trace: str | None):
             "expect gibberish."
         )
         if not os.path.exists(os.path.join(path, "model.safetensors")):
-            write_random_checkpoint(path, TINY_QWEN3, initializer_range=0.1)
+            # written aside, then moved in whole: Ctrl-C never leaves half of one
+            os.makedirs(CACHE_DIR, exist_ok=True)
+            aside = tempfile.mkdtemp(dir=CACHE_DIR)
+            write_random_checkpoint(aside, TINY_QWEN3, initializer_range=0.1)
+            shutil.rmtree(path, ignore_errors=True)
+            os.replace(aside, path)
         # a small pool and token budget, so that preemption and chunked prefill show too
         return LLM(
             path,
@@ -75,13 +82,25 @@ def main() -> None:
         help="write a trace of every step to PATH "
         "(JSON lines), and the page that plays it back beside it (.html)",
     )
-    args = parser.parse_args()
-    from nanopaged import SamplingParams  # after the arguments: --help answers at once
-
+    args = parser.parse_args()  # before nanopaged is imported: --help answers at once
     try:
         llm, stand_in = load(args.model, args.trace)
     except ValueError as error:
         sys.exit(f"error: {error}")
+    try:
+        ask(llm, args, stand_in)
+    except ValueError as error:  # a request the engine refuses, and why
+        if stand_in:  # its pool is small on purpose: what the example lets one change
+            tokens = llm.stats().num_blocks * llm.config.kvcache_block_size
+            error = f"{error}\n(the stand-in's KV pool holds {tokens} tokens, a "
+            error += "question and its answer together: give a smaller --max-tokens)"
+        sys.exit(f"error: {error}")
+
+
+def ask(llm, args: argparse.Namespace, stand_in: bool) -> None:
+    """Asks the questions and prints the answers, or streams the first."""
+    from nanopaged import SamplingParams
+
     conversations = [
         [{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}]
         for q in QUESTIONS
@@ -144,4 +163,7 @@ def write_trace_page(llm, trace: str | None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:  # Ctrl-C: a line, as a command-line tool says it
+        sys.exit("\ninterrupted")

@@ -205,9 +205,22 @@ class InputProcessor:
                     f"'prompt_token_ids', as vLLM's TextPrompt and TokensPrompt; "
                     f"got keys {sorted(prompt)}"
                 )
-            if len(prompt) == 2:  # the text the token ids came from (a rendered chat)
-                return prompt["prompt"], self.tokenize(prompt["prompt_token_ids"])[1]
-            prompt = next(iter(prompt.values()))
+            text, token_ids = prompt.get("prompt"), prompt.get("prompt_token_ids")
+            if "prompt" in prompt and not isinstance(text, str):
+                raise ValueError(
+                    f"a prompt dict's 'prompt' takes a text, got "
+                    f"{type(text).__name__} (token ids go in 'prompt_token_ids')"
+                )
+            if "prompt_token_ids" in prompt and not isinstance(
+                token_ids, (list, tuple)
+            ):
+                raise ValueError(
+                    f"a prompt dict's 'prompt_token_ids' takes a list of token ids, "
+                    f"got {type(token_ids).__name__} (a text goes in 'prompt')"
+                )
+            if token_ids is not None:  # with a text: the one they came from (a chat)
+                return text, self.tokenize(token_ids)[1]
+            prompt = text
         if isinstance(prompt, str):
             check_text(prompt, "prompt")
             text, token_ids = prompt, self.tokenizer.encode(prompt)
@@ -222,10 +235,11 @@ class InputProcessor:
             raise ValueError("prompt is empty")
         vocab_size = self.config.hf_config.vocab_size
         ids = np.asarray(token_ids)
-        outside = ids[(ids < 0) | (ids >= vocab_size)]
-        if outside.size:
+        outside = np.flatnonzero((ids < 0) | (ids >= vocab_size))
+        if outside.size:  # named as given: a float array would round 2**63
             raise ValueError(
-                f"token id {outside[0]} is outside the vocabulary [0, {vocab_size})"
+                f"token id {token_ids[outside[0]]} is outside the vocabulary "
+                f"[0, {vocab_size})"
                 + (": the tokenizer does not match the model" if text else "")
             )
         return text, token_ids

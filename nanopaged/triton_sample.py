@@ -1,9 +1,10 @@
 """The GPU backends' sampling kernel: `sampler.sample` (the first token whose cumulative
 probability under softmax(logits / T) exceeds the row's number) in two reads of each
 row, its max and sum first, then its running sum up to the number, where PyTorch's ops
-make about nine passes over float32 copies of the logits. Enters itself as the sampling
-function of the "triton" and "flash" backends (`Backend.sample`); without this file
-they sample with `sampler.sample`."""
+make about nine passes over float32 copies of the logits; a row that is no
+distribution takes its greedy token, as there (`sampler.first_argmax`). Enters itself
+as the sampling function of the "triton" and "flash" backends (`Backend.sample`);
+without this file they sample with `sampler.sample`."""
 
 import dataclasses
 
@@ -30,8 +31,10 @@ def _sample_row(
     logits_ptr += row.to(tl.int64) * row_stride
     temperature = tl.load(temperatures_ptr + row)
     index = tl.arange(0, BLOCK)
-    # the max and the sum of exp((x - max) / T), the sum rescaled as the max grows
+    # the max (a NaN counting as +inf), its first token, and the sum of
+    # exp((x - max) / T), the sum rescaled as the max grows
     peak = tl.full([], float("-inf"), tl.float32)
+    first_peak = tl.full([], 0, tl.int32)
     total = tl.full([], 0.0, tl.float32)
     for start in range(0, vocab_size, BLOCK):
         x = tl.load(
@@ -39,7 +42,11 @@ def _sample_row(
             mask=start + index < vocab_size,
             other=float("-inf"),
         ).to(tl.float32)
-        new_peak = tl.maximum(peak, tl.max(x))
+        x = tl.where(x != x, float("inf"), x)
+        block_peak = tl.max(x)
+        block_first = tl.min(tl.where(x == block_peak, start + index, vocab_size))
+        first_peak = tl.where(block_peak > peak, block_first, first_peak)
+        new_peak = tl.maximum(peak, block_peak)
         base = tl.where(new_peak == float("-inf"), 0.0, new_peak)  # no -inf - -inf
         total = total * tl.exp((peak - base) / temperature) + tl.sum(
             tl.exp((x - base) / temperature)
@@ -60,7 +67,10 @@ def _sample_row(
         token = tl.minimum(token, tl.min(tl.where(hit, start + index, vocab_size)))
         last = tl.maximum(last, tl.max(tl.where(weight > 0, start + index, -1)))
         running += tl.sum(weight)
-    tl.store(out_ptr + row, tl.where(token < vocab_size, token, last).to(tl.int64))
+    token = tl.where(token < vocab_size, token, last)
+    # no distribution (every logit -inf, or a +inf): the greedy token, as `sample`'s
+    finite = (peak > float("-inf")) & (peak < float("inf"))
+    tl.store(out_ptr + row, tl.where(finite, token, first_peak).to(tl.int64))
 
 
 def sample(

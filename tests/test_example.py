@@ -2,6 +2,7 @@
 random weights off as a model the user named."""
 
 import os
+import signal
 import subprocess
 import sys
 
@@ -73,3 +74,28 @@ def test_stream_prints_the_answer_that_generate_gives(tmp_path, qwen3_path):
 def test_help_names_the_default_model_and_the_stand_in(tmp_path):
     result = run_example(tmp_path, "--help")
     assert "Qwen/Qwen3-0.6B" in result.stdout and "gibberish by design" in result.stdout
+
+
+def test_ctrl_c_and_a_request_too_long_for_the_pool_are_one_line_each(tmp_path):
+    """Ctrl-C mid-run prints "interrupted", as a command-line tool does; a --max-tokens
+    the stand-in's small pool cannot hold is an error that names the flag to change
+    (no traceback for either)."""
+    env = dict(os.environ, HOME=str(tmp_path), HF_HUB_OFFLINE="1", PYTHONPATH=ROOT)
+    process = subprocess.Popen(
+        [sys.executable, "-u", "example.py", "--max-tokens", "300"],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    while "random-weight checkpoint" not in process.stdout.readline():  # it has begun
+        assert process.poll() is None
+    process.send_signal(signal.SIGINT)
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode == 1
+    assert "Traceback" not in stderr and stderr.splitlines()[-1] == "interrupted"
+    result = run_example(tmp_path, "--max-tokens", "100000")
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert "\nerror: request needs up to" in "\n" + result.stderr
+    assert "give a smaller --max-tokens" in result.stderr

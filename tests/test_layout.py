@@ -1,13 +1,15 @@
-"""The shape of the package: a core of at most 1,600 lines that imports no feature,
+"""The shape of the package: a core of at most 1,400 code lines that imports no feature,
 every module importing only modules below it (no circles), and an engine that `del`
 frees at once."""
 
 import ast
 import gc
+import io
 import os
 import re
 import subprocess
 import sys
+import tokenize
 import weakref
 
 import psutil
@@ -108,8 +110,9 @@ LAYERS = [
     "entrypoints.openai",
     "__main__",
 ]
-CORE_BUDGET = 1600  # non-blank lines of the core as ruff writes them, its Triton apart
-CORE_FILE_LIMIT = 250
+# code lines (docstrings, comments and blanks apart) of the core as ruff writes them:
+# no more than all of nano-vllm's (1,379); its Triton kernels apart, with their own
+CORE_BUDGET, TRITON_BUDGET, CORE_FILE_LIMIT = 1400, 500, 250
 
 
 def modules() -> dict[str, str]:
@@ -150,22 +153,43 @@ def core_files() -> dict[str, str]:
     return {m: p for m, p in modules().items() if m == "core" or m.startswith("core.")}
 
 
-def formatted_lines(path: str) -> int:
-    """Non-blank lines of the file as `ruff format` writes it at its defaults."""
-    result = subprocess.run(
+def code_lines(path: str) -> int:
+    """The lines of the file as `ruff format` writes it at its defaults that are code:
+    neither blank, nor a docstring, nor a comment alone (prose has no budget)."""
+    text = subprocess.run(
         [sys.executable, "-m", "ruff", "format", "--isolated", "-"],
         stdin=open(path),
         capture_output=True,
         text=True,
         check=True,
-    )
-    return sum(1 for line in result.stdout.splitlines() if line.strip())
+    ).stdout
+    prose = set()
+    for node in ast.walk(ast.parse(text)):
+        body = getattr(node, "body", None)
+        is_scope = isinstance(
+            node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
+        )
+        if is_scope and body and isinstance(body[0], ast.Expr):
+            if isinstance(body[0].value, ast.Constant) and isinstance(
+                body[0].value.value, str
+            ):
+                prose.update(range(body[0].lineno, body[0].end_lineno + 1))
+    lines = text.splitlines()
+    for token in tokenize.generate_tokens(io.StringIO(text).readline):
+        if (
+            token.type == tokenize.COMMENT
+            and lines[token.start[0] - 1].lstrip()[0] == "#"
+        ):
+            prose.add(token.start[0])
+    return sum(1 for i, line in enumerate(lines, 1) if line.strip() and i not in prose)
 
 
-def test_the_core_is_at_most_1600_lines_as_ruff_writes_them_and_no_file_over_250():
-    sizes = {m: formatted_lines(p) for m, p in core_files().items()}
+def test_the_core_is_at_most_1400_code_lines_and_its_triton_kernels_500():
+    """As ruff writes them, docstrings and comments apart; no file over 250."""
+    sizes = {m: code_lines(p) for m, p in core_files().items()}
     kernels = [sizes.pop(m) for m in list(sizes) if "triton" in m]  # a backend, apart
     assert sum(sizes.values()) <= CORE_BUDGET, sizes
+    assert sum(kernels) <= TRITON_BUDGET, kernels
     assert max([*sizes.values(), *kernels]) <= CORE_FILE_LIMIT, sizes
 
 

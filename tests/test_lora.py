@@ -406,13 +406,16 @@ def test_bad_adapters_are_refused_when_added_and_the_engine_goes_on(adapters, tm
     ) == peft_greedy(base, [second], prompt)
 
 
-@pytest.mark.parametrize("bad", ["nan-matrix", "inf-matrix", "nan-alpha", "inf-alpha"])
+@pytest.mark.parametrize(
+    "bad", ["nan-matrix", "inf-matrix", "nan-alpha", "inf-alpha", "overflowing-alpha"]
+)
 def test_an_adapter_with_non_finite_numbers_is_refused_and_no_row_is_touched(
     adapters, tmp_path, bad
 ):
     """A NaN or an infinity in a matrix, or a lora_alpha of NaN or Infinity (which
-    `<= 0` lets through), is refused by name when the adapter is read; the engine then
-    serves the base model and a good adapter, batched together, as before."""
+    `<= 0` lets through), or a finite one whose scaling of lora_B overflows the model's
+    dtype, is refused by name when the adapter is read; the engine then serves the
+    base model and a good adapter, batched together, as before."""
     base, (first, second) = adapters("qwen3")
     tensors = load_file(f"{first.lora_path}/adapter_model.safetensors")
     key = next(k for k in tensors if "v_proj.lora_B" in k)
@@ -423,6 +426,9 @@ def test_an_adapter_with_non_finite_numbers_is_refused_and_no_row_is_touched(
             first.lora_path, tmp_path / bad, tensors={**tensors, key: poisoned}
         )
         message = f"tensor '{key}' in .* holds NaN or infinite values"
+    elif bad == "overflowing-alpha":  # finite in its file, infinite times B
+        path = _broken(first.lora_path, tmp_path / bad, {"lora_alpha": 1e300})
+        message = "lora_B times its scaling is not finite in torch.float32"
     else:
         alpha = float("nan") if bad.startswith("nan") else float("inf")
         path = _broken(first.lora_path, tmp_path / bad, {"lora_alpha": alpha})

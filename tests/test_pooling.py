@@ -140,6 +140,26 @@ def test_each_pooling_mode_of_a_sentence_transformers_5_checkpoint(tmp_path, mod
     assert np.abs(embeddings(normalized) - want).max() < ATOL
 
 
+@pytest.mark.parametrize("chat", [True, False])
+def test_do_lower_case_lowercases_every_text_as_sentence_transformers(tmp_path, chat):
+    """`do_lower_case: true` in sentence_bert_config.json: a text is lowercased before
+    it is tokenized (a chat's text too), as Sentence Transformers 5 and 6 do."""
+    path = write_sentence_transformer(str(tmp_path), "mean", True)
+    if not chat:
+        path = as_sentence_transformers_5(path, "mean")
+    with open(f"{path}/sentence_bert_config.json") as f:
+        bert = json.load(f)
+    with open(f"{path}/sentence_bert_config.json", "w") as f:
+        json.dump(dict(bert, do_lower_case=True), f)
+    texts = ["Hello World", "THE QUICK Brown fox"]
+    llm = LLM(path, num_kvcache_blocks=64)
+    assert llm.pooler.lowercase and llm.pooler.chat == chat
+    got = embeddings(llm.embed(texts, use_tqdm=False))
+    assert np.abs(got - st_encode(path, texts)).max() < ATOL
+    lowered = embeddings(llm.embed([t.lower() for t in texts], use_tqdm=False))
+    assert np.abs(got - lowered).max() < ATOL
+
+
 def test_a_causal_lm_pools_its_hidden_states_as_transformers_computes_them(
     qwen3_path,
 ):
@@ -281,6 +301,35 @@ def test_a_cross_encoder_scores_each_pair_as_transformers(classifier_paths):
         LLM(classifier_paths[3]).score(query, documents)
 
 
+@pytest.mark.parametrize("chat", [True, False])
+def test_a_sentence_transformers_cross_encoder_scores_as_its_predict(
+    classifier_paths, tmp_path, chat
+):
+    """A CrossEncoder saved by Sentence Transformers 6 renders a pair as a chat of a
+    "query" and a "document" (its "message" modality); without that modality, as the
+    tokenizer joins a pair, after the default prompt."""
+    prompts = {} if chat else {"rank": "Rank: "}
+    encoder = st.CrossEncoder(
+        classifier_paths[1],
+        device="cpu",
+        prompts=prompts,
+        default_prompt_name="rank" if prompts else None,
+    )
+    encoder.save(str(tmp_path))
+    if not chat:
+        with open(tmp_path / "sentence_bert_config.json") as f:
+            bert = json.load(f)
+        del bert["modality_config"]["message"]
+        with open(tmp_path / "sentence_bert_config.json", "w") as f:
+            json.dump(bert, f)
+    pairs = [("hello world", text) for text in TEXTS[1:]]
+    want = st.CrossEncoder(str(tmp_path), device="cpu").predict(pairs)
+    llm = LLM(str(tmp_path), task="score")
+    assert llm.pooler.chat == chat
+    got = [o.outputs.score for o in llm.score("hello world", TEXTS[1:], use_tqdm=False)]
+    assert np.abs(np.array(got) - want).max() < ATOL
+
+
 def test_an_embedding_model_scores_by_cosine(st_path):
     llm = LLM(st_path, num_kvcache_blocks=64)
     outputs = llm.score(TEXTS[0], TEXTS[1:], use_tqdm=False)
@@ -334,11 +383,18 @@ def test_bad_input_is_a_clear_error_and_leaves_the_engine_as_it_was(
         (llm.encode, ["a"], PoolingParams(task="embedd"), "task must be one of"),
         (llm.embed, ["a"], SamplingParams(), "it takes PoolingParams"),
         (llm.embed, [[1, 10**6]], None, "token id 1000000 is outside the vocabulary"),
+        (llm.encode, ["a"], PoolingParams(task="score"), "task='score' needs a"),
+        (llm.embed, [{"prompt": [1, 2]}], None, "'prompt' takes a text"),
+        (llm.embed, [{"prompt_token_ids": "ab"}], None, "'prompt_token_ids' takes"),
     ]
     for method, prompts, params, message in cases:
         with pytest.raises(ValueError, match=message):
             method(["fine", *prompts], params)
         assert not llm.requests and llm.engine.is_finished()
+    with pytest.raises(ValueError, match="task='score' needs a"):
+        llm.encode(["a"], pooling_task="score")
+    with pytest.raises(ValueError, match="task='score' needs a"):
+        llm.add_request("a", PoolingParams(task="score"))
     with pytest.raises(ValueError, match="it cannot generate"):
         llm.generate("hi")
     with pytest.raises(ValueError, match="it cannot generate"):

@@ -3,6 +3,7 @@ engine gives offline, through OpenAI's client where it has them; no value of any
 is a 500."""
 
 import base64
+import time
 
 import httpx
 import numpy as np
@@ -62,6 +63,9 @@ def test_score_and_rerank_of_an_embedding_model(embedding_server, offline):
     want = [o.outputs.score for o in offline.score(TEXTS[0], TEXTS[1:])]
     data = post(embedding_server, "/score", text_1=TEXTS[0], text_2=TEXTS[1:]).json()
     assert [d["score"] for d in data["data"]] == pytest.approx(want, abs=1e-5)
+    # each input embedded and counted once: the query is not one per document
+    lengths = [len(o.prompt_token_ids) for o in offline.embed(TEXTS, use_tqdm=False)]
+    assert data["usage"]["prompt_tokens"] == sum(lengths)
     ranked = post(
         embedding_server, "/rerank", query=TEXTS[0], documents=TEXTS[1:], top_n=2
     ).json()["results"]
@@ -83,10 +87,16 @@ def test_a_classifier_server_classifies_and_scores(classifier_paths):  # noqa: F
         probs = [o.outputs.probs for o in offline.classify(TEXTS)]
         data = post(server, "/classify", input=TEXTS).json()["data"]
         assert np.allclose([d["probs"] for d in data], probs, atol=1e-5)
-        # a pooling engine does not generate: the completions say so
-        response = post(server, "/v1/completions", prompt="hi")
-        assert response.status_code == 400
-        assert "cannot generate" in response.json()["error"]["message"]
+        # a pooling engine does not generate: the completions say so, and where to go
+        for path, body in (
+            ("/v1/completions", {"prompt": "hi"}),
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+        ):
+            response = post(server, path, **body)
+            assert response.status_code == 400
+            message = response.json()["error"]["message"]
+            assert "cannot generate" in message and "/v1/embeddings" in message
+            assert "Params" not in message
     finally:
         server.stop()
 
@@ -111,3 +121,32 @@ def test_no_value_of_any_field_is_a_500(embedding_server, path):
                 if response.status_code == 400:
                     assert response.json()["error"]["message"], (field, value)
     assert embedding_server.healthy()
+
+
+def test_a_client_that_goes_away_or_a_big_batch_harms_nothing(st_path):  # noqa: F811
+    """A client that disconnects mid-request gets its requests aborted, quietly (no
+    traceback, no 500); a batch larger than --max-waiting runs on an idle server; one
+    over OpenAI's 2,048 inputs, and top_n=true, are a 400 that says why."""
+    server = Server(st_path, "--max-waiting", "4", "--max-num-batched-tokens", "16")
+    try:
+        with pytest.raises(httpx.TimeoutException):
+            httpx.post(
+                server.url + "/v1/embeddings",
+                json={"model": "tiny", "input": [TEXTS[1]] * 300},
+                timeout=1.0,
+            )
+        deadline = time.monotonic() + 60  # the server notices within a second
+        while server.metrics()["nanopaged_requests_waiting"]:
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        batch = post(server, "/v1/embeddings", input=TEXTS * 3)
+        assert batch.status_code == 200 and len(batch.json()["data"]) == 12
+        too_many = post(server, "/v1/embeddings", input=["a"] * 2049)
+        assert too_many.status_code == 400
+        assert "at most 2048" in too_many.json()["error"]["message"]
+        rerank = post(server, "/rerank", query="a", documents=["b", "c"], top_n=True)
+        assert rerank.status_code == 400
+        assert "top_n" in rerank.json()["error"]["message"]
+    finally:
+        assert server.stop()
+    assert "Traceback" not in server.log and "Error" not in server.log

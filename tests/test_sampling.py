@@ -115,3 +115,57 @@ def test_the_triton_backend_samples_by_its_kernel_the_tokens_of_torch(qwen3_path
         tokens[backend] = [o.outputs[0].token_ids for o in outputs]
     assert llm.engine.runner.sampler.sample is kernel
     assert tokens["triton"] == tokens["torch"]
+
+
+def rows_that_are_no_distribution() -> torch.Tensor:
+    """Rows of logits no softmax makes a distribution of, beside an ordinary one."""
+    inf, nan = float("inf"), float("nan")
+    logits = torch.randn(6, 5000, generator=torch.Generator().manual_seed(3))
+    logits[0] = -inf  # every token masked (allowed_token_ids=[eos], min_tokens)
+    logits[1, 4500] = logits[1, 4700] = inf  # two of infinite weight, past a block
+    logits[2, 10] = nan
+    logits[3, 20], logits[3, 4321] = inf, nan
+    logits[4, :-1] = -inf  # one token left: an ordinary distribution
+    return logits
+
+
+@pytest.mark.parametrize("backend", ["cpu", "triton"])
+def test_a_row_that_is_no_distribution_samples_the_greedy_token_on_each_backend(
+    backend,
+):
+    """Every sampler gives the same in-range id for such a row, its argmax (a NaN as
+    +inf); the kernels' sample is the reference's."""
+    from nanopaged.core.attention import BACKENDS
+    from nanopaged.core.sampler import first_argmax, sample
+
+    if backend == "triton":
+        pytest.importorskip("nanopaged.triton_sample")
+    logits = rows_that_are_no_distribution()
+    temperatures, uniform = torch.full((6,), 0.7), torch.full((6,), 0.5)
+    want = sample(logits, temperatures, uniform)
+    assert want[:4].tolist() == [0, 4500, 10, 20]
+    assert torch.equal(want[:4], first_argmax(logits[:4]))
+    assert want[4] == 4999
+    got = BACKENDS[backend].sample(logits, temperatures, uniform)
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu", "triton"])
+def test_a_request_whose_every_token_is_masked_gets_tokens_and_harms_nobody(
+    qwen3_path, backend
+):
+    """allowed_token_ids=[eos] with min_tokens=3 leaves no token to sample: the request
+    gets the greedy token of its masked row, in the vocabulary, and the other requests
+    their tokens."""
+    if backend == "triton":
+        pytest.importorskip("nanopaged.triton_sample")
+    llm = LLM(qwen3_path, max_model_len=256, attention_backend=backend)
+    eos = min(llm.inputs.eos_token_ids)
+    masked = SamplingParams(allowed_token_ids=[eos], min_tokens=3, max_tokens=5)
+    plain = SamplingParams(temperature=0, max_tokens=5)
+    outputs = llm.generate(PROMPTS[:2], [masked, plain], use_tqdm=False)
+    tokens = outputs[0].outputs[0].token_ids
+    assert tokens == [0, 0, 0, eos]
+    assert outputs[0].outputs[0].finish_reason == "stop"
+    alone = llm.generate(PROMPTS[1:2], plain, use_tqdm=False)
+    assert outputs[1].outputs[0].token_ids == alone[0].outputs[0].token_ids

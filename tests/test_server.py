@@ -70,9 +70,9 @@ class Server:
         signal)."""
         self.process.send_signal(signal.SIGTERM)
         code = self.process.wait(timeout=60)
+        self.log = self.process.stderr.read()  # what it printed, for a test to read
         return (
-            code in (0, -signal.SIGTERM)
-            and "Application shutdown complete" in self.process.stderr.read()
+            code in (0, -signal.SIGTERM) and "Application shutdown complete" in self.log
         )
 
 
@@ -427,9 +427,12 @@ def test_too_many_waiting_requests_get_503_and_too_large_ones_400(qwen3_path):
             "more than 1 requests are waiting" in busy["message"]
             and busy["type"] == "server_error"
         )
-        assert server.client.completions.create(
-            model="tiny", prompt="hi", max_tokens=2
-        ).choices
+        # on an idle server, a batch larger than --max-waiting runs: it never could
+        # later
+        batch = server.client.completions.create(
+            model="tiny", prompt=["hi", "there", "you"], max_tokens=2
+        )
+        assert len(batch.choices) == 3
     finally:
         assert server.stop()
 
@@ -449,6 +452,16 @@ def test_sigterm_stops_the_server_and_its_tensor_parallel_workers(qwen3_path, of
     assert not any(
         c.is_running() and c.status() != psutil.STATUS_ZOMBIE for c in children
     )
+
+
+def test_ctrl_c_shuts_the_server_down_with_one_line(qwen3_path):
+    """As a command-line tool: a clean shutdown, then "interrupted", no traceback."""
+    server = Server(qwen3_path, *OPTIONS)
+    server.process.send_signal(signal.SIGINT)
+    assert server.process.wait(timeout=60) == 1
+    log = server.process.stderr.read()
+    assert "Application shutdown complete" in log and "Traceback" not in log
+    assert log.splitlines()[-1] == "interrupted"
 
 
 def test_two_replicas_serve_the_same_tokens_and_route_by_prefix(qwen3_path, offline):

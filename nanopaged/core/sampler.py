@@ -14,13 +14,24 @@ GREEDY_BELOW = 1e-5
 # not compiled: torch 2.11's inductor failed on the split cumsum of Qwen3's vocabulary
 def sample(logits: torch.Tensor, temperatures, uniform: torch.Tensor) -> torch.Tensor:
     """Per row, the first token whose cumulative probability under softmax(logits / T)
-    exceeds `uniform` (in [0, 1)); T > 0."""
+    exceeds `uniform` (in [0, 1)); T > 0. A row that is no distribution (every logit
+    -inf, or a +inf or NaN among them) takes its greedy token, `first_argmax`: every
+    backend's sampler gives that same in-range id."""
     logits = logits.float()
-    shifted = logits - logits.amax(dim=-1, keepdim=True)  # <= 0: no overflow
+    peak = logits.amax(dim=-1, keepdim=True)
+    shifted = logits - peak  # <= 0: no overflow
     weights = torch.exp(shifted / temperatures.unsqueeze(1))  # cdf[-1] is their sum
     cdf = weights.cumsum(dim=-1)
     sampled = torch.searchsorted(cdf, uniform.unsqueeze(1) * cdf[:, -1:], right=True)
-    return sampled.squeeze(1).clamp(max=logits.shape[-1] - 1)
+    sampled = sampled.squeeze(1).clamp(max=logits.shape[-1] - 1)
+    return torch.where(peak[:, 0].isfinite(), sampled, first_argmax(logits))
+
+
+def first_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """Per row, the first token of the largest logit, a NaN counting as +inf (token 0
+    when every logit is -inf)."""
+    inf = float("inf")
+    return logits.nan_to_num(nan=inf, posinf=inf, neginf=-inf).argmax(dim=-1)
 
 
 class Sampler:

@@ -249,11 +249,26 @@ void store_kv(const float *k, long k_stride, const float *v, long v_stride, long
     }
 }
 
+/* The first token of the largest logit, a NaN counting as +inf (0 when all are -inf). */
+static int first_argmax(const float *x, int n) {
+    int first = 0;
+    float best = -INFINITY;
+    for (int i = 0; i < n; i++) {
+        float v = x[i] != x[i] ? INFINITY : x[i];
+        if (v > best) {
+            best = v;
+            first = i;
+        }
+    }
+    return first;
+}
+
 /* Per row of logits (rows, n): the first token whose cumulative weight under
    exp((logit - max) / T) exceeds uniform * total, in two levels: the weights' sums by chunks of
    CHUNK first (vectorized), then a scan of the one chunk found. The target stays under its
-   chunk's mass, so a token of weight 0 (a logit of -inf) is never picked; a row with no
-   weight at all gets token 0, a valid id, as the PyTorch sampler gives one. */
+   chunk's mass, so a token of weight 0 (a logit of -inf) is never picked. A row that is no
+   distribution (every logit -inf, or a +inf or NaN among them) gets its greedy token, the
+   first of its largest logit with NaN as +inf, as the PyTorch sampler gives it. */
 void sample(const float *logits, const float *temperatures, const float *uniform, long rows,
             int n, int64_t *tokens, int threads) {
 #pragma omp parallel for if (rows * n >= PARALLEL_MIN) num_threads(threads)
@@ -271,6 +286,10 @@ void sample(const float *logits, const float *temperatures, const float *uniform
             for (int i = c * CHUNK; i < end; i++) mass += exp_nonpositive((x[i] - max) * inv_t);
             chunks[c] = mass;
             total += mass;
+        }
+        if (!(max > -INFINITY && max < INFINITY) || total != total) {  /* a NaN: total too */
+            tokens[r] = first_argmax(x, n);
+            continue;
         }
         target = uniform[r] * total;
         int c = 0, found = -1;

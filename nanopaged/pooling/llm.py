@@ -36,11 +36,23 @@ from nanopaged.pooling.params import (
     ScoringOutput,
     ScoringRequestOutput,
 )
-from nanopaged.pooling.pooler import Pooling, read_pooler_config
+from nanopaged.pooling.pooler import Pooling, lowercase_texts, read_pooler_config
 from nanopaged.sampling_params import SamplingParams
 
 # a causal LM run for pooling is built as its family's bare decoder
 BODIES = {f"{family}ForCausalLM": f"{family}Model" for family in FAMILIES}
+
+
+def paired(first: list, second: list, name: str) -> list:
+    """The first of each pair of `first` and `second`: one of `first` against each of
+    `second`, or pairwise for lists of one length (else a ValueError that `name`
+    pairs them so)."""
+    if len(first) not in (1, len(second)) or not second:
+        raise ValueError(
+            f"{name} pairs one input with many, or lists of one length; got "
+            f"{len(first)} and {len(second)}"
+        )
+    return first * len(second) if len(first) == 1 else first
 
 
 class PoolingRequest:
@@ -98,6 +110,11 @@ class PoolingLLM(LLM):
     progress = "Pooling"
     params_types = (PoolingParams, SamplingParams)
 
+    def __init__(self, model: str = "Qwen/Qwen3-0.6B", **options):
+        super().__init__(model, **options)
+        if self.pooler.lowercase:
+            lowercase_texts(self.tokenizer)
+
     def prepare(self, config: Config, surface: dict) -> None:
         """Reads how the checkpoint pools; a causal LM is built as its bare decoder."""
         for option in ("speculative_config", "enable_lora"):
@@ -153,11 +170,16 @@ class PoolingLLM(LLM):
         if not isinstance(text, str):
             return self.inputs.tokenize(prompt)[1]
         self.inputs.tokenize(text)  # its checks
-        pooler, before = self.pooler, self.pooler.prompt if with_prompt else ""
-        if not pooler.chat:
+        before = self.pooler.prompt if with_prompt else ""
+        if not self.pooler.chat:
             return self.inputs.tokenize(before + text)[1]
-        system = [{"role": "system", "content": before}] if before else []
-        messages = [*system, {"role": "user", "content": text}]
+        return self._render_chat(before, [("user", text)])
+
+    def _render_chat(self, system: str, turns: list[tuple[str, str]]) -> list[int]:
+        """The token ids of a chat of (role, text) turns, after `system` as the system
+        message (if any), as Sentence Transformers renders its "message" inputs."""
+        messages = [{"role": "system", "content": system}] if system else []
+        messages += [{"role": role, "content": text} for role, text in turns]
         return self.tokenizer.apply_chat_template(
             messages, tokenize=True, add_generation_prompt=False, return_dict=True
         )["input_ids"]
@@ -210,7 +232,12 @@ class PoolingLLM(LLM):
                 "classify() needs a *ForSequenceClassification checkpoint; this one "
                 "embeds"
             )
-        if task == "score" and self.classifier and self.num_labels != 1:
+        if task == "score" and not self.classifier:
+            raise ValueError(
+                "task='score' needs a *ForSequenceClassification checkpoint (a "
+                "cross-encoder); this one embeds: score() compares two embeddings"
+            )
+        if task == "score" and self.num_labels != 1:
             raise ValueError(
                 f"score() needs a classifier of one label; this one has "
                 f"{self.num_labels}"
@@ -329,34 +356,35 @@ class PoolingLLM(LLM):
         of their embeddings."""
         self._check_idle("score")
         first, second = as_batch(data_1, None)[0], as_batch(data_2, None)[0]
-        if len(first) == 1:
-            first = first * len(second)
-        if len(first) != len(second) or not second:
-            raise ValueError(
-                f"score() pairs one input with many, or lists of one length; got "
-                f"{len(first)} and {len(second)}"
-            )
         if self.classifier:
             params = self._checked(pooling_params, "score")
-            pairs = [self.pair_prompt(a, b) for a, b in zip(first, second)]
-            requests = [self.make_request(pair, params) for pair in pairs]
+            pairs = zip(paired(first, second, "score()"), second)
+            requests = [self.make_request(self.pair_prompt(*p), params) for p in pairs]
             return self.run_requests(requests, use_tqdm)
+        paired(first, second, "score()")  # its check
         params = self._checked(pooling_params, "embed")
+        # each input embedded once, also one against many
         requests = [self.make_request(p, params) for p in first + second]
         outputs = self.run_requests(requests, use_tqdm)
-        n = len(first)
-        return [
-            self._cosine(a, b) for a, b in zip(outputs[:n], outputs[n:], strict=True)
-        ]
+        queries = paired(outputs[: len(first)], second, "score()")
+        return [self._cosine(a, b) for a, b in zip(queries, outputs[len(first) :])]
 
     def pair_prompt(self, a: Prompt, b: Prompt) -> dict:
-        """A pair as one input of a classifier (a cross-encoder): two texts as the
-        tokenizer joins them, else the first's token ids then the second's."""
+        """A pair as one input of a classifier (a cross-encoder), as Sentence
+        Transformers' `CrossEncoder` renders it: two texts after the default prompt, as
+        a chat of a "query" and a "document" where the checkpoint declares chats, else
+        as the tokenizer joins a pair; token ids, the first's then the second's."""
         ids = [self.inputs.tokenize(p) for p in (a, b)]  # their checks
         texts = [text for text, _ in ids]
-        if all(text is not None for text in texts):
-            return {"prompt_token_ids": self.tokenizer(*texts)["input_ids"]}
-        return {"prompt_token_ids": ids[0][1] + ids[1][1]}
+        if any(text is None for text in texts):
+            return {"prompt_token_ids": ids[0][1] + ids[1][1]}
+        prompt = self.pooler.prompt
+        if self.pooler.chat:
+            turns = [("query", texts[0]), ("document", texts[1])]
+            return {"prompt_token_ids": self._render_chat(prompt, turns)}
+        return {
+            "prompt_token_ids": self.tokenizer(prompt + texts[0], texts[1])["input_ids"]
+        }
 
     @staticmethod
     def _cosine(a: PoolingRequestOutput, b: PoolingRequestOutput):

@@ -13,6 +13,7 @@ import os
 from dataclasses import dataclass
 
 import torch
+from tokenizers import normalizers
 
 # Sentence Transformers' pooling modes (all but "all": one vector per input)
 MODES = ("lasttoken", "mean", "cls", "max", "mean_sqrt_len_tokens", "weightedmean")
@@ -34,14 +35,16 @@ class PoolerConfig:
     """`mode` (one of MODES), whether embeddings are `normalize`d (L2), the `prompt` put
     before each text input (Sentence Transformers' default prompt), whether a text is
     rendered as a `chat` (Sentence Transformers 6's "message" modality: the prompt as
-    the system message, the text as the user's), the longest input `max_seq_length`,
-    and the Matryoshka `dimensions` an embedding may be cut to (None: it may not; empty:
-    any)."""
+    the system message, the text as the user's), whether texts are lowercased first
+    (`lowercase`: Sentence Transformers' `do_lower_case`), the longest input
+    `max_seq_length`, and the Matryoshka `dimensions` an embedding may be cut to (None:
+    it may not; empty: any)."""
 
     mode: str = "lasttoken"
     normalize: bool = True
     prompt: str = ""
     chat: bool = False
+    lowercase: bool = False
     max_seq_length: int | None = None
     dimensions: list[int] | None = None
 
@@ -61,6 +64,7 @@ def read_pooler_config(path: str, hf_config, overrides: dict | None) -> PoolerCo
         bert = _read_json(bert_file, dict)
         config.chat = "message" in (bert.get("modality_config") or {})
         config.max_seq_length = bert.get("max_seq_length")
+        config.lowercase = bert.get("do_lower_case") is True
     st_file = os.path.join(path, "config_sentence_transformers.json")
     if os.path.exists(st_file):
         st = _read_json(st_file, dict)
@@ -71,6 +75,16 @@ def read_pooler_config(path: str, hf_config, overrides: dict | None) -> PoolerCo
         config.dimensions = list(matryoshka or [])
     _override(config, overrides or {})
     return config
+
+
+def lowercase_texts(tokenizer) -> None:
+    """Makes `tokenizer` lowercase each text before its own normalizer, as Sentence
+    Transformers does for `do_lower_case`: a chat's text too, but no special token."""
+    backend = tokenizer.backend_tokenizer
+    own = backend.normalizer
+    steps = list(own) if isinstance(own, normalizers.Sequence) else [own] if own else []
+    if not any(isinstance(step, normalizers.Lowercase) for step in steps):
+        backend.normalizer = normalizers.Sequence([normalizers.Lowercase(), *steps])
 
 
 def _read_module(path: str, module: dict, config: PoolerConfig) -> None:

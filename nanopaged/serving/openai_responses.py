@@ -36,6 +36,7 @@ class Response:
         self.request, self.engine, self.parsed = request, engine, parsed
         self.chat, self.model_name, self.num_admitted = chat, model_name, 0
         self.lora_request = lora_request  # the adapter `model_name` names, or None
+        self.client_gone = False  # the client went away: the outputs stopped early
         self.decode = engine.llm.tokenizer.decode
         self.outbox: asyncio.Queue = asyncio.Queue()
         self.latest: dict[str, RequestOutput] = {}
@@ -45,7 +46,11 @@ class Response:
         self.index = {f"{self.id}-{i}": i for i in range(len(parsed.prompts))}
 
     def admit(self) -> bool:
-        if self.engine.num_waiting + len(self.index) > self.engine.max_waiting:
+        """Whether its requests may wait for the engine: they fit under `max_waiting`
+        beside those waiting, or none waits (so that a larger batch is never refused
+        forever)."""
+        waiting = self.engine.num_waiting
+        if waiting and waiting + len(self.index) > self.engine.max_waiting:
             return False
         self.engine.num_waiting += len(self.index)
         self.num_admitted = len(self.index)
@@ -84,6 +89,7 @@ class Response:
                     output = None
                 if time.monotonic() - checked >= 0.5:  # whether outputs flow or not
                     if await self.request.is_disconnected():
+                        self.client_gone = True
                         return
                     checked = time.monotonic()
                 if output is None:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 from fastapi import FastAPI, Request
 
+from nanopaged.pooling.llm import paired
 from nanopaged.pooling.params import PoolingParams
 from nanopaged.serving.openai_responses import (
     Response,
@@ -33,6 +34,7 @@ SCORE_FIELDS = {"model", "text_1", "text_2", "queries", "documents", "user"}
 SCORE_FIELDS |= {"truncate_prompt_tokens", "use_activation"}
 RERANK_FIELDS = {"model", "query", "documents", "top_n", "user"}
 RERANK_FIELDS |= {"truncate_prompt_tokens", "use_activation", "return_documents"}
+MAX_INPUTS = 2048  # a request's inputs, at most (OpenAI's embeddings take as many)
 CLASSIFY_FIELDS = {"model", "input", "user", "truncate_prompt_tokens", "use_activation"}
 
 
@@ -62,6 +64,11 @@ def inputs(value, name: str = "input") -> list:
     if not isinstance(value, list) or not value:
         raise ValueError(
             f"{name} must be a text, token ids, or a non-empty list of them"
+        )
+    if len(value) > MAX_INPUTS:
+        raise ValueError(
+            f"{name} holds {len(value)} inputs; a request takes at most {MAX_INPUTS} "
+            f"(OpenAI's limit): send them in several requests"
         )
     prompts = []
     for item in value:
@@ -97,6 +104,8 @@ async def run(request: Request, engine, batch: PoolingBatch, model: str):
             pass
     except RuntimeError as error:
         return error_response(500, str(error))
+    if response.client_gone:  # its requests are aborted; nobody reads an answer
+        return error_response(499, "the client closed the request")
     return [response.latest[request_id] for request_id in response.index]
 
 
@@ -179,27 +188,22 @@ def add_pooling_routes(app: FastAPI, engine, models) -> None:
     async def scores(request: Request, queries, documents, body: dict, model: str):
         """The score of each (query, document) pair, in order; or the error response."""
         first, second = inputs(queries, "text_1"), inputs(documents, "text_2")
-        if len(first) == 1:
-            first = first * len(second)
-        if len(first) != len(second):
-            raise ValueError(
-                f"text_1 pairs one input with many, or lists of one length; got "
-                f"{len(first)} and {len(second)}"
-            )
+        queries = paired(first, second, "text_1")
         if llm.classifier:
-            pairs = [llm.pair_prompt(*pair) for pair in zip(first, second)]
+            pairs = [llm.pair_prompt(*pair) for pair in zip(queries, second)]
             batch = PoolingBatch(pairs, params_of(body, "score"))
             outputs = await run(request, engine, batch, model)
             if not isinstance(outputs, list):
                 return outputs, None
             return [o.outputs.score for o in outputs], outputs
+        # each input embedded (and counted in the usage) once
         batch = PoolingBatch(first + second, params_of(body, "embed"))
         outputs = await run(request, engine, batch, model)
         if not isinstance(outputs, list):
             return outputs, None
         vectors = [np.array(o.outputs.embedding) for o in outputs]
-        n = len(first)
-        cosines = [cosine(a, b) for a, b in zip(vectors[:n], vectors[n:])]
+        by_pair = paired(vectors[: len(first)], second, "text_1")
+        cosines = [cosine(a, b) for a, b in zip(by_pair, vectors[len(first) :])]
         return cosines, outputs
 
     @app.post("/score")
@@ -229,7 +233,7 @@ def add_pooling_routes(app: FastAPI, engine, models) -> None:
         if model is None:
             return body
         query, documents = body.get("query"), body.get("documents")
-        top_n = body.get("top_n") or None
+        top_n = body.get("top_n") or None  # 0: every document, as vLLM's
         try:
             if not isinstance(query, str):
                 raise ValueError("query must be a text")
@@ -237,7 +241,9 @@ def add_pooling_routes(app: FastAPI, engine, models) -> None:
                 isinstance(d, str) for d in documents
             ):
                 raise ValueError("documents must be a list of texts")
-            if top_n is not None and (not isinstance(top_n, int) or top_n < 0):
+            if top_n is not None and not (
+                isinstance(top_n, int) and not isinstance(top_n, bool) and top_n > 0
+            ):
                 raise ValueError("top_n must be a positive integer")
             values, outputs = await scores(request, query, documents, body, model)
         except (ValueError, TypeError) as error:

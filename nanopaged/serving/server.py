@@ -222,7 +222,8 @@ def create_app(
         "max_model_len": llm.config.max_model_len,
     }
     models = ServedModels(engine, model_card, lora_modules)
-    if getattr(llm, "runner_type", "generate") == "pooling":
+    pooling = getattr(llm, "runner_type", "generate") == "pooling"
+    if pooling:
         from nanopaged.serving.pooling_api import add_pooling_routes
 
         add_pooling_routes(app, engine, models)
@@ -312,6 +313,13 @@ def create_app(
         requested = body.get("model", model_name)
         if requested not in models:
             return models.not_found(requested)
+        if pooling:
+            return bad_request(
+                ValueError(
+                    f"{requested} is a pooling model: it cannot generate; it serves "
+                    "/v1/embeddings, /classify, /score and /rerank"
+                )
+            )
         try:  # in a worker thread: a grammar or a long prompt never holds up the others
             parsed = await asyncio.to_thread(
                 openai_api.parse_request, body, chat_request, llm
@@ -432,8 +440,12 @@ def serve(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """`python -m nanopaged.serving.server MODEL [options]`."""
-    serve(parse_args(sys.argv[1:] if argv is None else argv))
+    """`python -m nanopaged.serving.server MODEL [options]`; Ctrl-C, a line (as
+    `nanopaged serve`)."""
+    try:
+        serve(parse_args(sys.argv[1:] if argv is None else argv))
+    except KeyboardInterrupt:
+        sys.exit("interrupted")
 
 
 if __name__ == "__main__":
