@@ -521,3 +521,37 @@ def test_two_replicas_serve_the_same_tokens_and_route_by_prefix(qwen3_path, offl
         assert server.stop()
     _, alive = psutil.wait_procs(replicas, timeout=30)
     assert not [p for p in alive if p.status() != psutil.STATUS_ZOMBIE]
+
+
+def test_a_request_sent_to_a_replica_whose_loop_just_died_is_answered():
+    """The router may pick a replica's loop in the moment between its replica's death
+    and the loop's knowing it: that request gets the replica's error, not a wait
+    forever."""
+    import asyncio
+
+    from nanopaged.data_parallel import ReplicaDied
+    from nanopaged.serving.server import EngineLoop
+
+    class DeadReplica:
+        def is_finished(self) -> bool:
+            return False
+
+        def step(self, *request):
+            raise ReplicaDied("replica 0 died")
+
+        add_request = abort = step
+
+    loop = EngineLoop(DeadReplica(), max_waiting=4)
+    deadline = time.monotonic() + 10
+    while loop.is_alive():  # its first step finds the replica dead
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+
+    async def submit():
+        future = loop.submit("r", {"prompt": "hi"}, None, asyncio.Queue())
+        await asyncio.wait_for(asyncio.wrap_future(future), timeout=10)
+
+    with pytest.raises(ReplicaDied, match="replica 0 died"):
+        asyncio.run(submit())
+    loop.abort("r")
+    loop.stop()

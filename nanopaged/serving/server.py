@@ -54,7 +54,7 @@ class EngineLoop:
         # (function, args) to run on the loop
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.outboxes: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
-        self.running = True
+        self.running, self.dead = True, False  # dead: its replica's process died
         self.thread = threading.Thread(
             target=self._run, name="nanopaged-engine", daemon=True
         )
@@ -101,7 +101,7 @@ class EngineLoop:
         self.thread.join()
 
     def is_alive(self) -> bool:
-        return self.thread.is_alive()
+        return self.thread.is_alive() and not self.dead
 
     def _add(
         self,
@@ -140,10 +140,22 @@ class EngineLoop:
                 self.llm.abort(request_id)
         self.outboxes.clear()
 
+    def _refuse_all(self) -> None:
+        """The loop of a replica whose process died: /health says so and the router
+        sends it nothing more, but what it was sent before the router knew is answered
+        (the dead replica's error), never left waiting."""
+        self.dead = True
+        while self.running:
+            function, args = self.inbox.get()
+            try:
+                function(*args)  # a request's future gets the replica's error
+            except Exception:
+                pass  # an abort: nothing to abort
+
     def _run(self) -> None:
         """Serves the inbox and steps the engine until stopped. Nothing a request does
         can end this loop: a failed step fails the requests it held, and the loop goes
-        on (a replica whose process died ends its loop)."""
+        on (a replica whose process died only refuses what it is sent)."""
         while self.running:
             try:
                 if self.llm.is_finished():
@@ -157,8 +169,7 @@ class EngineLoop:
             except Exception as error:
                 self._fail_all(error)
                 if isinstance(error, ReplicaDied):
-                    # /health says so, and the router sends this loop nothing more
-                    return
+                    return self._refuse_all()
                 continue
             for output in outputs:
                 take = self.outboxes.pop if output.finished else self.outboxes.get
