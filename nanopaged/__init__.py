@@ -11,14 +11,6 @@ modules of this package (`nanopaged.engine.arg_utils`, `nanopaged.distributed`,
 """
 
 import importlib
-import os
-
-# OpenMP threads wait for their next parallel region asleep, not spinning: on a machine
-# shared with other OpenMP processes (a second engine, a test suite), threads spinning
-# for a descheduled peer made the CPU backend 25x slower (docs/cpu.md). The OpenMP
-# runtime reads it once, when torch loads it: so only if nanopaged is imported first. A
-# value already set stays (an empty one: the runtime's default, which spins a while).
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 # public name -> the module that defines it
 NAMES = {

@@ -2,13 +2,13 @@
 plain-PyTorch reference: its attention, fused element-wise functions and sampling, its
 packed linear layers, how the kernels are built, and the process settings it makes."""
 
-import gc
+import ctypes
 import math
 import mmap
 import os
-import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -452,8 +452,7 @@ def test_a_packed_linear_multiplies_as_f_linear_and_frees_the_projections_weight
         (300, 1000),
     ],
 )
-def test_the_panel_matmul_is_f_linear(rows, k, monkeypatch):
-    monkeypatch.setattr(cpu_kernels, "panels_faster", lambda: True)
+def test_the_panel_matmul_is_f_linear(rows, k):
     g = torch.Generator().manual_seed(rows)
     weight, bias = torch.randn(48, k, generator=g), torch.randn(48, generator=g)
     panels = cpu_kernels.pack_panels(weight)
@@ -471,44 +470,102 @@ def test_the_panel_matmul_is_f_linear(rows, k, monkeypatch):
     assert relative_error(layer(x), F.linear(x, weight, bias)) < 1e-6
 
 
-@pytest.mark.skipif(
-    not torch.backends.mkldnn.is_available(), reason="torch without oneDNN"
-)
-def test_the_panel_matmul_is_used_only_where_measured_faster(monkeypatch, tmp_path):
-    """Measured once per library and thread count, the choice kept beside the library
-    (every later process reads it); oneDNN where the panels were slower."""
+def test_float32_projections_multiply_in_panels_and_others_as_onednn_packs_them():
+    """Every float32 weight goes to the library's matmul (on its own threads); another
+    dtype to oneDNN's prepacked GEMM where oneDNN packs it, else stays plain."""
     from nanopaged.core.layers import ColumnParallelLinear
 
-    monkeypatch.setattr(cpu_kernels, "library_path", lambda: str(tmp_path / "k.so"))
-    monkeypatch.setattr(cpu_kernels, "CACHE_DIR", str(tmp_path))
-    measured = []
-    for faster in (False, True):
-        monkeypatch.setattr(
-            cpu_kernels, "_measure_panels", lambda f=faster: measured.append(f) or f
-        )
-        (tmp_path / "k.so.json").unlink(missing_ok=True)
-        for _ in range(2):  # a second process: read, not measured
-            cpu_kernels.panels_faster.cache_clear()
-            layer = ColumnParallelLinear(32, 48, False, cpu.PackedLinear())
-            layer.method = layer.method.process_weights(layer)
-            assert (type(layer.method) is cpu.PanelLinear) == faster
-    assert measured == [False, True]
-    cpu_kernels.panels_faster.cache_clear()
+    methods = {}
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        layer = ColumnParallelLinear(32, 48, False, cpu.PackedLinear()).to(dtype)
+        methods[dtype] = type(layer.method.process_weights(layer))
+    assert methods[torch.float32] is cpu.PanelLinear
+    packed = torch.backends.mkldnn.is_available() and (
+        torch.bfloat16 in cpu.packable_dtypes()
+    )
+    assert methods[torch.bfloat16] is (cpu.PackedLinear if packed else LinearMethod)
+    assert methods[torch.float16] is LinearMethod
 
 
-def test_kernels_built_without_openmp_give_way_to_torchs_threads(monkeypatch, tmp_path):
-    """A compiler without OpenMP (Apple's clang) builds kernels that run on one thread:
-    beside several torch threads, PyTorch's operators run instead (said in the log)."""
-    cpu_kernels.library()  # built, where every test finds it
-    built, path = cpu_kernels.library_path(), tmp_path / "k.so"
-    monkeypatch.setattr(cpu_kernels, "library_path", lambda: str(path))
-    monkeypatch.setattr(cpu_kernels, "_compile", lambda cc, p: shutil.copy(built, p))
-    (tmp_path / "k.so.serial").touch()
-    for threads, usable in ((2, False), (1, True)):
-        monkeypatch.setattr(torch, "get_num_threads", lambda n=threads: n)
-        cpu_kernels.library.cache_clear()
-        assert (cpu_kernels.library() is not None) == usable
-    cpu_kernels.library.cache_clear()
+def pool_threads() -> int:
+    """The library's threads alive in this process (named by the C file)."""
+    names = []
+    for task in os.listdir("/proc/self/task"):
+        with open(f"/proc/self/task/{task}/comm") as f:
+            names.append(f.read().strip())
+    return names.count("nanopaged-cpu")
+
+
+def big_norm(threads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A norm over enough rows to run on `threads` threads, and its reference."""
+    g = torch.Generator().manual_seed(threads)
+    x, weight = torch.randn(512, 256, generator=g), torch.randn(256, generator=g)
+    out = torch.empty_like(x)
+    cpu_kernels.library().rms_norm(
+        x.data_ptr(),
+        256,
+        1,
+        None,
+        weight.data_ptr(),
+        512,
+        256,
+        1e-6,
+        out.data_ptr(),
+        None,
+        threads,
+    )
+    return out, layers.rms_norm(x, weight, 1e-6)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="Linux's /proc")
+def test_the_kernels_run_on_threads_of_their_own_that_sleep_when_idle():
+    """No OpenMP runtime: a kernel on 3 threads runs on the caller and 2 of the
+    library's; once no kernel has come for a while they sleep (the process uses no
+    CPU), and the next kernel wakes them."""
+    assert "-fopenmp" not in cpu_kernels.FLAGS
+    out, want = big_norm(3)
+    assert relative_error(out, want) < 1e-6
+    assert pool_threads() >= 2
+    time.sleep(0.1)  # past the longest spin (2 ms)
+    start = time.process_time()
+    time.sleep(0.3)
+    assert time.process_time() - start < 0.05  # asleep, not spinning
+    out, want = big_norm(3)
+    assert relative_error(out, want) < 1e-6
+
+
+def test_kernels_called_from_two_threads_at_once_are_each_right():
+    """A second caller, while the pool runs the first's kernel, runs its own alone."""
+    import concurrent.futures
+
+    def norms(threads: int) -> float:
+        return max(relative_error(*big_norm(threads)) for _ in range(50))
+
+    with concurrent.futures.ThreadPoolExecutor(2) as callers:
+        errors = list(callers.map(norms, [2, 3, 2, 3]))
+    assert max(errors) < 1e-6
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="fork")
+def test_a_forked_child_runs_the_kernels_on_threads_of_its_own():
+    """A child of fork has none of its parent's threads: its pool starts anew (a
+    data-parallel replica, a bench engine) rather than wait for threads that are not
+    there."""
+    big_norm(2)  # the parent's pool has a thread
+    pid = os.fork()
+    if pid == 0:  # the child: exit 0 once its kernel is right
+        torch.set_num_threads(1)  # OpenMP's threads (the reference's) do not fork
+        out, want = big_norm(2)
+        os._exit(0 if relative_error(out, want) < 1e-6 else 1)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            assert os.waitstatus_to_exitcode(status) == 0
+            return
+        time.sleep(0.05)
+    os.kill(pid, 9)
+    raise AssertionError("the child's kernel never returned")
 
 
 def vm_flags(address: int) -> set[str]:
@@ -531,9 +588,8 @@ def vm_flags(address: int) -> set[str]:
     reason="Linux's transparent huge pages",
 )
 def test_the_kv_cache_and_the_panels_ask_for_huge_pages_and_start_zeroed(
-    qwen3_path, monkeypatch
+    qwen3_path,
 ):
-    monkeypatch.setattr(cpu_kernels, "panels_faster", lambda: True)
     runner = LLM(qwen3_path).engine.runner
     assert "hg" in vm_flags(runner.kv_cache.data_ptr())  # hg: madvise(MADV_HUGEPAGE)
     assert not runner.kv_cache.any()
@@ -724,69 +780,71 @@ def test_usable_cores_are_the_affinity_capped_by_the_cgroup_quota(
         ("900000 100000", 6),
     ):
         quota.write_text(limit)
-        assert cpu.usable_cores() == cores
+        assert cpu.usable_cores.__wrapped__() == cores
 
 
-def test_threads_are_lowered_to_the_usable_cores_never_raised(monkeypatch):
-    threads = [8]
-    monkeypatch.setattr(torch, "get_num_threads", lambda: threads[0])
-    monkeypatch.setattr(torch, "set_num_threads", lambda n: threads.__setitem__(0, n))
-    for usable, before, after in ((2, 8, 2), (16, 8, 8)):
-        threads[0] = before
-        monkeypatch.setattr(cpu, "usable_cores", lambda usable=usable: usable)
-        cpu.tune_process.__wrapped__()
-        assert threads[0] == after
-
-
-def test_freed_memory_is_kept_while_an_engine_lives_and_returned_after(
-    qwen3_path, monkeypatch
+def test_the_kernels_threads_are_torchs_count_never_more_than_the_usable_cores(
+    monkeypatch,
 ):
-    """glibc's thresholds are raised while a CPU engine lives, and glibc's defaults
-    come back (the kept memory returned) when the last one goes: a program that
-    embeds the engine gets its memory back."""
-    calls = []
-
-    class Glibc:
-        def mallopt(self, param, value):
-            calls.append((param, value))
-
-        def malloc_trim(self, pad):
-            calls.append(("trim", pad))
-
-    monkeypatch.setattr(cpu, "glibc", Glibc)
-    raised = [
-        (cpu.M_MMAP_THRESHOLD, cpu.KEEP_BYTES),
-        (cpu.M_TRIM_THRESHOLD, cpu.KEEP_BYTES),
-    ]
-    restored = [
-        (cpu.M_MMAP_THRESHOLD, cpu.GLIBC_THRESHOLD),
-        (cpu.M_TRIM_THRESHOLD, cpu.GLIBC_THRESHOLD),
-        ("trim", 0),
-    ]
-    first = LLM(qwen3_path, max_model_len=128)
-    second = LLM(qwen3_path, max_model_len=128)
-    assert calls == raised * 2
-    del first
-    gc.collect()
-    assert calls == raised * 2  # one engine still lives
-    del second
-    gc.collect()
-    assert calls == raised * 2 + restored
+    """The program's choice of threads (torch's count) holds for the kernels too, but
+    no more than the cores this process may use; torch's own count is left as it is."""
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 8)
+    for usable, threads in ((2, 2), (16, 8)):
+        monkeypatch.setattr(cpu_kernels, "usable_cores", lambda usable=usable: usable)
+        assert cpu_kernels.threads() == threads
 
 
-@pytest.mark.parametrize("preset, expected", [(None, "PASSIVE"), ("ACTIVE", "ACTIVE")])
-def test_openmp_threads_wait_asleep_unless_the_user_said_otherwise(preset, expected):
-    """Imported before torch, nanopaged has the OpenMP runtime's threads wait asleep
-    between regions (spinning ones collapse on a shared machine: docs/cpu.md); a policy
-    the user set stays."""
-    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
-    if preset is not None:
-        env["OMP_WAIT_POLICY"] = preset
-    script = "import nanopaged, os, torch; print(os.environ['OMP_WAIT_POLICY'])"
-    result = subprocess.run(
-        [sys.executable, "-c", script], env=env, capture_output=True, text=True
-    )
-    assert result.stdout.strip() == expected, result.stderr[-2000:]
+PROCESS_STATE = """
+import ctypes, os, sys
+first = sys.argv[1]
+__import__(first)
+class Mallinfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in
+                "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks "
+                "keepcost".split()]
+libc = ctypes.CDLL("libc.so.6")
+libc.mallinfo2.restype = Mallinfo2
+libc.malloc.restype = ctypes.c_void_p
+libc.free.argtypes = [ctypes.c_void_p]
+
+def state():
+    import torch
+    block = libc.malloc(64 << 20)  # glibc maps it on its own unless told otherwise
+    mapped = libc.mallinfo2().hblkhd >= 64 << 20
+    libc.free(block)
+    return dict(os.environ), torch.get_num_threads(), mapped
+
+import torch
+from nanopaged import LLM, SamplingParams
+before = state()
+llm = LLM(sys.argv[2], attention_backend="cpu", max_model_len=128)
+tokens = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=8, temperature=0),
+                      use_tqdm=False)[0].outputs[0].token_ids
+assert state() == before, (before, state())
+print(tokens)
+"""
+
+
+@pytest.mark.skipif(
+    not hasattr(ctypes.CDLL(None), "mallinfo2"), reason="glibc 2.33's mallinfo2"
+)
+def test_an_engine_changes_nothing_in_its_process_whatever_is_imported_first(
+    qwen3_path,
+):
+    """Importing nanopaged and running a CPU engine leave the process as they found it
+    (its environment, torch's thread count, glibc's allocator settings), and torch
+    imported first or after makes no difference, to that or to the tokens."""
+    outputs = []
+    for first in ("torch", "nanopaged"):
+        result = subprocess.run(
+            [sys.executable, "-c", PROCESS_STATE, first, qwen3_path],
+            capture_output=True,
+            text=True,
+            env={k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"},
+        )
+        assert result.returncode == 0, result.stderr[-3000:]
+        outputs.append(result.stdout)
+    assert outputs[0] == outputs[1]
 
 
 def test_the_library_is_keyed_by_what_the_compiler_targets_here(monkeypatch):

@@ -20,20 +20,16 @@ backend computes (the reference), with these changes:
   A decode step reads the cache's blocks where they lie and the LM head's tens of MB:
   with 4 KB pages, a miss in the TLB every 4 KB, each a page-table walk (two levels deep
   in a VM).
-- While an engine lives, the process keeps freed memory for reuse (glibc's mmap and trim
-  thresholds raised; glibc's defaults are back, and the memory returned, once the last
-  such engine is gone): a step's activations are tens of MB, which glibc would otherwise
-  return to the OS after each use and fault in again, page by page. Torch's threads are
-  as many as the cores this process may use (its CPU affinity and cgroup quota), not
-  the machine's.
+- The kernels run on threads of the C library's own, as many as torch's count but never
+  more than the cores this process may use (its CPU affinity and cgroup quota), and wait
+  between kernels as the engine needs: spinning a while alone on the cores, briefly
+  beside other busy threads (`kernels.c`). Nothing of the process changes: no
+  environment variable, no thread count, no allocator setting (docs/cpu.md).
 """
 
-import ctypes
 import functools
 import math
 import mmap
-import os
-import weakref
 
 import torch
 from torch import nn
@@ -48,89 +44,12 @@ from nanopaged.core.attention import (
 )
 from nanopaged.core.layers import Kernels, LinearBase, LinearMethod
 from nanopaged.cpu import kernels as cpu_kernels
+from nanopaged.cpu.kernels import usable_cores  # noqa: F401 (the cpu package's name)
 
 # Queries a sequence, at most, for which a prefill step attends a query at a time (a
 # speculative verification, a small chunk): more, and tiles of matrix products are
 # faster
 KERNEL_QUERIES = 16
-# glibc's mallopt parameters, the size under which freed memory is kept while an engine
-# lives, and glibc's default
-M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
-KEEP_BYTES, GLIBC_THRESHOLD = 2**31 - 1, 128 << 10
-
-
-def usable_cores() -> int:
-    """The cores this process may run on: its affinity mask, capped by a cgroup CPU
-    quota."""
-    cores = (
-        len(os.sched_getaffinity(0))
-        if hasattr(os, "sched_getaffinity")
-        else os.cpu_count()
-    )
-    for path, scale in (
-        ("/sys/fs/cgroup/cpu.max", None),  # cgroup v2: "quota period"
-        ("/sys/fs/cgroup/cpu/cpu.cfs_quota_us", "cpu.cfs_period_us"),
-    ):
-        try:
-            with open(path) as f:
-                quota, *period = f.read().split()
-            if scale:
-                with open(os.path.join(os.path.dirname(path), scale)) as f:
-                    period = [f.read()]
-        except OSError:
-            continue
-        if quota not in ("max", "-1"):
-            cores = min(cores, max(1, math.ceil(int(quota) / int(period[0]))))
-        break
-    return max(1, cores or 1)
-
-
-@functools.cache
-def tune_process() -> None:
-    """Once a process: no more torch threads than usable cores."""
-    # setting it even unchanged slows small GEMMs
-    if usable_cores() < torch.get_num_threads():
-        torch.set_num_threads(usable_cores())
-
-
-# the engines alive that asked glibc to keep freed memory
-_keeping = 0
-
-
-def keep_freed_memory(kv_cache: torch.Tensor) -> None:
-    """While the engine of `kv_cache` lives, glibc keeps the memory a step frees for the
-    next (its mmap and trim thresholds raised: see the module's docstring); once the
-    last such engine is gone, glibc's default thresholds (128 KB) come back and the
-    kept memory is returned to the system. No-op where the allocator is not glibc's."""
-    try:
-        libc = glibc()
-        libc.mallopt(M_MMAP_THRESHOLD, KEEP_BYTES)
-        libc.mallopt(M_TRIM_THRESHOLD, KEEP_BYTES)
-    except (OSError, AttributeError):  # not glibc: its own allocator's policy stays
-        return
-    global _keeping
-    _keeping += 1
-    weakref.finalize(kv_cache, _release_freed_memory, libc)
-
-
-def glibc() -> ctypes.CDLL:
-    return ctypes.CDLL("libc.so.6")
-
-
-def _release_freed_memory(libc) -> None:
-    global _keeping
-    _keeping -= 1
-    if _keeping == 0:  # the last engine keeping memory is gone
-        libc.mallopt(M_MMAP_THRESHOLD, GLIBC_THRESHOLD)
-        libc.mallopt(M_TRIM_THRESHOLD, GLIBC_THRESHOLD)
-        libc.malloc_trim(0)
-
-
-def kv_zeros(shape: tuple[int, ...], dtype: torch.dtype, device="cpu") -> torch.Tensor:
-    """The backend's KV cache: `huge_zeros`, and freed memory kept while it lives."""
-    kv_cache = huge_zeros(shape, dtype, device)
-    keep_freed_memory(kv_cache)
-    return kv_cache
 
 
 @functools.cache
@@ -162,18 +81,17 @@ def huge_zeros(
 
 class PackedLinear(LinearMethod):
     """`F.linear` with the weight packed once loaded: a float32 weight in the C kernels'
-    panels (`PanelLinear`), else in oneDNN's blocked layout where oneDNN packs its
-    dtype. The projections' plain weights are freed; the LM head's may be the
-    embedding's too."""
+    panels (`PanelLinear`, on the library's threads), else in oneDNN's blocked layout
+    where oneDNN packs its dtype, else as it is. The projections' plain weights are
+    freed; the LM head's may be the embedding's too."""
 
     def process_weights(self, layer: nn.Module) -> LinearMethod:
-        panels = None
-        if cpu_kernels.panels_faster():  # measured on this machine
-            panels = cpu_kernels.pack_panels(layer.weight.data)
+        panels = cpu_kernels.pack_panels(layer.weight.data)
+        onednn = torch.backends.mkldnn.is_available()
         if panels is not None:
             layer.panels = huge_zeros(panels.shape, panels.dtype).copy_(panels)
             method = PanelLinear()
-        elif layer.weight.dtype in packable_dtypes():
+        elif onednn and layer.weight.dtype in packable_dtypes():
             layer.packed_weight = torch.ops.mkldnn._reorder_linear_weight(
                 layer.weight.data, 64
             )
@@ -192,8 +110,10 @@ class PackedLinear(LinearMethod):
 
 class PanelLinear(LinearMethod):
     """The C kernels' matmul over the weight in panels (`cpu_kernels.panel_matmul`):
-    each panel read once for all the rows, 15-30% faster than oneDNN at decode sizes, as
-    fast on a prefill (docs/cpu.md)."""
+    each panel read once for all the rows. On the AMD EPYC VMs without AVX-512 1.3-1.6x
+    faster than oneDNN at this model's decode shapes; on an Intel Xeon with AVX-512
+    oneDNN was faster (docs/cpu.md), but it runs on OpenMP's threads, which spin
+    between operators beside other processes."""
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         out = cpu_kernels.panel_matmul(x, layer.panels)
@@ -277,9 +197,8 @@ def store_kvcache(
 
 def model_kernels() -> Kernels:
     """What a model built for this backend computes with: the C kernels where they are
-    built (else PyTorch's), the linear layers packed where oneDNN is."""
-    tune_process()
-    linear = PackedLinear() if torch.backends.mkldnn.is_available() else LinearMethod()
+    built (else PyTorch's), the linear layers packed (`PackedLinear`)."""
+    linear = PackedLinear()
     attention = (store_kvcache, prefill, decode)
     if cpu_kernels.library() is None:
         return Kernels("cpu", attention, linear)
@@ -291,5 +210,5 @@ BACKENDS["cpu"] = Backend(
     lambda on_gpu, dtype: "device='cpu'" if on_gpu else None,
     ("cpu",),
     sample,
-    kv_zeros,
+    huge_zeros,
 )

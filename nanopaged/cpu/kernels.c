@@ -9,10 +9,16 @@
    RMSNorm with its residual add, rotary embedding, SiLU-and-multiply, and sampling.
 
    All tensors are float32 but the KV cache (float32, bfloat16 or FP8, `kv_kind`). Tasks run on
-   `threads` of the OpenMP threads torch already uses. Shapes as in core/attention.py. */
+   `threads` threads: the caller and the library's own (`parallel`, below), not OpenMP's. Shapes
+   as in core/attention.py. */
+#define _GNU_SOURCE  /* pthread_setname_np */
 #include <math.h>
+#include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <string.h>
+#include <time.h>
 
 enum { MAX_HEADS = 64, MAX_HEAD_DIM = 256, MAX_BLOCK = 256, LANES = 8, CHUNK = 128 };
 enum { PANEL = 2 * LANES, TILE_ROWS = 6, BLOCK_BYTES = 256 * 1024 };
@@ -20,6 +26,161 @@ typedef float vec __attribute__((vector_size(LANES * sizeof(float))));
 enum { KV_FLOAT32, KV_BFLOAT16, KV_FP8 };
 /* elements under which a fused element-wise kernel runs on one thread (waking more costs more) */
 #define PARALLEL_MIN 65536
+
+/* ---- the library's threads ----
+   Every kernel splits its work into tasks that `parallel` runs on the calling thread and on
+   threads of this library's pool. Its own, not OpenMP's: how its threads wait between two
+   kernels is then the engine's policy, whatever the process's OpenMP settings (which belong
+   to the program: nanopaged changes none). A thread done with a kernel's tasks waits for the
+   next one spinning, then asleep until the next kernel wakes it. Alone on its cores it spins
+   up to SPIN_NS: a step calls its kernels microseconds apart, and waking a sleeping thread
+   costs tens of microseconds each time (a step of 40 kernels: 10-15% of its time). While it
+   spins it offers its core to any other thread that wants it (sched_yield); once one took
+   it, the cores are shared with other busy threads (a second engine, a build), and for the
+   next CONTENDED_MS the pool spins only CONTENDED_SPIN_NS, about what a wake-up costs: it
+   would otherwise spin away the time of the threads it shares its cores with, and its own
+   peers would wait for one that was descheduled (two engines with OpenMP's long spin each
+   ran at a fifth of their speed alone, docs/cpu.md). */
+enum { SPIN_NS = 2000000, CONTENDED_SPIN_NS = 50000, CONTENDED_MS = 100 };
+enum { TAKEN_NS = 20000 };  /* a yield that returns later than this gave the core away */
+enum { MAX_THREADS = 256 };
+typedef void (*task_fn)(const void *args, long first, long end);
+
+static struct {
+    pthread_mutex_t lock;
+    pthread_cond_t wake;
+    int started, sleepers;   /* threads of the pool; those asleep (under `lock`) */
+    atomic_flag busy;        /* a kernel is using the pool (another one runs alone) */
+    atomic_long contended_until;  /* until when (now_ns) its cores are known shared */
+    /* apart from what every thread reads while it waits: a claim writes it */
+    _Alignas(64) atomic_int generation;  /* one more for each kernel the pool runs */
+    /* the kernel being run: its tasks, chunks of them claimed in turn by any thread */
+    task_fn fn;
+    const void *args;
+    long tasks, chunk;
+    int helpers;             /* pool threads 0 .. helpers - 1 take part */
+    atomic_int working;      /* helpers not yet done with this kernel */
+    _Alignas(64) atomic_long next;  /* the first task of the next chunk to claim */
+} pool = {.lock = PTHREAD_MUTEX_INITIALIZER, .wake = PTHREAD_COND_INITIALIZER,
+          .busy = ATOMIC_FLAG_INIT};
+
+static inline void relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ volatile("yield");
+#endif
+}
+
+static long now_ns(void) {
+    struct timespec now;
+    clock_gettime(CLOCK_MONOTONIC, &now);
+    return now.tv_sec * 1000000000L + now.tv_nsec;
+}
+
+/* Offers this thread's core to any other runnable thread; notes it when one took it. */
+static void offer_core(void) {
+    long before = now_ns();
+    sched_yield();
+    long after = now_ns();
+    if (after - before > TAKEN_NS)
+        atomic_store(&pool.contended_until, after + CONTENDED_MS * 1000000L);
+}
+
+static void claim_chunks(void) {
+    for (long first; (first = atomic_fetch_add(&pool.next, pool.chunk)) < pool.tasks;)
+        pool.fn(pool.args, first, first + pool.chunk < pool.tasks ? first + pool.chunk
+                                                                  : pool.tasks);
+}
+
+/* Waits until the pool's generation is no longer `seen`, as the comment above says; returns
+   the new one. */
+static int await_kernel(int seen) {
+    long start = now_ns();
+    for (long spins = 1;; spins++) {
+        if (atomic_load(&pool.generation) != seen) return atomic_load(&pool.generation);
+        relax();
+        if (spins % 64 == 0) {
+            long now = now_ns();
+            int shared = now < atomic_load(&pool.contended_until);
+            if (now - start > (shared ? CONTENDED_SPIN_NS : SPIN_NS)) break;
+            offer_core();
+        }
+    }
+    pthread_mutex_lock(&pool.lock);
+    pool.sleepers++;
+    while (atomic_load(&pool.generation) == seen) pthread_cond_wait(&pool.wake, &pool.lock);
+    pool.sleepers--;
+    pthread_mutex_unlock(&pool.lock);
+    return atomic_load(&pool.generation);
+}
+
+/* Pool thread `index`: it takes part in every kernel after generation `born_after[index]`. */
+static int born_after[MAX_THREADS];
+
+static void *pool_thread(void *index) {
+#ifdef __linux__
+    pthread_setname_np(pthread_self(), "nanopaged-cpu");  /* as top -H and tests see it */
+#endif
+    for (int seen = born_after[(long)index];;) {
+        seen = await_kernel(seen);
+        if ((long)index < pool.helpers) {
+            claim_chunks();
+            atomic_fetch_sub(&pool.working, 1);
+        }
+    }
+    return NULL;
+}
+
+/* A child of fork has none of its parent's threads: its pool starts empty. */
+static void forget_threads(void) {
+    pthread_mutex_init(&pool.lock, NULL);
+    pthread_cond_init(&pool.wake, NULL);
+    pool.started = pool.sleepers = 0;
+    atomic_flag_clear(&pool.busy);
+}
+
+/* Runs fn(args, first, end) over the tasks [0, tasks) in chunks of `chunk`, on `threads`
+   threads: the caller and threads - 1 of the pool (started on first need). Each chunk goes to
+   whichever thread claims it first: a thread that is late (asleep, or descheduled by another
+   process) leaves its share to the others. Returns once every task has run. */
+static void parallel(long tasks, long chunk, int threads, task_fn fn, const void *args) {
+    threads = threads < MAX_THREADS ? threads : MAX_THREADS;
+    threads = tasks < threads ? (int)tasks : threads;
+    if (threads <= 1 || atomic_flag_test_and_set(&pool.busy)) {
+        fn(args, 0, tasks);  /* alone (or beside a kernel another thread runs) */
+        return;
+    }
+    pthread_mutex_lock(&pool.lock);
+    if (pool.started == 0) pthread_atfork(NULL, NULL, forget_threads);
+    for (pthread_t thread; pool.started < threads - 1; pool.started++) {
+        born_after[pool.started] = atomic_load(&pool.generation);
+        if (pthread_create(&thread, NULL, pool_thread, (void *)(long)pool.started)) break;
+        pthread_detach(thread);
+    }
+    pool.fn = fn;
+    pool.args = args;
+    pool.tasks = tasks;
+    pool.chunk = chunk;
+    pool.helpers = threads - 1 < pool.started ? threads - 1 : pool.started;
+    atomic_store(&pool.next, 0);
+    atomic_store(&pool.working, pool.helpers);
+    atomic_fetch_add(&pool.generation, 1);
+    if (pool.sleepers) pthread_cond_broadcast(&pool.wake);
+    pthread_mutex_unlock(&pool.lock);
+    claim_chunks();
+    for (long spins = 1; atomic_load(&pool.working) > 0; spins++) {
+        relax();
+        if (spins % 64 == 0) offer_core();  /* a helper descheduled on this core: let it run */
+    }
+    atomic_flag_clear(&pool.busy);
+}
+
+/* Tasks a chunk for a kernel whose tasks cost alike: a few chunks a thread, so that a thread
+   descheduled in the middle of one holds up the kernel for a small part of it. */
+static long even_chunk(long tasks, int threads) {
+    return threads > 1 ? (tasks + 4 * threads - 1) / (4 * threads) : tasks;
+}
 
 /* a . b, n a multiple of LANES: LANES partial sums, one vector register that the compiler keeps
    (a single running sum would be a serial chain of scalar adds). */
@@ -152,6 +313,44 @@ static inline __attribute__((always_inline)) void attend(
    queries cu_seqlens_q[i]:cu_seqlens_q[i + 1], its last tokens; NULL: one each (a decode).
    window 0: every key up to the query; else its last `window` positions.
    Returns 0, or 1 for a shape over this file's limits (the caller computes it otherwise). */
+/* The arguments of paged_attention and prefill_attention, for their tasks. */
+struct attention_args {
+    const float *q;
+    long q_stride;
+    const void *k_cache, *v_cache;
+    int kv_kind;
+    const float *fp8_table;
+    const int32_t *block_tables;
+    long block_table_stride;
+    const int32_t *cu_seqlens_q, *context_lens;
+    int num_seqs, num_heads, num_kv_heads, head_dim, block_size;
+    float scale;
+    int window;
+    float *out;
+    const long *first_task;  /* prefill_attention's: each sequence's first task */
+};
+
+static void attend_tokens(const void *args, long first_token, long end) {
+    const struct attention_args *a = args;
+    for (long token = first_token; token < end; token++) {
+        const int32_t *cu = a->cu_seqlens_q;
+        int seq = cu ? sequence_of(cu, a->num_seqs, (int)token) : (int)token;
+        int start = cu ? cu[seq] : seq;
+        int queries = cu ? cu[seq + 1] - start : 1;
+        int last = a->context_lens[seq] - queries + ((int)token - start); /* its position */
+        int first = a->window > 0 && last + 1 > a->window ? last + 1 - a->window : 0;
+#define ATTEND(HEAD_DIM)                                                                    \
+    attend(a->q + token * a->q_stride, a->k_cache, a->v_cache, a->kv_kind, a->fp8_table,    \
+           a->block_tables + seq * a->block_table_stride, first, last, a->num_heads,        \
+           a->num_kv_heads, HEAD_DIM, a->block_size, a->scale,                              \
+           a->out + token * a->num_heads * a->head_dim)
+        if (a->head_dim == 64) ATTEND(64);
+        else if (a->head_dim == 128) ATTEND(128);
+        else ATTEND(a->head_dim);
+#undef ATTEND
+    }
+}
+
 int paged_attention(const float *q, long q_stride, const void *k_cache, const void *v_cache,
                     int kv_kind, const float *fp8_table, const int32_t *block_tables,
                     long block_table_stride, const int32_t *cu_seqlens_q,
@@ -160,58 +359,72 @@ int paged_attention(const float *q, long q_stride, const void *k_cache, const vo
                     int threads) {
     if (num_heads > MAX_HEADS || head_dim > MAX_HEAD_DIM || head_dim % LANES
         || block_size > MAX_BLOCK || num_heads % num_kv_heads) return 1;
+    struct attention_args args = {q, q_stride, k_cache, v_cache, kv_kind, fp8_table,
+                                  block_tables, block_table_stride, cu_seqlens_q, context_lens,
+                                  num_seqs, num_heads, num_kv_heads, head_dim, block_size,
+                                  scale, window, out, NULL};
     int num_tokens = cu_seqlens_q ? cu_seqlens_q[num_seqs] : num_seqs;
-#pragma omp parallel for schedule(dynamic) num_threads(threads)
-    for (int token = 0; token < num_tokens; token++) {
-        int seq = cu_seqlens_q ? sequence_of(cu_seqlens_q, num_seqs, token) : token;
-        int start = cu_seqlens_q ? cu_seqlens_q[seq] : seq;
-        int queries = cu_seqlens_q ? cu_seqlens_q[seq + 1] - start : 1;
-        int last = context_lens[seq] - queries + (token - start);  /* the query's position */
-        int first = window > 0 && last + 1 > window ? last + 1 - window : 0;
-#define ATTEND(HEAD_DIM)                                                                    \
-    attend(q + token * q_stride, k_cache, v_cache, kv_kind, fp8_table,                      \
-           block_tables + seq * block_table_stride, first, last, num_heads, num_kv_heads,   \
-           HEAD_DIM, block_size, scale, out + (long)token * num_heads * head_dim)
-        if (head_dim == 64) ATTEND(64);
-        else if (head_dim == 128) ATTEND(128);
-        else ATTEND(head_dim);
-#undef ATTEND
-    }
+    parallel(num_tokens, 1, threads, attend_tokens, &args);  /* contexts differ: a token a claim */
     return 0;
 }
 
 /* RMSNorm of `rows` rows of n: row r at x + (r / inner) * outer_stride + (r % inner) * n (a
    (T, heads, n) view of a fused projection's output, or plain rows: inner 1). With a residual
    (rows, n): x + residual is normalised and written to `sum` first (the residual stream). */
-void rms_norm(const float *x, long outer_stride, int inner, const float *residual,
-              const float *weight, long rows, int n, float eps, float *out, float *sum,
-              int threads) {
-#pragma omp parallel for if (rows * n >= PARALLEL_MIN) num_threads(threads)
-    for (long r = 0; r < rows; r++) {
-        const float *x_r = x + r / inner * outer_stride + r % inner * n;
-        float *o = out + r * n, squares = 0.0f;
-        if (residual) {
-            for (int i = 0; i < n; i++) sum[r * n + i] = x_r[i] + residual[r * n + i];
-            x_r = sum + r * n;
+struct norm_args {
+    const float *x;
+    long outer_stride;
+    int inner;
+    const float *residual, *weight;
+    int n;
+    float eps;
+    float *out, *sum;
+};
+
+static void norm_rows(const void *args, long first, long end) {
+    const struct norm_args *a = args;
+    int n = a->n;
+    for (long r = first; r < end; r++) {
+        const float *x_r = a->x + r / a->inner * a->outer_stride + r % a->inner * n;
+        float *o = a->out + r * n, squares = 0.0f;
+        if (a->residual) {
+            for (int i = 0; i < n; i++) a->sum[r * n + i] = x_r[i] + a->residual[r * n + i];
+            x_r = a->sum + r * n;
         }
 #pragma omp simd reduction(+ : squares)
         for (int i = 0; i < n; i++) squares += x_r[i] * x_r[i];
-        float inv = 1.0f / sqrtf(squares / n + eps);
-        for (int i = 0; i < n; i++) o[i] = weight[i] * (x_r[i] * inv);
+        float inv = 1.0f / sqrtf(squares / n + a->eps);
+        for (int i = 0; i < n; i++) o[i] = a->weight[i] * (x_r[i] * inv);
     }
+}
+
+void rms_norm(const float *x, long outer_stride, int inner, const float *residual,
+              const float *weight, long rows, int n, float eps, float *out, float *sum,
+              int threads) {
+    struct norm_args args = {x, outer_stride, inner, residual, weight, n, eps, out, sum};
+    threads = rows * n >= PARALLEL_MIN ? threads : 1;
+    parallel(rows, even_chunk(rows, threads), threads, norm_rows, &args);
 }
 
 /* Rotary embedding, rotate-half layout, of `heads` heads of dim n per token (token t's at
    x + t * stride, its heads n apart) -> out (T, heads, n); cos_sin (positions, n): cos | sin. */
-void rotary(const float *x, long stride, int tokens, int heads, int n, const int64_t *positions,
-            const float *cos_sin, float *out, int threads) {
-    int half = n / 2;
-#pragma omp parallel for if ((long)tokens * heads * n >= PARALLEL_MIN) num_threads(threads)
-    for (int t = 0; t < tokens; t++) {
-        const float *cos = cos_sin + positions[t] * n, *sin = cos + half;
+struct rotary_args {
+    const float *x;
+    long stride;
+    int heads, n;
+    const int64_t *positions;
+    const float *cos_sin;
+    float *out;
+};
+
+static void rotate_tokens(const void *args, long first, long end) {
+    const struct rotary_args *a = args;
+    int heads = a->heads, n = a->n, half = n / 2;
+    for (long t = first; t < end; t++) {
+        const float *cos = a->cos_sin + a->positions[t] * n, *sin = cos + half;
         for (int h = 0; h < heads; h++) {
-            const float *x1 = x + t * stride + h * n, *x2 = x1 + half;
-            float *o = out + ((long)t * heads + h) * n;
+            const float *x1 = a->x + t * a->stride + h * n, *x2 = x1 + half;
+            float *o = a->out + (t * heads + h) * n;
             for (int i = 0; i < half; i++) {
                 o[i] = x1[i] * cos[i] - x2[i] * sin[i];
                 o[half + i] = x2[i] * cos[i] + x1[i] * sin[i];
@@ -220,33 +433,70 @@ void rotary(const float *x, long stride, int tokens, int heads, int n, const int
     }
 }
 
+void rotary(const float *x, long stride, int tokens, int heads, int n, const int64_t *positions,
+            const float *cos_sin, float *out, int threads) {
+    struct rotary_args args = {x, stride, heads, n, positions, cos_sin, out};
+    threads = (long)tokens * heads * n >= PARALLEL_MIN ? threads : 1;
+    parallel(tokens, even_chunk(tokens, threads), threads, rotate_tokens, &args);
+}
+
 /* gate_up (T, 2n): out (T, n) = silu(gate) * up, silu(x) = x sigmoid(x), the sigmoid from
    e^-|x| (never overflows). */
-void silu_and_mul(const float *gate_up, long tokens, int n, float *out, int threads) {
-#pragma omp parallel for if (tokens * n >= PARALLEL_MIN) num_threads(threads)
-    for (long t = 0; t < tokens; t++) {
-        const float *gate = gate_up + t * 2 * n, *up = gate + n;
+struct silu_args {
+    const float *gate_up;
+    int n;
+    float *out;
+};
+
+static void silu_tokens(const void *args, long first, long end) {
+    const struct silu_args *a = args;
+    int n = a->n;
+    for (long t = first; t < end; t++) {
+        const float *gate = a->gate_up + t * 2 * n, *up = gate + n;
+        float *out = a->out + t * n;
 #pragma omp simd
         for (int i = 0; i < n; i++) {
             float e = exp_nonpositive(gate[i] > 0.0f ? -gate[i] : gate[i]);
             float sigmoid = gate[i] > 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e);
-            out[t * n + i] = gate[i] * sigmoid * up[i];
+            out[i] = gate[i] * sigmoid * up[i];
         }
     }
+}
+
+void silu_and_mul(const float *gate_up, long tokens, int n, float *out, int threads) {
+    struct silu_args args = {gate_up, n, out};
+    threads = tokens * n >= PARALLEL_MIN ? threads : 1;
+    parallel(tokens, even_chunk(tokens, threads), threads, silu_tokens, &args);
 }
 
 /* Each token's K and V rows (`row` floats; tokens k_stride and v_stride apart) copied into their
    float32 cache slots (a slot below 0: none, as padding in the Triton kernel): index_copy_ took
    30-70 us a layer for a decode step's few rows. */
+struct store_args {
+    const float *k;
+    long k_stride;
+    const float *v;
+    long v_stride;
+    int row;
+    const int64_t *slots;
+    float *k_cache, *v_cache;
+};
+
+static void store_tokens(const void *args, long first, long end) {
+    const struct store_args *a = args;
+    for (long t = first; t < end; t++) {
+        if (a->slots[t] < 0)
+            continue;
+        memcpy(a->k_cache + a->slots[t] * a->row, a->k + t * a->k_stride, a->row * sizeof(float));
+        memcpy(a->v_cache + a->slots[t] * a->row, a->v + t * a->v_stride, a->row * sizeof(float));
+    }
+}
+
 void store_kv(const float *k, long k_stride, const float *v, long v_stride, long tokens, int row,
               const int64_t *slots, float *k_cache, float *v_cache, int threads) {
-#pragma omp parallel for if (tokens * row >= PARALLEL_MIN) num_threads(threads)
-    for (long t = 0; t < tokens; t++) {
-        if (slots[t] < 0)
-            continue;
-        memcpy(k_cache + slots[t] * row, k + t * k_stride, row * sizeof(float));
-        memcpy(v_cache + slots[t] * row, v + t * v_stride, row * sizeof(float));
-    }
+    struct store_args args = {k, k_stride, v, v_stride, row, slots, k_cache, v_cache};
+    threads = tokens * row >= PARALLEL_MIN ? threads : 1;
+    parallel(tokens, even_chunk(tokens, threads), threads, store_tokens, &args);
 }
 
 /* The first token of the largest logit, a NaN counting as +inf (0 when all are -inf). */
@@ -269,12 +519,19 @@ static int first_argmax(const float *x, int n) {
    chunk's mass, so a token of weight 0 (a logit of -inf) is never picked. A row that is no
    distribution (every logit -inf, or a +inf or NaN among them) gets its greedy token, the
    first of its largest logit with NaN as +inf, as the PyTorch sampler gives it. */
-void sample(const float *logits, const float *temperatures, const float *uniform, long rows,
-            int n, int64_t *tokens, int threads) {
-#pragma omp parallel for if (rows * n >= PARALLEL_MIN) num_threads(threads)
-    for (long r = 0; r < rows; r++) {
-        const float *x = logits + r * n;
-        float max = -INFINITY, inv_t = 1.0f / temperatures[r];
+struct sample_args {
+    const float *logits, *temperatures, *uniform;
+    int n;
+    int64_t *tokens;
+};
+
+static void sample_rows(const void *args, long first, long end) {
+    const struct sample_args *a = args;
+    int n = a->n;
+    int64_t *tokens = a->tokens;
+    for (long r = first; r < end; r++) {
+        const float *x = a->logits + r * n;
+        float max = -INFINITY, inv_t = 1.0f / a->temperatures[r];
 #pragma omp simd reduction(max : max)
         for (int i = 0; i < n; i++) max = x[i] > max ? x[i] : max;
         double total = 0.0, target;
@@ -291,7 +548,7 @@ void sample(const float *logits, const float *temperatures, const float *uniform
             tokens[r] = first_argmax(x, n);
             continue;
         }
-        target = uniform[r] * total;
+        target = a->uniform[r] * total;
         int c = 0, found = -1;
         for (; c * CHUNK < n; c++) {
             found = chunks[c] > 0.0f ? c : found;
@@ -311,6 +568,13 @@ void sample(const float *logits, const float *temperatures, const float *uniform
         }
         tokens[r] = token < 0 ? 0 : token;  /* no weight anywhere (all -inf or NaN) */
     }
+}
+
+void sample(const float *logits, const float *temperatures, const float *uniform, long rows,
+            int n, int64_t *tokens, int threads) {
+    struct sample_args args = {logits, temperatures, uniform, n, tokens};
+    threads = rows * n >= PARALLEL_MIN ? threads : 1;
+    parallel(rows, even_chunk(rows, threads), threads, sample_rows, &args);
 }
 
 /* `rows` (at most TILE_ROWS) rows of x times one panel: rows x 2 vector sums in registers, each
@@ -401,50 +665,55 @@ static inline __attribute__((always_inline)) void rows_times_panel(
    from memory once a step for few rows (a decode batch), each panel read once for all of them.
    A prefill's rows go by blocks of at most BLOCK_BYTES of x, which stay in the core's L2 cache
    while every panel passes (all of x, megabytes, would come from L3 for each panel: 7% slower). */
+struct matmul_args {
+    const float *x;
+    long x_stride;
+    const float *panels;
+    long rows;
+    int k_size;
+    long n, block_rows;
+    float *out;
+};
+
+/* Tasks b * panels + p: rows block b times panel p; a chunk, consecutive panels of a block. */
+static void matmul_tasks(const void *args, long first_task, long end) {
+    const struct matmul_args *a = args;
+    long panels = a->n / PANEL;
+    for (long task = first_task; task < end; task++) {
+        long b = task / panels, p = task % panels, first = b * a->block_rows;
+        long count = first + a->block_rows < a->rows ? a->block_rows : a->rows - first;
+        const float *panel = a->panels + p * a->k_size * PANEL;
+        rows_times_panel(a->x + first * a->x_stride, a->x_stride, panel, PANEL, a->k_size, count,
+                         a->out + first * a->n + p * PANEL, a->n, 0,
+                         p + 1 < panels && task + 1 < end ? panel + a->k_size * PANEL : NULL);
+    }
+}
+
 void panel_matmul(const float *x, long x_stride, const float *panels, long rows, int k_size,
                   long n, float *out, int threads) {
     long blocks = (rows * k_size * (long)sizeof(float) + BLOCK_BYTES - 1) / BLOCK_BYTES;
-    long block_rows = (rows + blocks - 1) / blocks;
-#pragma omp parallel for collapse(2) schedule(static) num_threads(threads)
-    for (long b = 0; b < blocks; b++)
-        for (long p = 0; p < n / PANEL; p++) {
-            long first = b * block_rows;
-            long count = first + block_rows < rows ? block_rows : rows - first;
-            const float *panel = panels + p * k_size * PANEL;
-            rows_times_panel(x + first * x_stride, x_stride, panel, PANEL, k_size, count,
-                             out + first * n + p * PANEL, n, 0,
-                             p + 1 < n / PANEL ? panel + k_size * PANEL : NULL);
-        }
+    struct matmul_args args = {x, x_stride, panels, rows, k_size, n, (rows + blocks - 1) / blocks,
+                               out};
+    long tasks = blocks * (n / PANEL);
+    parallel(tasks, even_chunk(tasks, threads), threads, matmul_tasks, &args);
 }
 
-/* Causal attention of prefills, many queries a sequence, as matrix products (the structure of
-   the Triton prefill kernel): a task takes PANEL rows, (query token, head) pairs of one K/V
-   head's group, their queries transposed once into a panel, and walks the sequence's blocks:
-   S^T = K Q^T (the block's keys as rows, read in place), the online softmax vectorized over the
-   rows, then O += P V (V's rows in place as a panel). Arguments as paged_attention's, with
-   cu_seqlens_q; head_dim a multiple of PANEL. Returns 0, or 1 for a shape over the limits. */
-int prefill_attention(const float *q, long q_stride, const void *k_cache, const void *v_cache,
-                      int kv_kind, const float *fp8_table, const int32_t *block_tables,
-                      long block_table_stride, const int32_t *cu_seqlens_q,
-                      const int32_t *context_lens, int num_seqs, int num_heads, int num_kv_heads,
-                      int head_dim, int block_size, float scale, int window, float *out,
-                      int threads) {
-    if (head_dim > MAX_HEAD_DIM || head_dim % PANEL || block_size > MAX_BLOCK
-        || block_size * head_dim > MAX_HEADS * MAX_HEAD_DIM || num_heads % num_kv_heads)
-        return 1;
-    int group = num_heads / num_kv_heads, row = num_kv_heads * head_dim;
-    long first_task[num_seqs + 1];  /* a sequence's tasks: K/V heads x tiles of its rows */
-    first_task[0] = 0;
-    for (int i = 0; i < num_seqs; i++) {
-        long rows = (long)(cu_seqlens_q[i + 1] - cu_seqlens_q[i]) * group;
-        first_task[i + 1] = first_task[i] + num_kv_heads * ((rows + PANEL - 1) / PANEL);
-    }
-#pragma omp parallel for schedule(dynamic) num_threads(threads)
-    for (long task = 0; task < first_task[num_seqs]; task++) {
+/* prefill_attention's tasks: task i is one tile of PANEL rows of one K/V head of a sequence. */
+static void attend_tiles(const void *args, long first_task, long end) {
+    const struct attention_args *a = args;
+    const float *q = a->q, *fp8_table = a->fp8_table;
+    const void *k_cache = a->k_cache, *v_cache = a->v_cache;
+    const int32_t *cu_seqlens_q = a->cu_seqlens_q, *context_lens = a->context_lens;
+    long q_stride = a->q_stride;
+    int kv_kind = a->kv_kind, num_heads = a->num_heads, head_dim = a->head_dim;
+    int block_size = a->block_size, window = a->window;
+    int group = num_heads / a->num_kv_heads, row = a->num_kv_heads * head_dim;
+    float scale = a->scale;
+    for (long task = first_task; task < end; task++) {
         int seq = 0;
-        while (first_task[seq + 1] <= task) seq++;
+        while (a->first_task[seq + 1] <= task) seq++;
         int queries = cu_seqlens_q[seq + 1] - cu_seqlens_q[seq];
-        long tiles = ((long)queries * group + PANEL - 1) / PANEL, index = task - first_task[seq];
+        long tiles = ((long)queries * group + PANEL - 1) / PANEL, index = task - a->first_task[seq];
         int kv_head = (int)(index / tiles), first_row = (int)(index % tiles) * PANEL;
         int rows = queries * group - first_row < PANEL ? queries * group - first_row : PANEL;
         float qt[MAX_HEAD_DIM * PANEL], o[PANEL * MAX_HEAD_DIM], st[MAX_BLOCK * PANEL];
@@ -465,7 +734,7 @@ int prefill_attention(const float *q, long q_stride, const void *k_cache, const 
         int lowest = position[0], highest = position[rows - 1];
         memset(o, 0, sizeof(float) * PANEL * head_dim);
         int first = window > 0 && lowest + 1 > window ? lowest + 1 - window : 0;
-        const int32_t *block_table = block_tables + seq * block_table_stride;
+        const int32_t *block_table = a->block_tables + seq * a->block_table_stride;
         for (int b = first / block_size; b <= highest / block_size; b++) {
             int t0 = b == first / block_size ? first % block_size : 0;
             int t1 = b == highest / block_size ? highest % block_size + 1 : block_size;
@@ -526,10 +795,39 @@ int prefill_attention(const float *q, long q_stride, const void *k_cache, const 
         }
         for (int r = 0; r < rows; r++) {
             int token = (first_row + r) / group, head = kv_head * group + (first_row + r) % group;
-            float *dest = out + ((long)(cu_seqlens_q[seq] + token) * num_heads + head) * head_dim;
+            float *dest = a->out + ((long)(cu_seqlens_q[seq] + token) * num_heads + head) * head_dim;
             for (int d = 0; d < head_dim; d++)
                 dest[d] = l[r] > 0.0f ? o[r * head_dim + d] / l[r] : 0.0f;
         }
     }
+}
+
+/* Causal attention of prefills, many queries a sequence, as matrix products (the structure of
+   the Triton prefill kernel): a task takes PANEL rows, (query token, head) pairs of one K/V
+   head's group, their queries transposed once into a panel, and walks the sequence's blocks:
+   S^T = K Q^T (the block's keys as rows, read in place), the online softmax vectorized over the
+   rows, then O += P V (V's rows in place as a panel). Arguments as paged_attention's, with
+   cu_seqlens_q; head_dim a multiple of PANEL. Returns 0, or 1 for a shape over the limits. */
+int prefill_attention(const float *q, long q_stride, const void *k_cache, const void *v_cache,
+                      int kv_kind, const float *fp8_table, const int32_t *block_tables,
+                      long block_table_stride, const int32_t *cu_seqlens_q,
+                      const int32_t *context_lens, int num_seqs, int num_heads, int num_kv_heads,
+                      int head_dim, int block_size, float scale, int window, float *out,
+                      int threads) {
+    if (head_dim > MAX_HEAD_DIM || head_dim % PANEL || block_size > MAX_BLOCK
+        || block_size * head_dim > MAX_HEADS * MAX_HEAD_DIM || num_heads % num_kv_heads)
+        return 1;
+    int group = num_heads / num_kv_heads;
+    long first_task[num_seqs + 1];  /* a sequence's tasks: K/V heads x tiles of its rows */
+    first_task[0] = 0;
+    for (int i = 0; i < num_seqs; i++) {
+        long rows = (long)(cu_seqlens_q[i + 1] - cu_seqlens_q[i]) * group;
+        first_task[i + 1] = first_task[i] + num_kv_heads * ((rows + PANEL - 1) / PANEL);
+    }
+    struct attention_args args = {q, q_stride, k_cache, v_cache, kv_kind, fp8_table,
+                                  block_tables, block_table_stride, cu_seqlens_q, context_lens,
+                                  num_seqs, num_heads, num_kv_heads, head_dim, block_size,
+                                  scale, window, out, first_task};
+    parallel(first_task[num_seqs], 1, threads, attend_tiles, &args);  /* a tile a claim */
     return 0;
 }

@@ -4,22 +4,23 @@ its C compiler, and the functions that call them on torch tensors.
 PyTorch on a CPU has no fused paged attention: the plain path copies every context out
 of the cache (`index_select`) before it attends, and at decode sizes its small operators
 (a norm is six) cost more in dispatch than in arithmetic (docs/cpu.md). The C file is
-the Triton kernels' attention in a loop nest, and the element-wise chains fused. It is
-built with `$CC` (default `cc`) into ~/.cache/nanopaged the first time a process needs
-it (under a second), linked to the OpenMP runtime torch has loaded, so that its threads
-are torch's. Where it cannot be built (no compiler: said once), each function here
-returns None or runs the plain PyTorch code.
+the Triton kernels' attention in a loop nest, the element-wise chains fused, sampling
+and the linear layers' matmul. It is built with `$CC` (default `cc`) into
+~/.cache/nanopaged the first time a process needs it (a few seconds). Its kernels run
+on `threads()` threads of its own (a pool in the C file), not on the OpenMP runtime
+torch has loaded: how they wait between kernels is the engine's choice, and the
+program's OpenMP settings stay the program's. Where it cannot be built (no compiler:
+said once), each function here returns None or runs the plain PyTorch code.
 """
 
 import ctypes
 import functools
 import hashlib
-import json
 import logging
+import math
 import os
 import subprocess
 import tempfile
-import time
 
 import torch
 
@@ -29,7 +30,10 @@ SOURCE = os.path.join(os.path.dirname(__file__), "kernels.c")
 CACHE_DIR = os.path.join(
     os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "nanopaged"
 )
-FLAGS = ["-O3", "-march=native", "-fno-trapping-math", "-shared", "-fPIC"]
+FLAGS = ["-O3", "-march=native", "-fno-trapping-math", "-shared", "-fPIC", "-pthread"]
+# `#pragma omp simd` vectorizes the file's reductions; no OpenMP runtime is linked (the
+# library's threads are its own): a compiler without the flag builds it without them
+SIMD_FLAG = "-fopenmp-simd"
 # the cache dtypes paged_attention reads (the C file's kv_kind)
 KV_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float8_e4m3fn: 2}
 _P, _L, _I, _F = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_float
@@ -54,6 +58,40 @@ logger = logging.getLogger(__name__)
 
 
 @functools.cache
+def usable_cores() -> int:
+    """The cores this process may run on: its affinity mask, capped by a cgroup CPU
+    quota."""
+    cores = (
+        len(os.sched_getaffinity(0))
+        if hasattr(os, "sched_getaffinity")
+        else os.cpu_count()
+    )
+    for path, scale in (
+        ("/sys/fs/cgroup/cpu.max", None),  # cgroup v2: "quota period"
+        ("/sys/fs/cgroup/cpu/cpu.cfs_quota_us", "cpu.cfs_period_us"),
+    ):
+        try:
+            with open(path) as f:
+                quota, *period = f.read().split()
+            if scale:
+                with open(os.path.join(os.path.dirname(path), scale)) as f:
+                    period = [f.read()]
+        except OSError:
+            continue
+        if quota not in ("max", "-1"):
+            cores = min(cores, max(1, math.ceil(int(quota) / int(period[0]))))
+        break
+    return max(1, cores or 1)
+
+
+def threads() -> int:
+    """The threads a kernel runs on: torch's count, the program's choice (its
+    `torch.set_num_threads`, `OMP_NUM_THREADS`), but never more than the cores this
+    process may use (torch counts the machine's, which a container may not have)."""
+    return min(torch.get_num_threads(), usable_cores())
+
+
+@functools.cache
 def _target(compiler: str) -> str:
     """What `compiler -march=native` targets here, as its predefined macros (the
     instruction sets: __AVX2__, __ARM_FEATURE_SVE...) and its version: a library built
@@ -73,13 +111,12 @@ def _target(compiler: str) -> str:
 
 
 def _compile(compiler: str, path: str) -> None:
-    """Builds the library at `path`: with OpenMP, else (a compiler without it) on one
-    thread, said in a file beside it (`.serial`). Raises OSError with what the
-    compiler said."""
+    """Builds the library at `path` (with `SIMD_FLAG` where the compiler has it).
+    Raises OSError with what the compiler said."""
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(path))
     os.close(fd)
     try:
-        for flags in (FLAGS + ["-fopenmp"], FLAGS):
+        for flags in (FLAGS + [SIMD_FLAG], FLAGS):
             try:
                 subprocess.run(
                     [compiler, *flags, SOURCE, "-o", tmp, "-lm"],
@@ -87,8 +124,6 @@ def _compile(compiler: str, path: str) -> None:
                     capture_output=True,
                     timeout=120,
                 )
-                if "-fopenmp" not in flags:
-                    open(path + ".serial", "w").close()
                 # atomic: a concurrent process sees all the file or none
                 os.replace(tmp, path)
                 return
@@ -116,18 +151,13 @@ def library_path() -> str:
 @functools.cache
 def library() -> ctypes.CDLL | None:
     """The compiled kernels, built on first use; None where they cannot be built or
-    loaded (a missing compiler, a read-only or noexec cache folder), or where they were
-    built without OpenMP and PyTorch has several threads (its operators are then
-    faster): said once, in the log."""
+    loaded (a missing compiler, a read-only or noexec cache folder): said once, in the
+    log."""
     path = library_path()
     try:
         if not os.path.exists(path):
             os.makedirs(CACHE_DIR, exist_ok=True)
             _compile(os.environ.get("CC", "cc"), path)
-        if os.path.exists(path + ".serial") and torch.get_num_threads() > 1:
-            raise OSError(
-                "the compiler has no OpenMP: the kernels would run on 1 thread"
-            )
         lib = ctypes.CDLL(path)
     except OSError as error:
         logger.warning(
@@ -140,59 +170,6 @@ def library() -> ctypes.CDLL | None:
         getattr(lib, name).restype = restype
         getattr(lib, name).argtypes = argtypes
     return lib
-
-
-@functools.cache
-def panels_faster() -> bool:
-    """Whether `panel_matmul` multiplies faster than oneDNN here, at this many threads:
-    measured once (a decode's and a prefill's rows, best of 5 each) and kept beside the
-    library, so that every process on this machine makes the same choice."""
-    if library() is None or not torch.backends.mkldnn.is_available():
-        return library() is not None
-    record, threads = library_path() + ".json", str(torch.get_num_threads())
-    try:
-        with open(record) as f:
-            measured = json.load(f)
-    except (OSError, ValueError):
-        measured = {}
-    if threads not in measured:
-        measured[threads] = _measure_panels()
-        try:  # atomic, as the library: a concurrent process reads all of it or none
-            fd, tmp = tempfile.mkstemp(dir=CACHE_DIR)
-            with os.fdopen(fd, "w") as f:
-                json.dump(measured, f)
-            os.replace(tmp, record)
-        except OSError:
-            pass  # measured again by the next process
-    return bool(measured[threads])
-
-
-def _measure_panels() -> bool:
-    g = torch.Generator().manual_seed(0)
-    weight = torch.randn(1024, 1024, generator=g)
-    panels = pack_panels(weight)
-    packed = torch.ops.mkldnn._reorder_linear_weight(weight, 64)
-    for rows in (8, 256):
-        x = torch.randn(rows, 1024, generator=g)
-        ours = _best_time(lambda x=x: panel_matmul(x, panels))
-        theirs = _best_time(
-            lambda x=x: torch.ops.mkldnn._linear_pointwise(
-                x, packed, None, "none", [None], ""
-            )
-        )
-        if ours >= theirs:
-            return False
-    return True
-
-
-def _best_time(run, repeats: int = 5) -> float:
-    run()  # warm-up
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - start)
-    return min(times)
 
 
 @functools.cache
@@ -254,7 +231,7 @@ def paged_attention(
         scale,
         window or 0,
         out.data_ptr(),
-        torch.get_num_threads(),
+        threads(),
     )
     return None if failed else out.to(q.dtype)
 
@@ -281,7 +258,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         eps,
         out.data_ptr(),
         None,
-        torch.get_num_threads(),
+        threads(),
     )
     return out
 
@@ -307,7 +284,7 @@ def add_rms_norm(
         eps,
         out.data_ptr(),
         total.data_ptr(),
-        torch.get_num_threads(),
+        threads(),
     )
     return out, total
 
@@ -332,7 +309,7 @@ def apply_rotary(
             positions.data_ptr(),
             cos_sin.data_ptr(),
             out.data_ptr(),
-            torch.get_num_threads(),
+            threads(),
         )
         rotated.append(out)
     return rotated[0], rotated[1]
@@ -350,7 +327,7 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
         gate_up.numel() // (2 * n),
         n,
         out.data_ptr(),
-        torch.get_num_threads(),
+        threads(),
     )
     return out
 
@@ -381,7 +358,7 @@ def store_kv(
         slots.data_ptr(),
         k_cache.data_ptr(),
         v_cache.data_ptr(),
-        torch.get_num_threads(),
+        threads(),
     )
     return True
 
@@ -406,7 +383,7 @@ def sample(
         len(logits),
         logits.shape[1],
         tokens.data_ptr(),
-        torch.get_num_threads(),
+        threads(),
     )
     return tokens
 
@@ -434,7 +411,7 @@ def panel_matmul(x: torch.Tensor, panels: torch.Tensor) -> torch.Tensor:
         rows.shape[1],
         n,
         out.data_ptr(),
-        torch.get_num_threads(),
+        threads(),
     )
     return out.view(*x.shape[:-1], n)
 
