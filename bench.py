@@ -8,6 +8,8 @@
     python bench.py --prefix-len 512     # every prompt shares 512 leading tokens
     python bench.py --steps              # decode step time per batch, prefill tok/s
     python bench.py --host               # host time per decode step (no GPU needed)
+    python bench.py --simulate           # the default workload on a simulated H200,
+                                         # async scheduling off and on (no GPU needed)
     python bench.py --kernels --engines nanopaged:triton,nano-vllm
                                          # one decode step's kernels, engine by engine
     python bench.py --spec               # speculative decoding off and on
@@ -43,7 +45,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--engines",
         help=f"comma-separated, from {', '.join(ENGINES)}; "
         f"nanopaged:BACKEND picks an attention backend (torch, cpu, "
-        f"triton, flash)",
+        f"triton, flash, auto), nanopaged:BACKEND+async adds async scheduling",
     )
     p.add_argument("--num-requests", type=int)
     p.add_argument("--prompt-len", type=int, nargs=2, metavar=("MIN", "MAX"))
@@ -105,6 +107,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     modes.add_argument(
         "--host", action="store_true", help="time the host's work per decode step"
+    )
+    p.add_argument(
+        "--simulate",
+        action="store_true",
+        help="the workload through generate on a simulated H200 (its measured "
+        "kernel-busy time per step), async scheduling off and on",
     )
     modes.add_argument(
         "--kernels",
@@ -203,6 +211,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error('--serve needs httpx: pip install -e ".[bench]"')
     if args.plot and (
         args.host
+        or args.simulate
         or args.profile
         or args.spec
         or args.lora
@@ -220,8 +229,13 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    model = resolve_model(args)
-    if args.host:
+    model = None if args.simulate else resolve_model(args)  # it writes its own tiny one
+    if args.simulate:
+        from benchmarks.simulate import print_simulation, simulate
+
+        result = dict(simulation=simulate(args))
+        print_simulation(result["simulation"])
+    elif args.host:
         from benchmarks.host import host_times, print_host
 
         result = dict(host=host_times(model, args))

@@ -21,7 +21,10 @@ ENGINES = ("nanopaged", "hf", "hf-static", "nano-vllm", "vllm")
 
 
 def run_nanopaged(model: str, work: Workload, args, backend: str = "auto") -> dict:
+    """`backend`: an attention backend, and "+async" for async scheduling."""
     from nanopaged import LLM, LoRARequest, SamplingParams
+
+    backend, _, mode = backend.partition("+")
 
     # benchmarks/lora.py's adapters (LoRA on), or None
     paths = getattr(args, "lora_paths", None)
@@ -36,7 +39,8 @@ def run_nanopaged(model: str, work: Workload, args, backend: str = "auto") -> di
         model,
         max_model_len=args.max_model_len,
         enforce_eager=args.enforce_eager,
-        attention_backend=backend,
+        attention_backend=backend or "auto",
+        async_scheduling=mode == "async",
         tensor_parallel_size=args.tensor_parallel_size,
         speculative_config=args.speculative_config,
         max_num_seqs=args.max_num_seqs,

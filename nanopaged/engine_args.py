@@ -154,6 +154,12 @@ OPTIONS = {
         'how a pooling engine pools, over the checkpoint\'s: {"pooling_type": '
         '"MEAN", "normalize": false} (LAST, MEAN, CLS, ALL)',
     ),
+    "async_scheduling": (
+        bool,
+        False,
+        "schedule and launch each step while the one before runs, and read that "
+        "one's tokens then (vLLM's): the host's work hides behind the device's",
+    ),
     "trace": (
         str | None,
         None,
@@ -235,6 +241,7 @@ SURFACE = (
     "runner",
     "task",
     "pooler_config",
+    "async_scheduling",
     "trace",
 )
 

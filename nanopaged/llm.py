@@ -23,6 +23,7 @@ from nanopaged.checkpoint import (
 from nanopaged.compat import VLLMEngineAPI
 from nanopaged.core.config import Config
 from nanopaged.core.llm_engine import LLMEngine
+from nanopaged.core.model_runner import ModelRunner
 from nanopaged.core.sequence import Sequence
 from nanopaged.core.step import SamplerOutput, ScheduledStep
 from nanopaged.engine_args import make_config, split_options
@@ -111,7 +112,17 @@ class LLM(VLLMEngineAPI):
             )
             self.lora = LoRAAdmission(lora, surface["max_loras"])
         extra_kv = proposer.kv_bytes_per_block() if spec else 0
-        runner = make_runner(config, self.parallel, extra_kv, lora, VLLMSampler)
+        # speculation and the trace run each step synchronously
+        overlap = surface["async_scheduling"] and not spec and not surface["trace"]
+        if overlap:
+            from nanopaged import async_scheduling
+
+            if self.parallel.tensor_parallel_size > 1:
+                raise ValueError(
+                    "async_scheduling does not run with tensor_parallel_size > 1"
+                )
+        single = async_scheduling.single_runner(config) if overlap else ModelRunner
+        runner = make_runner(config, self.parallel, extra_kv, lora, VLLMSampler, single)
         self.requests: dict[str, Request] = {}  # the unfinished ones
         # a sequence's request, sample
         self.owners: dict[Sequence, tuple[Request, int]] = {}
@@ -123,11 +134,12 @@ class LLM(VLLMEngineAPI):
             runner = TracedRunner(runner, self.tracer)
         # tensor-parallel workers exit when the engine is closed or garbage-collected
         self._finalizer = weakref.finalize(self, runner.close)
-        self.engine = (
-            speculative.SpeculativeEngine(config, runner, spec, proposer)
-            if spec
-            else LLMEngine(config, runner)
-        )
+        if spec:
+            self.engine = speculative.SpeculativeEngine(config, runner, spec, proposer)
+        elif overlap:
+            self.engine = async_scheduling.AsyncEngine(config, runner)
+        else:
+            self.engine = LLMEngine(config, runner)
         if self.tracer:
             self.tracer.attach(self.engine, config)
         self.inputs.num_blocks = self.engine.block_manager.num_blocks
@@ -268,6 +280,8 @@ class LLM(VLLMEngineAPI):
         start = sum(step.sample_counts)
         for i, count in step.prompt_rows:
             logits, start = sampled.logits[start : start + count], start + count
+            if step.seqs[i] not in self.owners:  # aborted while its step ran
+                continue
             request, _ = self.owners[step.seqs[i]]
             targets = request.prompt_token_ids[step.starts[i] + 1 :][: len(logits)]
             try:
@@ -281,6 +295,8 @@ class LLM(VLLMEngineAPI):
                 self._fail(request, error)
         logprobs = self._logprobs(step, sampled)
         for row, seq in enumerate(step.samplers):
+            if seq not in self.owners:  # aborted while its step ran (async scheduling)
+                continue
             request, index = self.owners[seq]
             advanced[request] = None
             if request.metrics.first_token_time is None:

@@ -44,7 +44,7 @@ from nanopaged.checks import check_fields
 from nanopaged.core.config import Config
 from nanopaged.core.model_runner import ModelRunner, RunnerExtension
 from nanopaged.core.sampler import Sampler
-from nanopaged.core.step import SamplerOutput, ScheduledStep, StepInputs
+from nanopaged.core.step import Pending, SamplerOutput, ScheduledStep, StepInputs
 
 # Workers wait for rank 0's next message for as long as the caller leaves the engine
 # idle.
@@ -160,14 +160,16 @@ def make_runner(
     extra_kv_bytes_per_block: int = 0,
     extension: RunnerExtension | None = None,
     sampler: type[Sampler] = Sampler,
+    single: type[ModelRunner] = ModelRunner,
 ) -> ModelRunner:
-    """The engine's model runner: in this process alone, on every rank torchrun started,
-    or on this process (rank 0) and the worker processes it starts. A feature's
-    `extension` (LoRA's) takes part in every rank's runner: each worker gets a copy,
-    made before rank 0's is used. Rank 0 samples with `sampler`."""
+    """The engine's model runner: in this process alone (a `single`, async
+    scheduling's on a CPU), on every rank torchrun started, or on this process (rank 0)
+    and the worker processes it starts. A feature's `extension` (LoRA's) takes part in
+    every rank's runner: each worker gets a copy, made before rank 0's is used. Rank 0
+    samples with `sampler`."""
     options = (extra_kv_bytes_per_block, extension, sampler)
     if parallel.tensor_parallel_size == 1:
-        return ModelRunner(config, *options)
+        return single(config, *options)
     if parallel.external_launcher:
         return TorchrunRunner(config, *options)
     return MultiprocRunner(config, parallel, *options)
@@ -225,10 +227,12 @@ class MultiprocRunner(ModelRunner):
                 wait_for_gpu(self.workers)
             return sampled
 
-    def execute(self, inputs: StepInputs) -> tuple[torch.Tensor | None, torch.Tensor]:
+    def execute(
+        self, inputs: StepInputs, pending: Pending | None = None
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:
         if self.workers:  # built: the workers wait for every step
             broadcast(inputs, self.group, self.workers)
-        return super().execute(inputs)
+        return super().execute(inputs, pending)
 
     def close(self) -> None:
         """Stops the workers and leaves the process group."""

@@ -82,6 +82,7 @@ LAYERS = [
     "inputs",
     "compat",
     "speculative",
+    "async_scheduling",
     "data_parallel",
     "serving.router",
     "trace",

@@ -220,12 +220,12 @@ def test_a_dead_worker_is_an_error_not_a_hang(qwen3_path):
     [worker] = llm.engine.runner.workers
     execute, steps = llm.engine.runner.execute, itertools.count()
 
-    def execute_killing_the_worker(inputs):
+    def execute_killing_the_worker(inputs, pending=None):
         # after rank 0 sent the step, before the step's collectives
         if next(steps) == 5:
             worker.kill()
             worker.join()
-        return execute(inputs)
+        return execute(inputs, pending)
 
     llm.engine.runner.execute = execute_killing_the_worker
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)

@@ -392,11 +392,11 @@ def test_a_failed_step_is_traced_and_the_engine_goes_on(
     runner, calls = llm.engine.runner.runner, []
     execute = runner.execute
 
-    def failing(inputs):
+    def failing(inputs, pending=None):
         calls.append(1)
         if len(calls) == 3:
             raise RuntimeError("injected")
-        return execute(inputs)
+        return execute(inputs, pending)
 
     monkeypatch.setattr(runner, "execute", failing)
     with pytest.raises(RuntimeError, match="injected"):

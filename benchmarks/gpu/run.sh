@@ -55,7 +55,8 @@ part() {
     case $1 in
     test_gpu) flash_later=$flash_pid; step test_gpu 240 $TESTS ;;
     test_gpu_flash) [ -z "$flash_later" ] || step test_gpu_flash 120 $TESTS -k flash ;;
-    bench) step bench 240 python3 bench.py --engines nanopaged:flash,nanopaged:triton,nano-vllm \
+    bench) step bench 360 python3 bench.py --engines \
+        nanopaged:flash,nanopaged:flash+async,nanopaged:triton,nanopaged:triton+async,nano-vllm \
         --no-progress --out "$OUT/bench.json" ;;
     kernels) step kernels 150 python3 bench.py --kernels --batch-sizes 256 --context 1000 \
         --engines nanopaged:flash,nanopaged:triton,nano-vllm --out "$OUT/kernels.json" ;;

@@ -5,7 +5,7 @@ from collections import OrderedDict
 import numpy as np
 import xxhash
 
-from nanopaged.core.sequence import Sequence, cdiv
+from nanopaged.core.sequence import PENDING, Sequence, cdiv
 
 
 def hash_block(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
@@ -124,7 +124,7 @@ class BlockManager:
         if num_tokens > len(seq.block_table) * self.block_size:
             seq.block_table.append(self._take_free_block())
         if num_tokens % self.block_size == 0:
-            self._cache_block(seq, num_tokens // self.block_size - 1)
+            self.cache_block(seq, num_tokens // self.block_size - 1)
         if self.sliding_window:  # the blocks wholly before the window of the token
             before = (num_tokens - self.sliding_window) // self.block_size
             i = min(before, len(seq.block_table) - 2) - 1
@@ -157,11 +157,12 @@ class BlockManager:
         first = seq.num_computed_tokens // self.block_size
         last = (seq.num_computed_tokens + num_tokens) // self.block_size
         for i in range(first, last):
-            self._cache_block(seq, i)
+            self.cache_block(seq, i)
 
-    def commit(self) -> None:
-        """The step ran: the hashes it entered now name K/V that is in the cache."""
-        self.uncommitted.clear()
+    def commit(self, count: int | None = None) -> None:
+        """The step ran: the hashes it entered now name K/V that is in the cache. With
+        steps launched before the last one finished, the first `count` entered."""
+        del self.uncommitted[:count]
 
     def rollback(self) -> None:
         """The step failed: forget the hashes it entered (their K/V may be missing)."""
@@ -187,15 +188,19 @@ class BlockManager:
     def _block_tokens(self, seq: Sequence, i: int) -> tuple[int, ...]:
         return tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
 
-    def _cache_block(self, seq: Sequence, i: int) -> None:
-        block_id = seq.block_table[i]
+    def cache_block(self, seq: Sequence, i: int) -> None:
+        """Enters block `i` of `seq`, full, in the prefix cache (unless it is a hit, or
+        holds a token not known yet)."""
+        block_id, tokens = seq.block_table[i], self._block_tokens(seq, i)
         if self.hashes[block_id] is not None or not self.enable_prefix_caching:  # a hit
+            return
+        if PENDING in tokens:
             return
         # journalled before the hash exists: no interrupt can leave a hash unjournalled
         self.uncommitted.append(block_id)
         parent = self.hashes[seq.block_table[i - 1]] if i > 0 else seq.cache_salt
-        self.block_tokens[block_id] = self._block_tokens(seq, i)
-        self.hashes[block_id] = hash_block(parent, self.block_tokens[block_id])
+        self.block_tokens[block_id] = tokens
+        self.hashes[block_id] = hash_block(parent, tokens)
         # of two blocks with one hash (two sequences ran one prefix), the first stays
         self.hash_to_block.setdefault(self.hashes[block_id], block_id)
 

@@ -19,7 +19,10 @@ class LLMEngine:
     Seam: a subclass may extend the two ends of a step, `schedule()` (what it runs) and
     `apply()` (what it sampled). Speculative decoding (`nanopaged/speculative.py`) adds
     proposals to the scheduled step, in slots `BlockManager.reserve` makes, and applies
-    only those the model agrees with, giving the rest back with `BlockManager.trim`."""
+    only those the model agrees with, giving the rest back with `BlockManager.trim`.
+    Async scheduling (`nanopaged/async_scheduling.py`) replaces `step()` with one that
+    launches the next step (`ModelRunner.launch`) before it reads the last
+    (`ModelRunner.collect`)."""
 
     def __init__(self, config: Config, runner: ModelRunner | None = None):
         self.config = config

@@ -15,7 +15,13 @@ from nanopaged.core.layers import to_device
 from nanopaged.core.loader import load_model
 from nanopaged.core.sampler import Sampler
 from nanopaged.core.sequence import SamplingOptions, Sequence, cdiv
-from nanopaged.core.step import SamplerOutput, ScheduledStep, StepInputs
+from nanopaged.core.step import (
+    Launched,
+    Pending,
+    SamplerOutput,
+    ScheduledStep,
+    StepInputs,
+)
 
 # On CPU the KV cache takes at most this share of the RAM available at start-up.
 CPU_KV_CACHE_FRACTION = 0.25
@@ -40,9 +46,12 @@ class RunnerExtension:
 class ModelRunner:
     """Turns a scheduled step into model inputs, runs the model, and samples. Prefill
     steps run eagerly over a ragged batch; decode steps replay a CUDA graph captured for
-    the next larger batch size, when graphs are on. Seams: a subclass may run `execute`
-    on several processes (tensor parallelism); an `extension` takes part in each step
-    (LoRA); a `sampler` class samples (vLLM's). `extra_kv_bytes_per_block` are left free
+    the next larger batch size, when graphs are on. A step is launched, then
+    collected: on a GPU, `launch` queues the device's work and `collect` waits for its
+    tokens. Seams: a subclass may run `execute` on several processes (tensor
+    parallelism), or `start` the device's part elsewhere (async scheduling's thread on a
+    CPU); an `extension` takes part in each step (LoRA); a `sampler` class samples
+    (vLLM's). `extra_kv_bytes_per_block` are left free
     a block for another model's cache in the same blocks (a speculative draft's)."""
 
     def __init__(
@@ -192,28 +201,53 @@ class ModelRunner:
     def run(self, step: ScheduledStep) -> SamplerOutput:
         """One step: runs the model over the step's tokens and samples every row of
         `step.samplers` (and after each of its proposals)."""
-        return self.sample(*self.execute(self.prepare_inputs(step)), step)
+        return self.collect(self.launch(step))
 
-    def sample(self, logits, hidden, step: ScheduledStep) -> SamplerOutput:
-        """A token for each sampling row, and one after each of its proposals (sampled
-        at the position it would take: a seeded sequence's numbers stay its own); the
-        hidden states if the step asks for them."""
+    @torch.inference_mode()
+    def launch(self, step: ScheduledStep, pending: Pending | None = None) -> Launched:
+        """Starts a step: its inputs are built and its random numbers drawn here, on
+        the host; `start` runs the model and samples, which on a GPU only queues the
+        work. Seam: `pending` gives the input ids the host does not know yet (a
+        sequence's `PENDING` tokens), taken from an earlier launched step's samples on
+        the device (async scheduling)."""
+        inputs = self.prepare_inputs(step)
         counts = step.sample_counts
         rows = [seq for seq, n in zip(step.samplers, counts) for _ in range(n)]
         offsets = [j for n in counts for j in range(n)]
-        tokens = []
-        if rows:
-            tokens = self.sampler(logits[: len(rows)], rows, offsets).tolist()
-        firsts = step.first_rows
+        uniform = self.sampler.draw(rows, offsets) if rows else None
+        launched = Launched(step, inputs, rows, uniform)
+        self.start(launched, pending)
+        return launched
+
+    def start(self, launched: Launched, pending: Pending | None) -> None:
+        """The device's part of a launch: the model run and the sampling, whose tokens
+        (one per sampling row and proposal) stay on the device."""
+        logits, hidden = self.execute(launched.inputs, pending)
+        if launched.rows:  # a token for each, at the position it would take
+            rows, uniform = launched.rows, launched.uniform
+            launched.tokens = self.sampler(logits[: len(rows)], rows, uniform)
+        launched.logits = logits
+        launched.hidden = hidden
+
+    def collect(self, launched: Launched) -> SamplerOutput:
+        """Waits for a launched step and reads its tokens: a list per sampling row (one
+        token, and one after each of its proposals); the hidden states if the step asks
+        for them."""
+        step, tokens = launched.step, launched.tokens
+        tokens = [] if tokens is None else tokens.tolist()
+        firsts, counts = step.first_rows, step.sample_counts
         tokens = [tokens[a : a + n] for a, n in zip(firsts, counts)]
-        return SamplerOutput(tokens, logits, hidden if step.hidden_states else None)
+        hidden = launched.hidden if step.hidden_states else None
+        return SamplerOutput(tokens, launched.logits, hidden)
 
     @torch.inference_mode()
-    def execute(self, inputs: StepInputs) -> tuple[torch.Tensor | None, torch.Tensor]:
+    def execute(
+        self, inputs: StepInputs, pending: Pending | None = None
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:
         """The model run over a step's inputs: the logits of the rows `logits_indices`
         picks (None when there are none), and every token's last hidden state."""
         self.extension.before_forward(inputs)
-        hidden = self.run_model(*self.device_inputs(inputs))
+        hidden = self.run_model(*self.device_inputs(inputs, pending))
         if len(inputs.logits_indices) == 0:
             return None, hidden
         rows = hidden
@@ -221,7 +255,9 @@ class ModelRunner:
             rows = hidden[to_device(self.device, inputs.logits_indices, torch.int64)]
         return self.model.compute_logits(rows), hidden
 
-    def device_inputs(self, inputs: StepInputs) -> tuple:
+    def device_inputs(
+        self, inputs: StepInputs, pending: Pending | None = None
+    ) -> tuple:
         """The model's arguments for a step's inputs: ids, positions, metadata."""
         device = self.device
         meta = AttentionMetadata(
@@ -235,6 +271,9 @@ class ModelRunner:
             max_seqlen_q=inputs.max_seqlen_q,
         )
         input_ids = to_device(device, inputs.input_ids, torch.int64)
+        if pending is not None:  # on the device: no wait for the step that sampled them
+            earlier = pending.launched.tokens[to_device(device, pending.rows)]
+            input_ids[to_device(device, pending.input_rows)] = earlier
         return input_ids, to_device(device, inputs.positions, torch.int64), meta
 
     def run_model(self, input_ids, positions, meta: AttentionMetadata) -> torch.Tensor:

@@ -47,10 +47,10 @@ class Sampler:
         self.sample = sample_fn or sample
         self.generator = torch.Generator().manual_seed(seed)
 
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence], offsets=None):
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence], uniform=None):
         """logits (R, V): one row per sequence of `seqs` -> the token (R,) sampled from
-        each. A sequence may have several rows: the row `r` samples the token at
-        position len(seqs[r]) + offsets[r] (offsets: all 0 when None)."""
+        each, with the rows' numbers as `draw` gave them (None: drawn now, each row for
+        its sequence's next token)."""
         logits = self.adjust(logits, seqs)
         temperatures = [seq.sampling_params.temperature for seq in seqs]
         greedy = [t < GREEDY_BELOW for t in temperatures]
@@ -58,12 +58,21 @@ class Sampler:
             return logits.argmax(dim=-1)
         temperatures = [max(t, GREEDY_BELOW) for t in temperatures]
         temperatures = to_device(self.device, temperatures, torch.float32)
-        uniform = self.uniform(seqs, offsets or [0] * len(seqs))
+        if uniform is None:
+            uniform = self.uniform(seqs, [0] * len(seqs))
         sampled = self.sample(logits, temperatures, to_device(self.device, uniform))
         if any(greedy):
             greedy = to_device(self.device, greedy)
             sampled = torch.where(greedy, logits.argmax(dim=-1), sampled)
         return sampled
+
+    def draw(self, seqs: list[Sequence], offsets: list[int]) -> torch.Tensor | None:
+        """The rows' numbers, drawn when their step is launched, in step order (None
+        when every row is greedy): the row `r` samples the token at position
+        len(seqs[r]) + offsets[r], which a sequence may have several rows for."""
+        if all(seq.sampling_params.temperature < GREEDY_BELOW for seq in seqs):
+            return None
+        return self.uniform(seqs, offsets)
 
     def adjust(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """The rows' logits as they are to be sampled: as the model gave them here."""

@@ -3,6 +3,10 @@
 from dataclasses import dataclass
 from itertools import count
 
+# A token id a sequence holds for a token sampled by a step the host has launched but
+# not yet read back (async scheduling): no block holding one is hashed.
+PENDING = -1
+
 
 def cdiv(a: int, b: int) -> int:
     """a / b rounded up: the blocks of b tokens that a tokens fill."""

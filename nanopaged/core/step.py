@@ -118,3 +118,29 @@ class SamplerOutput:
     token_ids: list[list[int]]
     logits: torch.Tensor | None = None
     hidden_states: torch.Tensor | None = None
+
+
+@dataclass(eq=False)  # each one itself: a key of its own
+class Launched:
+    """A step the runner started (`ModelRunner.launch`) and has not yet read back: its
+    inputs, the sequence of each sampling row and the row's random number, and what the
+    device computes for it (on a GPU, tensors still being computed): one token per
+    sampling row, the logits, the hidden states."""
+
+    step: ScheduledStep
+    inputs: StepInputs
+    rows: list[Sequence]
+    uniform: torch.Tensor | None
+    tokens: torch.Tensor | None = None
+    logits: torch.Tensor | None = None
+    hidden: torch.Tensor | None = None
+
+
+@dataclass
+class Pending:
+    """Input ids a step takes from an earlier launched step's samples, on the device:
+    input row `input_rows[i]` gets the token of that step's sampling row `rows[i]`."""
+
+    launched: Launched
+    input_rows: list[int]
+    rows: list[int]
