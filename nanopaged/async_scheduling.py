@@ -71,7 +71,10 @@ class AsyncEngine(LLMEngine):
             return self.read(previous) if previous else super().step()
         step = self.schedule()
         if not step.seqs:
-            return self.read(previous) if previous else (step, SamplerOutput([]))
+            if previous:
+                return self.read(previous)
+            assert self.is_finished(), "sequences are queued but none can run"
+            return step, SamplerOutput([])
         pending = self.pending(step, previous) if previous else None
         launched = self.runner.launch(step, pending)
         # a prompt that is never sampled ends with the step that runs it (its inputs

@@ -127,6 +127,32 @@ def test_bfloat16_graphs_give_the_eager_tokens(gpu_path, backend):
     )
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_async_scheduling_under_graphs_gives_the_synchronous_tokens(gpu_path, backend):
+    """Step n+1 queued before n's tokens are read: its input ids taken from n's samples
+    on the device, its tokens copied back without waiting for the steps after it;
+    greedy and seeded, chunked prefill and preemption in the run."""
+    params = [
+        SamplingParams(temperature=t, max_tokens=32, ignore_eos=True, seed=i)
+        for i, t in enumerate([0.0, 0.8] * 3)
+    ]
+    tokens = []
+    for overlap in (False, True):
+        llm = LLM(
+            gpu_path,
+            attention_backend=backend,
+            dtype="float32",
+            async_scheduling=overlap,
+            max_num_batched_tokens=256,
+            num_kvcache_blocks=40 if backend != "flash" else 4,
+        )
+        outputs = llm.generate(PROMPTS, params, use_tqdm=False)
+        tokens.append([o.outputs[0].token_ids for o in outputs])
+        del llm
+        gc.collect()
+    assert tokens[0] == tokens[1]
+
+
 def assert_transformers_argmax(path: str, prompts, completions) -> None:
     """Each bf16 token (within bf16 rounding) transformers' most likely at its
     position."""

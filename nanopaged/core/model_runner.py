@@ -226,6 +226,14 @@ class ModelRunner:
         if launched.rows:  # a token for each, at the position it would take
             rows, uniform = launched.rows, launched.uniform
             launched.tokens = self.sampler(logits[: len(rows)], rows, uniform)
+            launched.tokens_on_host = launched.tokens
+            # read back by a copy queued now: reading the tensor itself would also
+            # wait for the steps queued after this one (async scheduling's)
+            if self.device.type == "cuda":
+                on_host = torch.empty_like(launched.tokens, device="cpu").pin_memory()
+                launched.tokens_on_host = on_host.copy_(launched.tokens, True)
+                launched.copied = torch.cuda.Event()
+                launched.copied.record()
         launched.logits = logits
         launched.hidden = hidden
 
@@ -233,7 +241,9 @@ class ModelRunner:
         """Waits for a launched step and reads its tokens: a list per sampling row (one
         token, and one after each of its proposals); the hidden states if the step asks
         for them."""
-        step, tokens = launched.step, launched.tokens
+        if launched.copied is not None:
+            launched.copied.synchronize()
+        step, tokens = launched.step, launched.tokens_on_host
         tokens = [] if tokens is None else tokens.tolist()
         firsts, counts = step.first_rows, step.sample_counts
         tokens = [tokens[a : a + n] for a, n in zip(firsts, counts)]

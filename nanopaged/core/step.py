@@ -125,13 +125,16 @@ class Launched:
     """A step the runner started (`ModelRunner.launch`) and has not yet read back: its
     inputs, the sequence of each sampling row and the row's random number, and what the
     device computes for it (on a GPU, tensors still being computed): one token per
-    sampling row, the logits, the hidden states."""
+    sampling row (and their copy on the host, done once `copied` is), the logits, the
+    hidden states."""
 
     step: ScheduledStep
     inputs: StepInputs
     rows: list[Sequence]
     uniform: torch.Tensor | None
     tokens: torch.Tensor | None = None
+    tokens_on_host: torch.Tensor | None = None
+    copied: torch.cuda.Event | None = None
     logits: torch.Tensor | None = None
     hidden: torch.Tensor | None = None
 
