@@ -500,6 +500,11 @@ def big_norm(threads: int) -> tuple[torch.Tensor, torch.Tensor]:
     """A norm over enough rows to run on `threads` threads, and its reference."""
     g = torch.Generator().manual_seed(threads)
     x, weight = torch.randn(512, 256, generator=g), torch.randn(256, generator=g)
+    return kernel_norm(x, weight, threads), layers.rms_norm(x, weight, 1e-6)
+
+
+def kernel_norm(x: torch.Tensor, weight: torch.Tensor, threads: int) -> torch.Tensor:
+    """The C kernel's RMSNorm of x (rows of 256) on `threads` threads."""
     out = torch.empty_like(x)
     cpu_kernels.library().rms_norm(
         x.data_ptr(),
@@ -507,14 +512,14 @@ def big_norm(threads: int) -> tuple[torch.Tensor, torch.Tensor]:
         1,
         None,
         weight.data_ptr(),
-        512,
+        x.shape[0],
         256,
         1e-6,
         out.data_ptr(),
         None,
         threads,
     )
-    return out, layers.rms_norm(x, weight, 1e-6)
+    return out
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="Linux's /proc")
@@ -532,6 +537,27 @@ def test_the_kernels_run_on_threads_of_their_own_that_sleep_when_idle():
     assert time.process_time() - start < 0.05  # asleep, not spinning
     out, want = big_norm(3)
     assert relative_error(out, want) < 1e-6
+
+
+def test_the_threads_notice_when_other_work_takes_their_cores():
+    """Alone on its cores a thread waits up to 2 ms for the next kernel, spinning; once
+    other threads keep taking its core (here a busy process per core) the pool counts
+    its cores shared, and spins only about a wake-up's time (50 us) before it sleeps."""
+    busy = [
+        subprocess.Popen([sys.executable, "-c", "while True: pass"])
+        for _ in range(cpu.usable_cores())
+    ]
+    try:
+        x, weight = torch.randn(512, 256), torch.randn(256)
+        deadline = time.monotonic() + 30
+        while not cpu_kernels.library().cores_shared() and time.monotonic() < deadline:
+            kernel_norm(x, weight, 2)
+            time.sleep(0.0005)
+        assert cpu_kernels.library().cores_shared()
+    finally:
+        for process in busy:
+            process.kill()
+            process.wait()
 
 
 def test_kernels_called_from_two_threads_at_once_are_each_right():

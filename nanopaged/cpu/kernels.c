@@ -19,6 +19,7 @@
 #include <stdint.h>
 #include <string.h>
 #include <time.h>
+#include <sys/resource.h>
 
 enum { MAX_HEADS = 64, MAX_HEAD_DIM = 256, MAX_BLOCK = 256, LANES = 8, CHUNK = 128 };
 enum { PANEL = 2 * LANES, TILE_ROWS = 6, BLOCK_BYTES = 256 * 1024 };
@@ -42,7 +43,8 @@ enum { KV_FLOAT32, KV_BFLOAT16, KV_FP8 };
    peers would wait for one that was descheduled (two engines with OpenMP's long spin each
    ran at a fifth of their speed alone, docs/cpu.md). */
 enum { SPIN_NS = 2000000, CONTENDED_SPIN_NS = 50000, CONTENDED_MS = 100 };
-enum { TAKEN_NS = 20000 };  /* a yield that returns later than this gave the core away */
+/* a yield that returns later than TAKEN_NS may have given the core away (offer_core) */
+enum { TAKEN_NS = 20000, TAKEN_TIMES = 3, TAKEN_WINDOW_NS = 10000000 };
 enum { MAX_THREADS = 256 };
 typedef void (*task_fn)(const void *args, long first, long end);
 
@@ -52,6 +54,8 @@ static struct {
     int started, sleepers;   /* threads of the pool; those asleep (under `lock`) */
     atomic_flag busy;        /* a kernel is using the pool (another one runs alone) */
     atomic_long contended_until;  /* until when (now_ns) its cores are known shared */
+    atomic_long first_taken;      /* when the latest window of taken yields began */
+    atomic_int times_taken;       /* taken yields in that window */
     /* apart from what every thread reads while it waits: a claim writes it */
     _Alignas(64) atomic_int generation;  /* one more for each kernel the pool runs */
     /* the kernel being run: its tasks, chunks of them claimed in turn by any thread */
@@ -78,13 +82,35 @@ static long now_ns(void) {
     return now.tv_sec * 1000000000L + now.tv_nsec;
 }
 
-/* Offers this thread's core to any other runnable thread; notes it when one took it. */
+/* How many times this thread lost its core to another one while it could run (-1 where
+   not counted). */
+static long switches_away(void) {
+#ifdef RUSAGE_THREAD
+    struct rusage usage;
+    getrusage(RUSAGE_THREAD, &usage);
+    return usage.ru_nivcsw;
+#else
+    return -1;
+#endif
+}
+
+/* Offers this thread's core to any other runnable thread; notes it when one took it. A
+   yield that returns late is no proof alone: a virtual machine's core is taken away from
+   time to time, with no other thread involved (alone on a 2-core VM, a yield returned after
+   20-100 us tens of times a second). Proof is a late yield that switched to another thread
+   (the kernel counts it; where it does not, a late yield is proof enough), TAKEN_TIMES of
+   them within TAKEN_WINDOW_NS. */
 static void offer_core(void) {
-    long before = now_ns();
+    long switches = switches_away(), before = now_ns();
     sched_yield();
     long after = now_ns();
-    if (after - before > TAKEN_NS)
+    if (after - before <= TAKEN_NS || (switches >= 0 && switches_away() == switches)) return;
+    if (after - atomic_load(&pool.first_taken) > TAKEN_WINDOW_NS) {
+        atomic_store(&pool.first_taken, after);
+        atomic_store(&pool.times_taken, 1);
+    } else if (atomic_fetch_add(&pool.times_taken, 1) + 1 >= TAKEN_TIMES) {
         atomic_store(&pool.contended_until, after + CONTENDED_MS * 1000000L);
+    }
 }
 
 static void claim_chunks(void) {
@@ -139,6 +165,9 @@ static void forget_threads(void) {
     pool.started = pool.sleepers = 0;
     atomic_flag_clear(&pool.busy);
 }
+
+/* Whether the pool counts its cores shared with other busy threads now (offer_core). */
+int cores_shared(void) { return now_ns() < atomic_load(&pool.contended_until); }
 
 /* Runs fn(args, first, end) over the tasks [0, tasks) in chunks of `chunk`, on `threads`
    threads: the caller and threads - 1 of the pool (started on first need). Each chunk goes to

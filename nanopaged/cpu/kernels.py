@@ -52,6 +52,7 @@ SIGNATURES = {  # the C functions: (return type, argument types)
     "store_kv": (None, [_P, _L, _P, _L, _L, _I, _P, _P, _P, _I]),
     "sample": (None, [_P, _P, _P, _L, _I, _P, _I]),
     "panel_matmul": (None, [_P, _L, _P, _L, _I, _L, _P, _I]),
+    "cores_shared": (_I, []),
 }
 PANEL = 16  # output features in a panel of a packed weight (the C file's PANEL)
 logger = logging.getLogger(__name__)
