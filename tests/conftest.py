@@ -4,6 +4,7 @@ the reference."""
 import functools
 import multiprocessing.forkserver
 import os
+import signal
 
 import pytest
 
@@ -60,6 +61,13 @@ TINY.update(FAMILIES)
 
 
 @functools.cache
+def ctrl_c_as_at_a_terminal() -> None:
+    """For a child process that a test interrupts: Ctrl-C (SIGINT) raises
+    KeyboardInterrupt there even where the tests run in a background job, whose
+    children start with it ignored (as Python then leaves it)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def checkpoint(arch: str, root: str) -> str:
     # a wide initialisation spreads the logits, so greedy argmax has no near-ties
     return write_random_checkpoint(

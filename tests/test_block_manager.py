@@ -3,7 +3,7 @@ and what a sliding-window sequence gives back."""
 
 import pytest
 
-from nanopaged.core.block_manager import BlockManager, hash_block
+from nanopaged.core.block_manager import BlockManager, hash_block, prefix_hashes
 from nanopaged.core.sequence import SamplingOptions, Sequence
 
 BLOCK = 4
@@ -22,6 +22,21 @@ def admitted(manager: BlockManager, tokens: list[int]) -> Sequence:
     seq.num_computed_tokens = len(seq)
     manager.commit()
     return seq
+
+
+@pytest.mark.parametrize("salt", [None, 12345])
+def test_prefix_hashes_are_the_names_the_cache_gives_the_blocks(salt):
+    """What the server's router predicts of a replica's cache: each full block's hash,
+    chained from the sequence's salt (a LoRA adapter's), as the cache enters it."""
+    manager = BlockManager(8, BLOCK)
+    seq = sequence(list(range(11)))
+    seq.cache_salt = salt
+    assert manager.allocate(seq)
+    manager.cache_full_blocks(seq, len(seq))
+    manager.commit()
+    cached = [manager.hashes[block_id] for block_id in seq.block_table[:2]]
+    assert prefix_hashes(seq.token_ids, BLOCK, salt) == cached
+    assert prefix_hashes(seq.token_ids, BLOCK) != prefix_hashes(seq.token_ids, BLOCK, 1)
 
 
 def test_reset_prefix_cache_refuses_while_any_block_is_in_use():

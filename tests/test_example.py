@@ -6,6 +6,8 @@ import signal
 import subprocess
 import sys
 
+from conftest import ctrl_c_as_at_a_terminal
+
 from nanopaged import LLM, SamplingParams
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -88,6 +90,7 @@ def test_ctrl_c_and_a_request_too_long_for_the_pool_are_one_line_each(tmp_path):
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        preexec_fn=ctrl_c_as_at_a_terminal,
     )
     while "random-weight checkpoint" not in process.stdout.readline():  # it has begun
         assert process.poll() is None

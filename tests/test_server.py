@@ -12,7 +12,7 @@ import time
 import httpx
 import psutil
 import pytest
-from conftest import random_prompts
+from conftest import ctrl_c_as_at_a_terminal, random_prompts
 
 from nanopaged import LLM, SamplingParams
 from nanopaged.parallel import free_port
@@ -45,6 +45,7 @@ class Server:
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             text=True,
+            preexec_fn=ctrl_c_as_at_a_terminal,
         )
         deadline = time.monotonic() + 120
         while not self.healthy():

@@ -137,10 +137,17 @@ class Backend:
 
 
 def triton_kernels() -> tuple:
+    """The Triton kernels: (store_kvcache, prefill, decode), imported only now."""
     from nanopaged.core.triton_attention import prefill, store_kvcache
     from nanopaged.core.triton_decode_attention import decode
 
     return store_kvcache, prefill, decode
+
+
+def flash_kernels() -> Kernels:
+    """flash-attn's prefill and decode, and the Triton kernel that stores K/V."""
+    store_kvcache, _, _ = triton_kernels()
+    return Kernels("flash", (store_kvcache, prefill_flash, decode_flash))
 
 
 def needs_triton(on_gpu: bool, kv_dtype: torch.dtype) -> str | None:
@@ -163,11 +170,7 @@ TORCH = (store_kvcache_torch, prefill_torch, decode_torch)
 # name -> backend, in the order "auto" tries them (plain "torch" last). A backend above
 # the core enters itself here (nanopaged/cpu/), as a model family in ARCHITECTURES.
 BACKENDS: dict[str, Backend] = {
-    "flash": Backend(
-        lambda: Kernels("flash", (triton_kernels()[0], prefill_flash, decode_flash)),
-        needs_flash,
-        ("cuda",),
-    ),
+    "flash": Backend(flash_kernels, needs_flash, ("cuda",)),
     "triton": Backend(
         lambda: Kernels("triton", triton_kernels()), needs_triton, ("cuda",)
     ),

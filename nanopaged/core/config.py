@@ -52,14 +52,19 @@ class Config:
             checkpoint_dtype = getattr(self.hf_config, "dtype", None) or torch.float32
             self.dtype = checkpoint_dtype if self.device == "cuda" else torch.float32
         self.kv_cache_dtype = self.kv_cache_dtype or self.dtype
-        if self.attention_backend == "auto":  # the first usable one, plain torch last
-            self.attention_backend = next(
-                name
-                for name in sorted(BACKENDS, key=lambda name: name == "torch")
-                if self.device in BACKENDS[name].auto_on
-                and BACKENDS[name].missing(self.device == "cuda", self.kv_cache_dtype)
-                is None
-            )
+        if self.attention_backend == "auto":
+            self.attention_backend = self.first_usable_backend()
         if self.kvcache_block_size is None:
             flash = self.attention_backend == "flash"
             self.kvcache_block_size = FLASH_BLOCK_SIZE if flash else 16
+
+    def first_usable_backend(self) -> str:
+        """The backend "auto" picks: the first of BACKENDS that runs on this device and
+        lacks nothing here, plain "torch" last (it runs everywhere)."""
+        on_gpu = self.device == "cuda"
+        for name in [name for name in BACKENDS if name != "torch"] + ["torch"]:
+            backend = BACKENDS[name]
+            if self.device not in backend.auto_on:
+                continue
+            if backend.missing(on_gpu, self.kv_cache_dtype) is None:
+                return name

@@ -83,11 +83,13 @@ def load_tensor(model: nn.Module, params: dict, name: str, f, file: str) -> tupl
         raise ValueError(f"unexpected weight {name!r} in {file}")
     param, tensor = params[param_name], f.get_tensor(name)
     owner = model.get_submodule(param_name.rpartition(".")[0])
+    # the first problem found, if any: each check returns what is wrong, or None
     problems = [check(tensor) for check in getattr(param, "checks", ())]
     if not stored_dtype_fits(tensor, param):
         problems.insert(0, f"is stored as {tensor.dtype}, not {param.dtype}")
-    if any(problems):
-        raise ValueError(f"weight {name!r} in {file} {next(filter(None, problems))}")
+    problems = [problem for problem in problems if problem]
+    if problems:
+        raise ValueError(f"weight {name!r} in {file} {problems[0]}")
     try:
         if hasattr(owner, "weight_loader"):
             owner.weight_loader(param, tensor, part)

@@ -45,25 +45,36 @@ def sliding_window(config: PretrainedConfig, index: int) -> int | None:
 class DecoderAttention(nn.Module):
     def __init__(self, config: PretrainedConfig, kernels: Kernels, index: int):
         super().__init__()
-        arch, size = config.architectures[0], config.hidden_size
+        architecture = config.architectures[0]
+        hidden_size = config.hidden_size
         heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
-        self.head_dim = getattr(config, "head_dim", None) or size // heads
+        head_dim = getattr(config, "head_dim", None) or hidden_size // heads
+        self.head_dim = head_dim
         self.num_heads = heads // tp_size()
         self.num_kv_heads = kv_heads // tp_size()
-        bias = getattr(config, "attention_bias", False)
-        qkv_bias, o_bias = bias or arch in QKV_BIAS, bias and arch not in QKV_BIAS
-        method = kernels.projections
-        dim = self.head_dim
-        self.qkv_proj = QKVParallelLinear(size, dim, heads, kv_heads, qkv_bias, method)
-        self.o_proj = RowParallelLinear(heads * dim, size, o_bias, method)
-        self.qk_norm = arch in QK_NORM
+        # `attention_bias` biases all four projections; the families of QKV_BIAS bias
+        # q, k and v whatever it says, and then never o
+        attention_bias = getattr(config, "attention_bias", False)
+        qkv_bias = attention_bias or architecture in QKV_BIAS
+        o_bias = attention_bias and architecture not in QKV_BIAS
+        self.qkv_proj = QKVParallelLinear(
+            hidden_size, head_dim, heads, kv_heads, qkv_bias, kernels.projections
+        )
+        self.o_proj = RowParallelLinear(
+            heads * head_dim, hidden_size, o_bias, kernels.projections
+        )
+        self.qk_norm = architecture in QK_NORM
         if self.qk_norm:
-            self.q_norm = RMSNorm(dim, config.rms_norm_eps, kernels)
-            self.k_norm = RMSNorm(dim, config.rms_norm_eps, kernels)
-        rope = rope_parameters(config, index)
-        positions = config.max_position_embeddings
-        self.rotary_emb = RotaryEmbedding(dim, positions, rope, kernels)
-        self.attn = Attention(dim, kernels, window=sliding_window(config, index))
+            self.q_norm = RMSNorm(head_dim, config.rms_norm_eps, kernels)
+            self.k_norm = RMSNorm(head_dim, config.rms_norm_eps, kernels)
+        self.rotary_emb = RotaryEmbedding(
+            head_dim,
+            config.max_position_embeddings,
+            rope_parameters(config, index),
+            kernels,
+        )
+        window = sliding_window(config, index)
+        self.attn = Attention(head_dim, kernels, window=window)
 
     def forward(self, positions, hidden: torch.Tensor, meta: AttentionMetadata):
         q_size = self.num_heads * self.head_dim
@@ -82,10 +93,14 @@ class DecoderAttention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, config: PretrainedConfig, kernels: Kernels):
         super().__init__()
-        size, hidden = config.intermediate_size, config.hidden_size
-        bias, method = getattr(config, "mlp_bias", False), kernels.projections
-        self.gate_up_proj = MergedColumnParallelLinear(hidden, [size] * 2, bias, method)
-        self.down_proj = RowParallelLinear(size, hidden, bias, method)
+        intermediate_size, hidden_size = config.intermediate_size, config.hidden_size
+        bias = getattr(config, "mlp_bias", False)
+        self.gate_up_proj = MergedColumnParallelLinear(
+            hidden_size, [intermediate_size] * 2, bias, kernels.projections
+        )
+        self.down_proj = RowParallelLinear(
+            intermediate_size, hidden_size, bias, kernels.projections
+        )
         self.act = kernels.silu_and_mul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -97,10 +112,10 @@ class DecoderLayer(nn.Module):
 
     def __init__(self, config: PretrainedConfig, kernels: Kernels, index: int):
         super().__init__()
-        size, eps = config.hidden_size, config.rms_norm_eps
-        self.input_layernorm = RMSNorm(size, eps, kernels)
+        hidden_size, eps = config.hidden_size, config.rms_norm_eps
+        self.input_layernorm = RMSNorm(hidden_size, eps, kernels)
         self.self_attn = self.attention(config, kernels, index)
-        self.post_attention_layernorm = RMSNorm(size, eps, kernels)
+        self.post_attention_layernorm = RMSNorm(hidden_size, eps, kernels)
         self.mlp = self.make_mlp(config, kernels, index)
 
     def make_mlp(self, config: PretrainedConfig, kernels: Kernels, index: int):
@@ -122,11 +137,12 @@ class DecoderLayer(nn.Module):
 class DecoderModel(nn.Module):
     def __init__(self, config: PretrainedConfig, kernels: Kernels, layer: type):
         super().__init__()
-        size = config.hidden_size
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, size)
-        layers = range(config.num_hidden_layers)
-        self.layers = nn.ModuleList(layer(config, kernels, i) for i in layers)
-        self.norm = RMSNorm(size, config.rms_norm_eps, kernels)
+        hidden_size = config.hidden_size
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, hidden_size)
+        self.layers = nn.ModuleList(
+            layer(config, kernels, index) for index in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(hidden_size, config.rms_norm_eps, kernels)
 
     def forward(self, input_ids, positions, meta: AttentionMetadata) -> torch.Tensor:
         hidden, residual = self.embed_tokens(input_ids), None  # (T, C)
@@ -155,8 +171,9 @@ class CausalLM(nn.Module):
         self.model = DecoderModel(config, kernels, self.decoder_layer)
         windows = {sliding_window(config, i) for i in range(config.num_hidden_layers)}
         self.sliding_window = windows.pop() if len(windows) == 1 else None
-        head = ParallelLMHead(config.vocab_size, config.hidden_size, kernels.linear)
-        self.lm_head = head
+        self.lm_head = ParallelLMHead(
+            config.vocab_size, config.hidden_size, kernels.linear
+        )
         self.tie_word_embeddings = getattr(config, "tie_word_embeddings", False)
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight

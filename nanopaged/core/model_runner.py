@@ -149,7 +149,7 @@ class ModelRunner:
     def prepare_inputs(self, step: ScheduledStep) -> StepInputs:
         """The step's model inputs, as host arrays: all the host work of a step but
         scheduling. Each sequence runs its scheduled tokens, then its proposals."""
-        bs, proposals = self.block_size, step.proposals
+        block_size, proposals = self.block_size, step.proposals
         runs = enumerate(zip(step.seqs, step.starts, step.num_tokens))
         tokens = [
             seq.token_ids[start : start + n] + proposals.get(i, [])
@@ -162,7 +162,7 @@ class ModelRunner:
         offsets = np.array(step.starts) - cu_seqlens_q[:-1]
         positions = np.arange(cu_seqlens_q[-1]) + offsets[seq_of_token]
         block_tables = self.block_tables(step.seqs)
-        blocks = block_tables[seq_of_token, positions // bs].astype(np.int64)
+        blocks = block_tables[seq_of_token, positions // block_size].astype(np.int64)
         context_lens = np.add(step.starts, num_tokens)
         # the rows whose logits are computed: each sampling row's last token and its
         # proposals, then the prompt tokens whose logits a sequence asks for
@@ -175,7 +175,7 @@ class ModelRunner:
             ragged=ragged,
             input_ids=np.fromiter(itertools.chain(*tokens), np.int64, len(positions)),
             positions=positions,
-            slot_mapping=blocks * bs + positions % bs,
+            slot_mapping=blocks * block_size + positions % block_size,
             context_lens=context_lens,
             block_tables=block_tables,
             logits_indices=np.concatenate([firsts + within, *prompts]).astype(np.int64),

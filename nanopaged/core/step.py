@@ -13,24 +13,33 @@ from nanopaged.core.sequence import Sequence
 @dataclass
 class ScheduledStep:
     """One step as the scheduler decided it. The model runs `num_tokens[i]` tokens of
-    `seqs[i]` from position `starts[i]`; a sequence whose tokens reach its last token
-    samples the next: it is one of `samplers`, at rows `sample_rows`, or, never sampled
-    (`max_tokens=0`), one of `ended`. A step of last tokens only, each sampled, is a
-    decode step, any other `ragged`; `hidden_states`: a sequence asks for them.
-    `proposals` maps a sequence (by index) to tokens that run after its last one, in
-    slots reserved for them, each sampled too (speculative decoding's). `preempted`: the
-    sequences preempted to make room for it (they may run in it again, recomputed)."""
+    `seqs[i]`, from position `starts[i]`. A sequence whose tokens reach its last token
+    samples the next one: it is one of `samplers`, and `sample_rows` holds its index in
+    `seqs`. A step in which every sequence runs its last token and samples is a decode
+    step; any other is `ragged` (it holds prompt chunks), and attention takes another
+    path for it. `preempted` lists the sequences preempted to make room for this step
+    (they may run in it again, recomputed from their start).
+
+    The last three fields serve features above the core, and stay empty without them:
+
+    - `ended`: sequences whose prompt ran in this step but that sample nothing
+      (`max_tokens=0`: a pooling request, or prompt logprobs only); they end with it.
+    - `hidden_states`: true when a sequence asks for the model's last hidden states
+      (pooling).
+    - `proposals`: speculative decoding's proposed tokens, by the index of their
+      sequence: they run after its last token, in slots reserved for them, and each of
+      them is sampled too."""
 
     seqs: list[Sequence] = field(default_factory=list)
     starts: list[int] = field(default_factory=list)
     num_tokens: list[int] = field(default_factory=list)
     samplers: list[Sequence] = field(default_factory=list)
     sample_rows: list[int] = field(default_factory=list)
-    ended: list[Sequence] = field(default_factory=list)
     ragged: bool = False
+    preempted: list[Sequence] = field(default_factory=list)
+    ended: list[Sequence] = field(default_factory=list)
     hidden_states: bool = False
     proposals: dict[int, list[int]] = field(default_factory=dict)
-    preempted: list[Sequence] = field(default_factory=list)
 
     def add(self, seq: Sequence, num_tokens: int) -> None:
         """Runs `num_tokens` more tokens of `seq`, sampling if they reach its last."""
@@ -58,29 +67,33 @@ class ScheduledStep:
         self.sample_rows += range(first, first + len(seqs))
 
     @property
+    def num_scheduled_tokens(self) -> int:
+        """The tokens the model runs in this step, proposals included."""
+        return sum(self.num_tokens) + sum(map(len, self.proposals.values()))
+
+    @property
     def sample_counts(self) -> list[int]:
-        """The tokens each sampling row samples: one, and one after each proposal."""
+        """The tokens each sampling row samples: one, and one after each of its
+        proposals (speculative decoding's; one each without it)."""
         return [1 + len(self.proposals.get(i, ())) for i in self.sample_rows]
 
     @property
     def first_rows(self) -> list[int]:
-        """Each sampling row's first row of logits: its tokens take `sample_counts`."""
+        """Each sampling row's first row of logits: its tokens take `sample_counts`
+        rows (each row's own index without speculative decoding)."""
         return list(itertools.accumulate(self.sample_counts[:-1], initial=0))
 
     @property
     def prompt_rows(self) -> list[tuple[int, int]]:
-        """(i, n): each sequence (by index) that asks for its prompt's logits, and how
-        many prompt tokens it runs in this step whose next token is a prompt token."""
+        """For prompt logprobs: (i, n) for each sequence (by index) that asks for its
+        prompt's logits, and how many prompt tokens it runs in this step whose next
+        token is a prompt token."""
         runs = enumerate(zip(self.seqs, self.starts, self.num_tokens))
         return [
             (i, min(start + n, seq.num_prompt_tokens - 1) - start)
             for i, (seq, start, n) in runs
             if seq.prompt_logits and start + 1 < seq.num_prompt_tokens
         ]
-
-    @property
-    def num_scheduled_tokens(self) -> int:
-        return sum(self.num_tokens) + sum(map(len, self.proposals.values()))
 
 
 @dataclass

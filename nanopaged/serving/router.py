@@ -3,7 +3,7 @@ to."""
 
 from collections import OrderedDict
 
-from nanopaged.core.block_manager import hash_block
+from nanopaged.core.block_manager import prefix_hashes
 from nanopaged.data_parallel import DataParallelLLM
 from nanopaged.lora.admission import cache_salt
 
@@ -37,7 +37,7 @@ class Router:
 
     def submit(self, request_id: str, prompt: dict, params, outbox, lora_request=None):
         salt = None if lora_request is None else cache_salt(lora_request)
-        hashes = self._block_hashes(prompt["prompt_token_ids"], salt)
+        hashes = prefix_hashes(prompt["prompt_token_ids"], self.block_size, salt)
         index, reason = self.choose(hashes)
         prefixes = self.prefixes[index]
         for h in hashes:
@@ -66,15 +66,6 @@ class Router:
             if matched[best] and loads[best] <= loads[least] + self.balance:
                 return best, "prefix"
         return least, "least_busy"
-
-    def _block_hashes(self, token_ids: list[int], salt: int | None = None) -> list[int]:
-        """A hash per whole block of the prompt, each of the block and all before it
-        (and of the LoRA adapter that computes them, as the block manager's)."""
-        hashes, h = [], salt
-        for start in range(0, len(token_ids) - self.block_size + 1, self.block_size):
-            h = hash_block(h, token_ids[start : start + self.block_size])
-            hashes.append(h)
-        return hashes
 
     def abort(self, request_id: str) -> None:
         for loop in self.loops:  # a request id unknown to a replica is ignored there
