@@ -35,7 +35,7 @@ from nanopaged.core.config import Config
 from nanopaged.core.llm_engine import LLMEngine
 from nanopaged.core.loader import load_model
 from nanopaged.core.model import sliding_window
-from nanopaged.core.model_runner import ModelRunner
+from nanopaged.core.model_runner import ModelRunner, kv_block_bytes, new_kv_cache
 from nanopaged.core.step import SamplerOutput, ScheduledStep
 
 DEFAULT_NGRAM = 5  # vLLM's prompt_lookup_min and _max when neither is given
@@ -208,17 +208,15 @@ class DraftProposer(NgramProposer):
         self.block_size = config.kvcache_block_size
 
     def kv_bytes_per_block(self) -> int:
-        shape = self.model.kv_cache_shape(1, self.block_size)
-        return math.prod(shape) * self.config.kv_cache_dtype.itemsize
+        return kv_block_bytes(self.model, self.block_size, self.config.kv_cache_dtype)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         self.kv_cache = None  # free the old one first
-        shape = self.model.kv_cache_shape(num_blocks, self.block_size)
         zeros = BACKENDS[self.config.attention_backend].zeros
-        self.kv_cache = zeros(
-            shape, dtype=self.config.kv_cache_dtype, device=self.device
+        dtype = self.config.kv_cache_dtype
+        self.kv_cache = new_kv_cache(
+            self.model, num_blocks, self.block_size, dtype, self.device, zeros
         )
-        self.model.bind_kv_cache(self.kv_cache)
 
     @torch.inference_mode()
     def propose(

@@ -84,8 +84,7 @@ class ModelRunner:
 
     def kv_bytes_per_block(self) -> int:
         """Bytes of one block in every layer, another model's included."""
-        shape = self.model.kv_cache_shape(1, self.block_size)
-        own = math.prod(shape) * self.config.kv_cache_dtype.itemsize
+        own = kv_block_bytes(self.model, self.block_size, self.config.kv_cache_dtype)
         return own + self.extra_kv_bytes_per_block
 
     def allocate_kv_cache(self) -> int:
@@ -109,10 +108,15 @@ class ModelRunner:
 
     def make_kv_cache(self, num_blocks: int) -> None:
         self.kv_cache = None  # free the old one first
-        shape = self.model.kv_cache_shape(num_blocks, self.block_size)
         dtype = self.config.kv_cache_dtype
-        self.kv_cache = self.backend.zeros(shape, dtype=dtype, device=self.device)
-        self.model.bind_kv_cache(self.kv_cache)
+        self.kv_cache = new_kv_cache(
+            self.model,
+            num_blocks,
+            self.block_size,
+            dtype,
+            self.device,
+            self.backend.zeros,
+        )
 
     def kv_budget_cpu(self) -> int:
         seqs, blocks = self.config.max_num_seqs, self.max_blocks_per_seq
@@ -291,6 +295,23 @@ class ModelRunner:
         if meta.ragged or graphs is None or len(input_ids) > graphs.max_batch:
             return self.model(input_ids, positions, meta)
         return graphs.replay(input_ids, positions, meta)
+
+
+def kv_block_bytes(model, block_size: int, dtype: torch.dtype) -> int:
+    """The bytes of one KV-cache block of `model`, in all its layers."""
+    return math.prod(model.kv_cache_shape(1, block_size)) * dtype.itemsize
+
+
+def new_kv_cache(
+    model, num_blocks: int, block_size: int, dtype: torch.dtype, device, zeros
+) -> torch.Tensor:
+    """A KV cache of `num_blocks` blocks for `model` on `device`, allocated by `zeros`
+    (its backend's), bound to the model's layers."""
+    kv_cache = zeros(
+        model.kv_cache_shape(num_blocks, block_size), dtype=dtype, device=device
+    )
+    model.bind_kv_cache(kv_cache)
+    return kv_cache
 
 
 def available_memory() -> int:
