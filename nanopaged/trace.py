@@ -60,15 +60,15 @@ PAGE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "trace_page.html
 
 class TracedRunner:
     """The engine's runner, seen by a tracer: each step is noted before the model runs
-    it. It forwards what the engine and its proposers use of a runner."""
+    it. Anything else (what the engine, its proposers and any feature read of a
+    runner) is the runner's own."""
 
     def __init__(self, runner: ModelRunner, tracer: "Tracer"):
         self.runner = runner
         self.tracer = tracer
-        self.model = runner.model
-        self.num_kvcache_blocks = runner.num_kvcache_blocks
-        self.prepare_inputs = runner.prepare_inputs
-        self.device_inputs = runner.device_inputs
+
+    def __getattr__(self, name: str):
+        return getattr(self.runner, name)
 
     def run(self, step: ScheduledStep) -> SamplerOutput:
         self.tracer.scheduled(step)

@@ -384,6 +384,20 @@ def test_without_a_trace_no_tracing_code_runs(qwen3_path, monkeypatch):
     assert len(out.outputs[0].token_ids) == 4 and llm.tracer is None
 
 
+def test_a_traced_runner_is_its_runner_but_for_the_steps_it_notes(qwen3_path, tmp_path):
+    """What a feature reads of a runner (any attribute, one added tomorrow too) is
+    the runner's own under a trace; only `run` notes the step first."""
+    from nanopaged.trace import TracedRunner
+
+    llm = LLM(qwen3_path, max_model_len=256, trace=str(tmp_path / "run.jsonl"))
+    traced = llm.engine.runner
+    assert isinstance(traced, TracedRunner)
+    for name in ("model", "kv_cache", "block_size", "num_kvcache_blocks", "sampler"):
+        assert getattr(traced, name) is getattr(traced.runner, name)
+    traced.runner.added_by_a_feature = object()
+    assert traced.added_by_a_feature is traced.runner.added_by_a_feature
+
+
 def test_a_failed_step_is_traced_and_the_engine_goes_on(
     qwen3_path, tmp_path, monkeypatch
 ):
