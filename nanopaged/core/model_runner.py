@@ -264,8 +264,8 @@ class ModelRunner:
         hidden = self.run_model(*self.device_inputs(inputs, pending))
         if len(inputs.logits_indices) == 0:
             return None, hidden
-        rows = hidden
-        if inputs.ragged:  # a decode step samples every row, once
+        rows = hidden  # a decode step samples each of its rows, once
+        if inputs.ragged:  # any other step picks the rows it samples
             rows = hidden[to_device(self.device, inputs.logits_indices, torch.int64)]
         return self.model.compute_logits(rows), hidden
 
