@@ -15,10 +15,9 @@ CUDA graph), and this machine's host being slower than the H200 machine's.
 """
 
 import concurrent.futures
-import os
 import time
 
-from benchmarks.workload import CACHE_DIR, make_workload
+from benchmarks.workload import make_workload, preset_checkpoint
 from nanopaged.random_checkpoint import TINY_QWEN3
 
 DECODE_FIXED_MS = 0.28
@@ -82,7 +81,7 @@ def simulate(args) -> list[dict]:
     tok/s it predicts."""
     from nanopaged import LLM, SamplingParams
 
-    model = tiny_checkpoint()
+    model = preset_checkpoint("tiny")  # the host's work does not depend on it
     work = make_workload(args, TINY_QWEN3["vocab_size"])
     rows = []
     for overlap in (False, True):
@@ -120,16 +119,6 @@ def simulate(args) -> list[dict]:
         row["hidden"] = (rows[0]["wall_s"] - row["wall_s"]) / host
         row["vs_nano_vllm"] = row["out_tok_per_s"] / NANO_VLLM_H200
     return rows
-
-
-def tiny_checkpoint() -> str:
-    """The tiny random-weight model: the host's work does not depend on the model."""
-    from nanopaged.random_checkpoint import write_random_checkpoint
-
-    path = os.path.join(CACHE_DIR, "random-tiny-qwen3")
-    if not os.path.exists(os.path.join(path, "model.safetensors")):
-        write_random_checkpoint(path, TINY_QWEN3, initializer_range=0.1)
-    return path
 
 
 def print_simulation(rows: list[dict]) -> None:

@@ -152,12 +152,15 @@ def repetitive_workload(args, vocab_size: int, num_requests: int = 8) -> Workloa
 
 
 def resolve_model(args) -> str:
-    """--model, or the preset's random-weight checkpoint (written on first use)."""
-    if args.model:
-        return args.model
+    """--model, or the preset's random-weight checkpoint."""
+    return args.model or preset_checkpoint(args.preset)
+
+
+def preset_checkpoint(preset: str) -> str:
+    """A preset's random-weight checkpoint (written on first use)."""
     from nanopaged.random_checkpoint import write_random_checkpoint
 
-    name, shape, dtype, _ = PRESETS[args.preset]
+    name, shape, dtype, _ = PRESETS[preset]
     path = os.path.join(CACHE_DIR, name)
     if not os.path.exists(os.path.join(path, "model.safetensors")):
         print(f"writing a random-weight {name} checkpoint to {path}", file=sys.stderr)
