@@ -2,7 +2,6 @@
 local directory, or a Hugging Face id found in the cache or downloaded), its tokenizer,
 its EOS ids and its default sampling settings."""
 
-import importlib
 import json
 import os
 
@@ -19,18 +18,6 @@ from nanopaged.checks import UNSUPPORTED, unsupported_fields
 # What the engine reads of a Hugging Face repository: configs, tokenizer files, weights.
 MODEL_FILES = ["*.json", "*.safetensors", "*.txt", "*.model", "*.tiktoken"]
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
-# The features that enter themselves in the core's registries (a backend, model
-# families, quantized formats, the GPU's sampling kernel): imported where they are, so
-# that a forker may delete any of them; one that needs a package the machine lacks
-# (`OPTIONAL_PACKAGES`) is skipped as if deleted
-FEATURES = (
-    "nanopaged.cpu",
-    "nanopaged.models",
-    "nanopaged.pooling",
-    "nanopaged.quantization",
-    "nanopaged.triton_sample",
-)
-OPTIONAL_PACKAGES = ("triton",)
 # the architectures that pool (vLLM's pooling runner): bare decoders, classifiers
 POOLING_SUFFIXES = ("Model", "ForSequenceClassification")
 POOLING_TASKS = ("embed", "classify", "score")
@@ -106,22 +93,14 @@ def checkpoint_architecture(config: PretrainedConfig) -> str:
     return next(a for a in config.architectures if a in ARCHITECTURES)
 
 
-def load_features() -> None:
-    """Imports each of `FEATURES` that exists and has its packages."""
-    for name in FEATURES:
-        try:
-            importlib.import_module(name)
-        except ModuleNotFoundError as error:
-            if error.name not in (name, *OPTIONAL_PACKAGES):
-                raise
-
-
 def read_checkpoint_config(path: str) -> PretrainedConfig:
     """The config of the checkpoint at `path`, once its architecture and fields are
     known to be supported: a ValueError names the first that is not."""
-    load_features()
     from nanopaged.core.loader import QUANTIZATIONS  # torch: only once a model is read
     from nanopaged.core.model import ARCHITECTURES
+    from nanopaged.features import add_features
+
+    add_features()
 
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise ValueError(

@@ -16,7 +16,6 @@ from tqdm.auto import tqdm
 from nanopaged.checkpoint import (
     checkpoint_architecture,
     choose_runner,
-    load_features,
     pools,
     resolve_model,
 )
@@ -27,14 +26,16 @@ from nanopaged.core.model_runner import ModelRunner
 from nanopaged.core.sequence import Sequence
 from nanopaged.core.step import SamplerOutput, ScheduledStep
 from nanopaged.engine_args import make_config, split_options
+from nanopaged.features import add_features
 from nanopaged.inputs import InputProcessor, Prompt, as_batch, per_prompt
 from nanopaged.outputs import EngineStats, Request, RequestOutput, token_logprobs
 from nanopaged.parallel import ParallelConfig, make_runner
 from nanopaged.sampling import VLLMSampler
 from nanopaged.sampling_params import SamplingParams
 
-# the backends, model families and quantized formats present enter the core's registries
-load_features()
+# the backends, model families, quantized formats and kernels present enter the core's
+# registries (features.py names every feature)
+add_features()
 # a runner other than "generate" -> (the module, the name) of its engine, a subclass of
 # LLM above this module: imported when asked for, so that a forker may delete it
 RUNNERS = {"pooling": ("nanopaged.pooling.llm", "PoolingLLM")}

@@ -39,12 +39,12 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from nanopaged.checkpoint import load_features
 from nanopaged.checks import check_fields
 from nanopaged.core.config import Config
 from nanopaged.core.model_runner import ModelRunner, RunnerExtension
 from nanopaged.core.sampler import Sampler
 from nanopaged.core.step import Pending, SamplerOutput, ScheduledStep, StepInputs
+from nanopaged.features import add_features
 
 # Workers wait for rank 0's next message for as long as the caller leaves the engine
 # idle.
@@ -248,7 +248,7 @@ def run_worker(
 ) -> None:
     """The life of a tensor-parallel worker process: run every step rank 0 sends, until
     `None`."""
-    load_features()  # a spawned worker starts with the core's registries empty
+    add_features()  # a spawned worker starts with the core's registries empty
     group = join_ranks(config, parallel, rank, [])
     runner = ModelRunner(config, extension=extension)
     while (inputs := receive(group)) is not None:

@@ -5,7 +5,10 @@ serve`) writes the trace; `python -m nanopaged.trace run.jsonl -o run.html` writ
 self-contained HTML page (no network) that plays it back: the block pool, the queues,
 the events of each step. The trace reads the engine through two seams: the runner it is
 handed (it sees each `ScheduledStep` after scheduling, before the model runs) and
-`LLM.run_step`, after each step. Without `trace`, none of this runs.
+`LLM.run_step`, after each step; then it reads, never changes, the state the core's
+docstrings name: the scheduler's queues (`waiting`, `running`), the sequences' block
+tables, and the pool's `hashes`, `uncommitted` and `num_free_blocks`. Without `trace`,
+none of this runs.
 
 One JSON object a line. The first, the header: `trace` ("nanopaged"), `version` (1),
 `model`, `tokenizer` (its path), `num_blocks`, `block_size`, `max_num_batched_tokens`,
@@ -121,10 +124,11 @@ class Tracer:
         self.own_time = 0.0
         self.record = self._empty()
         self.new_cached = set()
-        # a reset forgot all
-        if self.cached and not self.engine().block_manager.hash_to_block:
-            self.record["evicted"] = sorted(self.cached)
-            self.cached.clear()
+        # a block whose hash was forgotten between steps: a reset
+        hashes = self.engine().block_manager.hashes
+        forgotten = {b for b in self.cached if hashes[b] is None}
+        self.record["evicted"] = sorted(forgotten)
+        self.cached -= forgotten
 
     def scheduled(self, step: ScheduledStep) -> None:
         """After scheduling: what ran, the blocks each sequence got, hit, or let go

@@ -2,17 +2,13 @@
 probability under softmax(logits / T) exceeds the row's number) in two reads of each
 row, its max and sum first, then its running sum up to the number, where PyTorch's ops
 make about nine passes over float32 copies of the logits; a row that is no
-distribution takes its greedy token, as there (`sampler.first_argmax`). Enters itself
-as the sampling function of the "triton" and "flash" backends (`Backend.sample`);
+distribution takes its greedy token, as there (`sampler.first_argmax`). `features.py`
+enters it as the "triton" and "flash" backends' kernel in `sampler.SAMPLING_KERNELS`;
 without this file they sample with `sampler.sample`."""
 
-import dataclasses
-
 import torch
-import triton  # without it, `checkpoint.load_features` skips this file
+import triton  # without it, `features.add_features` skips this file
 import triton.language as tl
-
-from nanopaged.core.attention import BACKENDS
 
 BLOCK = 4096  # vocabulary entries a program reads at once
 
@@ -93,7 +89,3 @@ def sample(
         num_warps=8,
     )
     return tokens
-
-
-for name in ("triton", "flash"):
-    BACKENDS[name] = dataclasses.replace(BACKENDS[name], sample=sample)

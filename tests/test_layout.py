@@ -60,6 +60,7 @@ LAYERS = [
     "pooling.pooler",
     "pooling.models",
     "pooling",
+    "features",
     "chat",
     "checkpoint",
     "random_checkpoint",
@@ -419,7 +420,7 @@ def test_a_feature_deleted_leaves_a_plain_generate_working(
 
 @pytest.mark.parametrize("missing", ["triton", "safetensors"])
 def test_a_feature_skipped_only_for_an_optional_package(missing):
-    """A machine without triton samples with `sampler.sample` (load_features skips
+    """A machine without triton samples with `sampler.sample` (add_features skips
     triton_sample); a feature missing any other package is an error, not a silent
     skip."""
     import subprocess
@@ -427,10 +428,10 @@ def test_a_feature_skipped_only_for_an_optional_package(missing):
 
     script = (
         f"import sys; sys.modules[{missing!r}] = None\n"
-        "from nanopaged.checkpoint import load_features\n"
-        "load_features()\n"
-        "from nanopaged.core.attention import BACKENDS\n"
-        "print(BACKENDS['triton'].sample, BACKENDS['flash'].sample)"
+        "from nanopaged.features import add_features\n"
+        "add_features()\n"
+        "from nanopaged.core.sampler import SAMPLING_KERNELS\n"
+        "print(SAMPLING_KERNELS.get('triton'), SAMPLING_KERNELS.get('flash'))"
     )
     result = subprocess.run(
         [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
@@ -439,3 +440,65 @@ def test_a_feature_skipped_only_for_an_optional_package(missing):
         assert result.stdout.split() == ["None", "None"], result.stderr[-2000:]
     else:
         assert result.returncode != 0 and "safetensors" in result.stderr
+
+
+def test_features_enter_the_core_only_through_add_features_and_only_add():
+    """Importing every module of the package enters nothing in the core's registries
+    (with `add_features` made a no-op: llm.py calls it); `add_features` then adds the
+    features' entries and leaves each entry the core defines the same object."""
+    import subprocess
+    import sys
+
+    script = """
+import importlib, pkgutil
+import nanopaged, nanopaged.features as features
+from nanopaged.checks import UNSUPPORTED
+from nanopaged.core import attention, layers, loader, model, sampler
+
+registries = dict(
+    backends=attention.BACKENDS, rope=layers.ROPE_SCALINGS,
+    quantizations=loader.QUANTIZATIONS, architectures=model.ARCHITECTURES,
+    qk_norm=model.QK_NORM, qkv_bias=model.QKV_BIAS,
+    kernels=sampler.SAMPLING_KERNELS, unsupported=UNSUPPORTED,
+)
+snapshot = lambda: {k: r.copy() for k, r in registries.items()}
+core = snapshot()
+add_features, features.add_features = features.add_features, lambda: None
+imported = 0
+for info in pkgutil.walk_packages(nanopaged.__path__, "nanopaged."):
+    if info.name == "nanopaged.__main__":  # the command, run as it is imported
+        continue
+    try:
+        importlib.import_module(info.name)
+        imported += 1
+    except ModuleNotFoundError as error:  # a server's or a GPU's package
+        assert not error.name.startswith("nanopaged"), error
+assert imported > 80 and snapshot() == core, "a module entered itself on import"
+add_features()
+after = snapshot()
+for name, entries in core.items():
+    if isinstance(entries, dict):
+        assert all(after[name][key] is value for key, value in entries.items()), name
+    else:
+        assert entries <= after[name], name
+print(sorted(k for k in after["backends"] if k not in core["backends"]),
+      len(after["architectures"]) - len(core["architectures"]))
+"""
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split()[0] == "['cpu']"
+    assert int(result.stdout.split()[1]) >= 12  # families, pooling architectures
+
+
+def test_a_plain_request_walks_at_most_64_functions_of_the_core(tmp_path):
+    """docs/architecture.md's walk (benchmarks/walk.py): the core's functions one plain
+    request enters, held where they are."""
+    from benchmarks.walk import walk
+    from nanopaged.random_checkpoint import SHAPES, write_random_checkpoint
+
+    entered = walk(write_random_checkpoint(str(tmp_path), SHAPES["qwen3"]))
+    core = [f for f in entered if f[0].startswith("core")]
+    assert 40 < len(core) <= 64, core
+    assert ("core/llm_engine.py", "step") in {f[:2] for f in core}

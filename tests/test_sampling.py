@@ -135,8 +135,7 @@ def test_a_row_that_is_no_distribution_samples_the_greedy_token_on_each_backend(
 ):
     """Every sampler gives the same in-range id for such a row, its argmax (a NaN as
     +inf); the kernels' sample is the reference's."""
-    from nanopaged.core.attention import BACKENDS
-    from nanopaged.core.sampler import first_argmax, sample
+    from nanopaged.core.sampler import SAMPLING_KERNELS, first_argmax, sample
 
     if backend == "triton":
         pytest.importorskip("nanopaged.triton_sample")
@@ -146,7 +145,7 @@ def test_a_row_that_is_no_distribution_samples_the_greedy_token_on_each_backend(
     assert want[:4].tolist() == [0, 4500, 10, 20]
     assert torch.equal(want[:4], first_argmax(logits[:4]))
     assert want[4] == 4999
-    got = BACKENDS[backend].sample(logits, temperatures, uniform)
+    got = SAMPLING_KERNELS[backend](logits, temperatures, uniform)
     assert torch.equal(got, want)
 
 

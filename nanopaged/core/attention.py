@@ -126,13 +126,12 @@ def decode_flash(q, k_cache, v_cache, meta, scale, window=None) -> torch.Tensor:
 class Backend:
     """An attention backend: `kernels()` gives what a model built for it computes with
     (its module imported only then); `missing(on_gpu, kv_dtype)` names what it lacks
-    here (None: usable); "auto" picks it on `auto_on` devices; `sample` is its sampling
-    function (None: `sampler.sample`), `zeros` allocates its KV cache."""
+    here (None: usable); "auto" picks it on `auto_on` devices; `zeros` allocates its KV
+    cache. Its sampling kernel, if it has one, is in `sampler.SAMPLING_KERNELS`."""
 
     kernels: Callable[[], Kernels]
     missing: Callable[[bool, torch.dtype], str | None]
     auto_on: tuple[str, ...] = ("cuda", "cpu")
-    sample: Callable | None = None
     zeros: Callable[..., torch.Tensor] = torch.zeros
 
 
@@ -168,7 +167,8 @@ def needs_flash(on_gpu: bool, kv_dtype: torch.dtype) -> str | None:
 
 TORCH = (store_kvcache_torch, prefill_torch, decode_torch)
 # name -> backend, in the order "auto" tries them (plain "torch" last). A backend above
-# the core enters itself here (nanopaged/cpu/), as a model family in ARCHITECTURES.
+# the core is entered here by nanopaged/features.py (the CPU's), as a model family is
+# in ARCHITECTURES.
 BACKENDS: dict[str, Backend] = {
     "flash": Backend(flash_kernels, needs_flash, ("cuda",)),
     "triton": Backend(

@@ -37,20 +37,20 @@ class BlockManager:
 
     Block `b` holds `block_size` token slots; `ref_counts[b]` sequences hold it. A block
     with a hash (`hashes[b]`) holds a full block of tokens (`block_tokens[b]`), computed
-    or being computed by the current step, and is shared by every sequence with the
-    same prefix and `cache_salt` (where the chain starts: a LoRA adapter's block is
-    never served to another adapter, nor to the base model). Plain lists, not an object
-    per block: a pool of many thousand blocks is made in a moment. Free blocks wait in
+    or being computed by the current step, and is shared by every sequence with the same
+    prefix and `cache_salt` (where the chain starts: a LoRA adapter's block is never
+    served to another adapter, nor to the base model). Plain lists, not an object per
+    block: a pool of many thousand blocks is made in a moment. Free blocks wait in
     `free_block_ids`, least recently freed first: that order is the eviction policy. A
     freed block keeps its hash until it is handed out again, for a later request with
     the same prefix. Only full blocks are shared, and never written again. A block's
     hash is entered when the step that fills it is scheduled (later sequences of the
-    step may share it: a prompt's n samples) and *committed* once the step has run:
-    after a failed step, `rollback` forgets it. Nothing is looked up without
-    `enable_prefix_caching`, nor for a sequence that asks for its prompt's logits. With
-    a `sliding_window` on every layer, a decoding sequence gives back each block wholly
-    before the window (its entry becomes -1) but the one the next full block's hash
-    chains to: it holds at most window / block_size + 1 blocks."""
+    step may share it: a prompt's n samples; `uncommitted` lists them) and *committed*
+    once the step has run: after a failed step, `rollback` forgets it. Nothing is looked
+    up without `enable_prefix_caching`, nor for a sequence that asks for its prompt's
+    logits. With a `sliding_window` on every layer, a decoding sequence gives back each
+    block wholly before the window (its entry becomes -1) but the one the next full
+    block's hash chains to: it holds at most window / block_size + 1 blocks."""
 
     def __init__(
         self,

@@ -13,7 +13,7 @@ from nanopaged.core.config import Config
 from nanopaged.core.cuda_graphs import DecodeGraphs
 from nanopaged.core.layers import to_device
 from nanopaged.core.loader import load_model
-from nanopaged.core.sampler import Sampler
+from nanopaged.core.sampler import SAMPLING_KERNELS, Sampler
 from nanopaged.core.sequence import SamplingOptions, Sequence, cdiv
 from nanopaged.core.step import (
     Launched,
@@ -68,7 +68,8 @@ class ModelRunner:
         self.device = torch.device(config.device)
         self.backend = BACKENDS[config.attention_backend]
         self.model = load_model(config, self.device)
-        self.sampler = sampler(self.device, config.seed, self.backend.sample)
+        kernel = SAMPLING_KERNELS.get(config.attention_backend)
+        self.sampler = sampler(self.device, config.seed, kernel)
         self.max_blocks_per_seq = cdiv(config.max_model_len, self.block_size)
         self.graphs: DecodeGraphs | None = None
         self.extension.prepare_model(self)

@@ -9,6 +9,10 @@ from nanopaged.core.sequence import SamplingOptions, Sequence
 
 # A temperature below this samples greedily (vLLM's): 1 / T would overflow float32.
 GREEDY_BELOW = 1e-5
+# attention backend's name -> its own sampling kernel, a function as `sample` (the
+# CPU's C kernel, the GPUs' Triton kernel: nanopaged/features.py enters them); a
+# backend without one samples with `sample`
+SAMPLING_KERNELS: dict = {}
 
 
 # not compiled: torch 2.11's inductor failed on the split cumsum of Qwen3's vocabulary

@@ -36,7 +36,6 @@ from torch import nn
 
 from nanopaged.core import sampler
 from nanopaged.core.attention import (
-    BACKENDS,
     AttentionMetadata,
     Backend,
     decode_torch,
@@ -205,10 +204,9 @@ def model_kernels() -> Kernels:
     return Kernels("cpu", attention, linear, **cpu_kernels.ELEMENTWISE)
 
 
-BACKENDS["cpu"] = Backend(
+BACKEND = Backend(
     model_kernels,
     lambda on_gpu, dtype: "device='cpu'" if on_gpu else None,
     ("cpu",),
-    sample,
     huge_zeros,
 )

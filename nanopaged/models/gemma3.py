@@ -15,11 +15,10 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
 
-from nanopaged.checks import UNSUPPORTED, unsupported_fields
+from nanopaged.checks import unsupported_fields
 from nanopaged.core.attention import AttentionMetadata
 from nanopaged.core.layers import Kernels, RMSNorm, compiled_on_gpu
 from nanopaged.core.model import (
-    ARCHITECTURES,
     MLP,
     CausalLM,
     DecoderAttention,
@@ -120,7 +119,3 @@ class Gemma3ForCausalLM(CausalLM):
     def __init__(self, config: PretrainedConfig, kernels: Kernels):
         super().__init__(config, kernels)
         self.model.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
-
-
-ARCHITECTURES["Gemma3ForCausalLM"] = Gemma3ForCausalLM
-UNSUPPORTED["Gemma3ForCausalLM"] = unsupported_gemma3_fields

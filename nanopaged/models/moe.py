@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 from transformers import PretrainedConfig
 
-from nanopaged.checks import UNSUPPORTED, unsupported_fields
+from nanopaged.checks import unsupported_fields
 from nanopaged.core.layers import (
     Kernels,
     LinearBase,
@@ -28,7 +28,7 @@ from nanopaged.core.layers import (
     tp_shard,
     tp_size,
 )
-from nanopaged.core.model import ARCHITECTURES, MLP, QK_NORM, CausalLM, DecoderLayer
+from nanopaged.core.model import MLP, CausalLM, DecoderLayer
 
 
 def route(
@@ -198,13 +198,3 @@ def unsupported_moe_fields(config: PretrainedConfig) -> dict:
         "quantization_config (quantized experts)": quant.get("quant_method", "?")
     }
     return unsupported_fields(config) | (experts if quant else {})
-
-
-QK_NORM.add("Qwen3MoeForCausalLM")
-ARCHITECTURES.update(
-    Qwen3MoeForCausalLM=MoeForCausalLM, MixtralForCausalLM=MoeForCausalLM
-)
-UNSUPPORTED.update(
-    Qwen3MoeForCausalLM=unsupported_moe_fields,
-    MixtralForCausalLM=unsupported_moe_fields,
-)

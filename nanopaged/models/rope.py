@@ -6,8 +6,6 @@ import math
 
 import torch
 
-from nanopaged.core.layers import ROPE_SCALINGS
-
 
 def llama3(inv_freq: torch.Tensor, parameters: dict) -> torch.Tensor:
     """Llama 3's frequency scaling: long wavelengths slowed by `factor`, short ones
@@ -26,6 +24,3 @@ def llama3(inv_freq: torch.Tensor, parameters: dict) -> torch.Tensor:
 def linear(inv_freq: torch.Tensor, parameters: dict) -> torch.Tensor:
     """Positions divided by `factor`."""
     return inv_freq / parameters["factor"]
-
-
-ROPE_SCALINGS.update(llama3=llama3, linear=linear)

@@ -112,6 +112,9 @@ class PoolingLLM(LLM):
 
     def __init__(self, model: str = "Qwen/Qwen3-0.6B", **options):
         super().__init__(model, **options)
+        # a classifier's head, applied here to each pooled vector: the model's own
+        # layer (`SequenceClassifier.score`), on the runner that owns the weights
+        self.score_head = self.engine.runner.model.score if self.classifier else None
         if self.pooler.lowercase:
             lowercase_texts(self.tokenizer)
 
@@ -294,7 +297,7 @@ class PoolingLLM(LLM):
         params, pooled = request.params, request.pooling.result()
         activation = params.use_activation is not False
         if params.task in ("classify", "score") and self.classifier:
-            head = self.engine.runner.model.score
+            head = self.score_head
             logits = head(pooled.to(head.weight.dtype)).float()
             if not activation:
                 result = logits

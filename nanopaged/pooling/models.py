@@ -1,14 +1,15 @@
-"""The pooling architectures, entered in the core's `ARCHITECTURES`: each family's bare
-decoder (`Qwen3Model`: an embedding model's body, as Sentence Transformers saves it) and
-its classifier (`Qwen3ForSequenceClassification`: the body and a `score` head). Both are
-the core's `CausalLM`, whose LM head they tie to the embedding: it costs no memory, and
-a checkpoint's `lm_head.weight` (a causal LM run for pooling) is not read."""
+"""The pooling architectures, which `features.py` enters in the core's
+`ARCHITECTURES`: each family's bare decoder (`Qwen3Model`: an embedding model's body,
+as Sentence Transformers saves it) and its classifier (`Qwen3ForSequenceClassification`:
+the body and a `score` head). Both are the core's `CausalLM`, whose LM head they tie to
+the embedding: it costs no memory, and a checkpoint's `lm_head.weight` (a causal LM run
+for pooling) is not read."""
 
 from torch import nn
 from transformers import PretrainedConfig
 
 from nanopaged.core.layers import Kernels
-from nanopaged.core.model import ARCHITECTURES, QK_NORM, QKV_BIAS, CausalLM
+from nanopaged.core.model import CausalLM
 
 # the families with both a bare decoder and a classifier in transformers
 FAMILIES = ("Qwen3", "Qwen2", "Llama", "Mistral")
@@ -34,10 +35,3 @@ class SequenceClassifier(PoolingBody):
     def __init__(self, config: PretrainedConfig, kernels: Kernels):
         super().__init__(config, kernels)
         self.score = nn.Linear(config.hidden_size, config.num_labels, bias=False)
-
-
-for family in FAMILIES:
-    ARCHITECTURES[f"{family}Model"] = PoolingBody
-    ARCHITECTURES[f"{family}ForSequenceClassification"] = SequenceClassifier
-QK_NORM.update({"Qwen3Model", "Qwen3ForSequenceClassification"})
-QKV_BIAS.update({"Qwen2Model", "Qwen2ForSequenceClassification"})

@@ -1,5 +1,5 @@
-"""Quantized checkpoints: each format in its own file, entered in the core's
-`loader.QUANTIZATIONS` under the `quant_method` of the checkpoint's
+"""Quantized checkpoints: each format in its own file, which `features.py` enters in
+the core's `loader.QUANTIZATIONS` under the `quant_method` of the checkpoint's
 `quantization_config`.
 
 - fp8.py: `"fp8"` (block-wise e4m3 with `weight_scale_inv`, or one scale per tensor)
@@ -15,5 +15,3 @@ q/k/v, gate/up parts placed by the core's loader from the dims their parameters
 declare), then dequantizes them once into the float weight the device's own linear
 method multiplies (dequantize.py); on a GPU the 4-bit formats stay 4-bit and FP8 ones
 (per channel or tensor, dynamic activations) FP8 instead."""
-
-from nanopaged.quantization import awq, compressed_tensors, fp8, gptq  # noqa: F401

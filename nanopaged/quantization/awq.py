@@ -15,7 +15,6 @@ import torch
 from torch import nn
 
 from nanopaged.core.layers import LinearMethod, parameter
-from nanopaged.core.loader import QUANTIZATIONS
 from nanopaged.quantization.dequantize import (
     Int4Linear,
     check_group,
@@ -83,6 +82,3 @@ def awq_method(config: dict, dense: LinearMethod) -> AwqLinear:
     )
     check_skipped("modules_to_not_convert", config.get("modules_to_not_convert"))
     return AwqLinear(dense, config.get("group_size", 128))
-
-
-QUANTIZATIONS["awq"] = awq_method

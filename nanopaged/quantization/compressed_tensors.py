@@ -8,7 +8,6 @@ with an `input_scale`). The stored layout is fp8.py's, and so is the computation
 GEMMs on a GPU that has them, else the weight dequantized once loaded)."""
 
 from nanopaged.core.layers import LinearMethod
-from nanopaged.core.loader import QUANTIZATIONS
 from nanopaged.quantization.dequantize import check_keys, check_skipped
 from nanopaged.quantization.fp8 import Fp8Linear
 
@@ -62,6 +61,3 @@ def compressed_tensors_method(config: dict, dense: LinearMethod) -> Fp8Linear:
         )
     static = inputs is not None and not inputs.get("dynamic", False)
     return Fp8Linear(dense, "weight_scale", block, static)
-
-
-QUANTIZATIONS[METHOD] = compressed_tensors_method

@@ -17,7 +17,6 @@ import torch
 from torch import nn
 
 from nanopaged.core.layers import LinearMethod, parameter
-from nanopaged.core.loader import QUANTIZATIONS
 from nanopaged.core.sequence import cdiv
 from nanopaged.quantization.dequantize import (
     DequantizedLinear,
@@ -143,6 +142,3 @@ def fp8_method(config: dict, dense: LinearMethod) -> Fp8Linear:
         block,
         config.get("activation_scheme") == "static",
     )
-
-
-QUANTIZATIONS["fp8"] = fp8_method

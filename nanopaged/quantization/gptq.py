@@ -15,7 +15,6 @@ import torch
 from torch import nn
 
 from nanopaged.core.layers import LinearMethod, parameter
-from nanopaged.core.loader import QUANTIZATIONS
 from nanopaged.quantization.dequantize import (
     Int4Linear,
     check_group,
@@ -105,6 +104,3 @@ def gptq_method(config: dict, dense: LinearMethod) -> GptqLinear:
             f"got {group_size!r}"
         )
     return GptqLinear(dense, group_size, 1 if form == "gptq" else 0)
-
-
-QUANTIZATIONS["gptq"] = gptq_method

@@ -1,0 +1,124 @@
+"""Every feature, and the seam by which it enters the core: the one place that says what
+`LLM(model)` is assembled from. The core imports none of them.
+
+The features below add entries to the core's registries, each in its own function here,
+which `add_features` calls: no feature module enters anything as it is imported, and
+none replaces or removes an entry the core defines (tests/test_layout.py). A feature
+whose folder a forker deleted, or that needs a package this machine lacks (triton), is
+skipped, and a plain `generate` still works.
+
+The other features are turned on by an option and imported only then; each is a file or
+folder a forker may delete with its option:
+
+- vLLM's API over the core (`llm.py`, `inputs.py`, `outputs.py`, `compat.py`): the
+  engine's `add`, `step`, `finish` and `stop`; each step's `SamplerOutput`.
+- vLLM's sampling settings (`sampling.py`, `logits_processors.py`): the `Sampler`
+  class the runner is given (`adjust`, `uniform`), `Sequence.logits_processors`.
+- structured outputs (`structured_outputs.py`): `Sequence.logits_processors`.
+- speculative decoding (`speculative.py`): `LLMEngine.schedule` and `apply`, extended
+  by `SpeculativeEngine`; `ScheduledStep.proposals`; `BlockManager.reserve`, `trim`.
+- async scheduling (`async_scheduling.py`): `ModelRunner.launch`, `start`, `collect`;
+  `Pending` input ids; `BlockManager.commit`.
+- LoRA adapters (`lora/`): a `RunnerExtension`; `Sequence.cache_salt`.
+- pooling's engine (`pooling/llm.py`, `llm.RUNNERS`): `SamplingOptions.max_tokens=0`,
+  `SamplerOutput.hidden_states`.
+- the step trace (`trace.py`): the runner `LLMEngine` is handed (`TracedRunner`).
+- tensor parallelism (`parallel.py`): a `ModelRunner` subclass on every rank.
+- data parallelism (`data_parallel.py`) and the OpenAI server (`serving/`): `LLM`.
+"""
+
+import importlib.util
+
+from nanopaged.checks import UNSUPPORTED
+from nanopaged.core.attention import BACKENDS
+from nanopaged.core.layers import ROPE_SCALINGS
+from nanopaged.core.loader import QUANTIZATIONS
+from nanopaged.core.model import ARCHITECTURES, QK_NORM, QKV_BIAS, CausalLM
+from nanopaged.core.sampler import SAMPLING_KERNELS
+
+
+def add_cpu_backend() -> None:
+    """The CPU backend (`cpu/`): its attention, C kernels and linear layers, and its
+    sampling kernel."""
+    from nanopaged import cpu
+
+    BACKENDS["cpu"] = cpu.BACKEND
+    SAMPLING_KERNELS["cpu"] = cpu.sample
+
+
+def add_model_families() -> None:
+    """The model families beyond the core's Qwen3, Qwen2 and Llama (`models/`): Mistral
+    (the core's decoder, its `sliding_window` on every layer), Qwen3-MoE and Mixtral,
+    Gemma 3's text model; and the RoPE scalings of Llama 3 and others."""
+    from nanopaged.models import gemma3, moe, rope
+
+    ARCHITECTURES.update(
+        MistralForCausalLM=CausalLM,
+        Qwen3MoeForCausalLM=moe.MoeForCausalLM,
+        MixtralForCausalLM=moe.MoeForCausalLM,
+        Gemma3ForCausalLM=gemma3.Gemma3ForCausalLM,
+    )
+    QK_NORM.add("Qwen3MoeForCausalLM")
+    UNSUPPORTED.update(
+        Qwen3MoeForCausalLM=moe.unsupported_moe_fields,
+        MixtralForCausalLM=moe.unsupported_moe_fields,
+        Gemma3ForCausalLM=gemma3.unsupported_gemma3_fields,
+    )
+    ROPE_SCALINGS.update(llama3=rope.llama3, linear=rope.linear)
+
+
+def add_quantized_formats() -> None:
+    """The quantized checkpoints (`quantization/`), by their `quant_method`."""
+    from nanopaged.quantization import awq, compressed_tensors, fp8, gptq
+
+    QUANTIZATIONS.update(
+        {
+            "fp8": fp8.fp8_method,
+            compressed_tensors.METHOD: compressed_tensors.compressed_tensors_method,
+            "awq": awq.awq_method,
+            "gptq": gptq.gptq_method,
+        }
+    )
+
+
+def add_pooling_models() -> None:
+    """The pooling architectures (`pooling/models.py`): each family's bare decoder
+    (`Qwen3Model`) and its classifier (`Qwen3ForSequenceClassification`)."""
+    from nanopaged.pooling.models import FAMILIES, PoolingBody, SequenceClassifier
+
+    for family in FAMILIES:
+        ARCHITECTURES[f"{family}Model"] = PoolingBody
+        ARCHITECTURES[f"{family}ForSequenceClassification"] = SequenceClassifier
+    QK_NORM.update({"Qwen3Model", "Qwen3ForSequenceClassification"})
+    QKV_BIAS.update({"Qwen2Model", "Qwen2ForSequenceClassification"})
+
+
+def add_sampling_kernel() -> None:
+    """The GPU backends' Triton sampling kernel (`triton_sample.py`); without it (or
+    without triton) they sample with `sampler.sample`."""
+    from nanopaged.triton_sample import sample
+
+    SAMPLING_KERNELS.update(triton=sample, flash=sample)
+
+
+# the module each adds -> the function that enters it
+REGISTERED = {
+    "nanopaged.cpu": add_cpu_backend,
+    "nanopaged.models": add_model_families,
+    "nanopaged.quantization": add_quantized_formats,
+    "nanopaged.pooling": add_pooling_models,
+    "nanopaged.triton_sample": add_sampling_kernel,
+}
+
+
+def add_features() -> None:
+    """Enters every feature of `REGISTERED` whose module is here and whose packages
+    are installed; calling it again changes nothing."""
+    for module, add in REGISTERED.items():
+        if importlib.util.find_spec(module) is None:
+            continue  # deleted
+        try:
+            add()
+        except ModuleNotFoundError as error:
+            if error.name != "triton":
+                raise
