@@ -32,7 +32,7 @@ import argparse
 import importlib.util
 import json
 
-from benchmarks.engines import ENGINES
+from benchmarks.engines import ENGINES, engine_name
 from benchmarks.workload import PRESETS, resolve_model
 
 
@@ -45,7 +45,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--engines",
         help=f"comma-separated, from {', '.join(ENGINES)}; "
         f"nanopaged:BACKEND picks an attention backend (torch, cpu, "
-        f"triton, flash, auto), nanopaged:BACKEND+async adds async scheduling",
+        f"triton, flash, auto), nanopaged:BACKEND+async adds async scheduling; "
+        f"nanopaged@CHECKOUT runs another checkout's (e.g. a worktree of an older "
+        f"commit: before and after in one run)",
     )
     p.add_argument("--num-requests", type=int)
     p.add_argument("--prompt-len", type=int, nargs=2, metavar=("MIN", "MAX"))
@@ -221,7 +223,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--plot draws throughput, --steps or --serve results")
     if args.plot and importlib.util.find_spec("matplotlib") is None:
         p.error('--plot needs matplotlib: pip install -e ".[bench]"')
-    unknown = {e.partition(":")[0] for e in args.engines.split(",")} - set(ENGINES)
+    engines = args.engines.split(",")
+    unknown = {engine_name(e) for e in engines} - set(ENGINES)
     if unknown:
         p.error(f"unknown engines {sorted(unknown)}; choose from {', '.join(ENGINES)}")
     return args

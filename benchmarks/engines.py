@@ -6,6 +6,7 @@ import importlib.util
 import multiprocessing
 import os
 import statistics
+import sys
 import time
 
 from benchmarks.workload import (
@@ -18,10 +19,19 @@ from benchmarks.workload import (
 )
 
 ENGINES = ("nanopaged", "hf", "hf-static", "nano-vllm", "vllm")
+# nanopaged's options at their defaults, which `run_nanopaged` does not pass
+DEFAULTS = dict(
+    enforce_eager=False,
+    attention_backend="auto",
+    async_scheduling=False,
+    tensor_parallel_size=1,
+    kv_cache_dtype="auto",
+)
 
 
 def run_nanopaged(model: str, work: Workload, args, backend: str = "auto") -> dict:
     """`backend`: an attention backend, and "+async" for async scheduling."""
+    import nanopaged
     from nanopaged import LLM, LoRARequest, SamplingParams
 
     backend, _, mode = backend.partition("+")
@@ -35,9 +45,7 @@ def run_nanopaged(model: str, work: Workload, args, backend: str = "auto") -> di
             enable_lora=True, max_loras=max(1, len(paths)), max_lora_rank=args.lora_rank
         )
     )
-    llm = LLM(
-        model,
-        max_model_len=args.max_model_len,
+    options = dict(
         enforce_eager=args.enforce_eager,
         attention_backend=backend or "auto",
         async_scheduling=mode == "async",
@@ -48,6 +56,11 @@ def run_nanopaged(model: str, work: Workload, args, backend: str = "auto") -> di
         kv_cache_dtype=args.kv_cache_dtype,
         **lora,
     )
+    # the defaults left out: an older checkout (nanopaged@CHECKOUT) may not know them
+    options = {
+        k: v for k, v in options.items() if v is not None and v != DEFAULTS.get(k)
+    }
+    llm = LLM(model, max_model_len=args.max_model_len, **options)
     params = [
         SamplingParams(temperature=work.temperature, ignore_eos=True, max_tokens=n)
         for n in work.output_lens
@@ -100,6 +113,7 @@ def run_nanopaged(model: str, work: Workload, args, backend: str = "auto") -> di
         preemptions=stats.num_preemptions,
         kv_blocks=stats.num_blocks,
         backend=llm.config.attention_backend,
+        checkout=os.path.dirname(os.path.dirname(os.path.abspath(nanopaged.__file__))),
         loras=loaded,
         phases=clock.phases(),
         **speculation_stats(stats),
@@ -287,8 +301,19 @@ RUNNERS = {
 MODULES = {"nano-vllm": "nanovllm", "vllm": "vllm"}
 
 
+def engine_name(engine: str) -> str:
+    """The engine of a spec: "nanopaged" of "nanopaged@../old:cpu+async"."""
+    return engine.partition(":")[0].partition("@")[0]
+
+
 def _child(engine: str, model: str, work: Workload, args, runners, queue) -> None:
     name, _, backend = engine.partition(":")
+    name, _, checkout = name.partition("@")
+    if checkout:  # another checkout's nanopaged, in place of this one's (imported by
+        # the harness's modules as this process was spawned)
+        for module in [m for m in sys.modules if m.partition(".")[0] == "nanopaged"]:
+            del sys.modules[module]
+        sys.path.insert(0, os.path.abspath(checkout))
     try:
         queue.put(runners[name](model, work, args, *([backend] if backend else [])))
     except Exception as error:  # report, so the other engines still run
@@ -310,11 +335,15 @@ def run_engine(
     engine: str, model: str, work: Workload, args, runners: dict = RUNNERS
 ) -> dict:
     """`runners[engine](model, work, args)` in a fresh process: its result, or why
-    there is none."""
-    module = MODULES.get(engine.partition(":")[0])
+    there is none. "nanopaged@CHECKOUT" runs the nanopaged of another checkout (a
+    worktree of an older commit: before and after in one run) in a spawned process."""
+    module = MODULES.get(engine_name(engine))
     if module and importlib.util.find_spec(module) is None:
         return {"skipped": f"{module} is not importable"}
-    ctx = _context()
+    checkout = engine.partition(":")[0].partition("@")[2]
+    if checkout and not os.path.isfile(os.path.join(checkout, "nanopaged", "llm.py")):
+        return {"error": f"{checkout!r} is not a checkout of nanopaged"}
+    ctx = multiprocessing.get_context("spawn") if "@" in engine else _context()
     queue = ctx.Queue()
     process = ctx.Process(
         target=_child, args=(engine, model, work, args, runners, queue)

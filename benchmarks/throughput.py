@@ -2,7 +2,7 @@
 
 import sys
 
-from benchmarks.engines import run_engine
+from benchmarks.engines import engine_name, run_engine
 from benchmarks.floor import (
     MEANINGFUL_FLOOR_S,
     engine_dtype,
@@ -37,7 +37,7 @@ def run_throughput(model: str, args) -> dict:
         f"TFLOP/s {device['dtype']} matmul: the fastest measured on this machine)"
     )
     if args.preset == "cpu":
-        expected = sum(CPU_PRESET_SECONDS.get(e.partition(":")[0], 60) for e in engines)
+        expected = sum(CPU_PRESET_SECONDS.get(engine_name(e), 60) for e in engines)
         print(
             f"expect about {expected / 60:.0f} min (seconds per engine on a 2-core "
             f"CPU: {', '.join(f'{e} {s}' for e, s in CPU_PRESET_SECONDS.items())})"

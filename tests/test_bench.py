@@ -147,6 +147,30 @@ def test_throughput_with_peers(
     }
 
 
+def test_another_checkout_runs_beside_this_one(bench, qwen3_path, tmp_path):
+    """`nanopaged@CHECKOUT` runs that checkout's package in its own process (before
+    and after in one run), this one's beside it; a path that is no checkout is an
+    error row, and the other engines run."""
+    import shutil
+
+    other = tmp_path / "old"
+    shutil.copytree(
+        os.path.join(ROOT, "nanopaged"),
+        other / "nanopaged",
+        ignore=shutil.ignore_patterns("__pycache__"),
+    )
+    engines = f"nanopaged@{tmp_path}:torch,nanopaged@{other}:torch,nanopaged:torch"
+    result = bench.main(
+        ["--tiny", "--model", qwen3_path, "--no-progress", "--engines", engines]
+    )
+    ran = result["engines"]
+    assert "not a checkout" in ran.pop(f"nanopaged@{tmp_path}:torch")["error"]
+    assert ran[f"nanopaged@{other}:torch"]["checkout"] == str(other)
+    assert ran["nanopaged:torch"]["checkout"] == ROOT
+    tokens = {r["output_tokens"] for r in ran.values()}
+    assert tokens == {result["workload"]["output_tokens"]}
+
+
 def test_a_mixture_of_experts_runs_with_its_own_floor(bench, model_path):
     """`--model` a Qwen3-MoE checkpoint: nanopaged and transformers run it; the floor
     counts the weights a token runs (its top_k experts), not all of them."""
