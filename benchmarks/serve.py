@@ -51,7 +51,7 @@ class NanopagedServer:
     """`python -m nanopaged serve` in a subprocess, for the length of a `with` block."""
 
     def __init__(self, model: str, args, flags: list[str]):
-        from nanopaged.parallel import free_port
+        from nanopaged.parallel.tensor import free_port
 
         self.port = free_port()
         self.command = [

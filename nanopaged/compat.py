@@ -1,6 +1,6 @@
 """The methods of vLLM's `LLM` and `LLMEngine` that vLLM's examples call beyond
 `generate`, `add_request` and `step`, written on those alone, so that one engine and its
-data-parallel replicas (`data_parallel.py`) share them: `chat`, `stream`,
+data-parallel replicas (`parallel/data.py`) share them: `chat`, `stream`,
 `from_engine_args`, and vLLM's other names. Nothing here changes what the engine does.
 Also what vLLM's module paths under `nanopaged.` (`engine`, `entrypoints`,
 `distributed`, `envs`, `profiler`) say of a name vLLM has there and nanopaged has not

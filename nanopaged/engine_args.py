@@ -252,7 +252,7 @@ def split_options(model: str, options: dict) -> tuple[dict, dict, dict]:
     own."""
     from nanopaged.core.attention import BACKENDS  # torch: not before it is needed
     from nanopaged.core.config import Config
-    from nanopaged.parallel import ParallelConfig
+    from nanopaged.parallel.tensor import ParallelConfig
 
     for name in set(options) - set(OPTIONS):
         close = difflib.get_close_matches(name, OPTIONS, n=1)

@@ -12,9 +12,10 @@ folder a forker may delete with its option:
 
 - vLLM's API over the core (`llm.py`, `inputs.py`, `outputs.py`, `compat.py`): the
   engine's `add`, `step`, `finish` and `stop`; each step's `SamplerOutput`.
-- vLLM's sampling settings (`sampling.py`, `logits_processors.py`): the `Sampler`
-  class the runner is given (`adjust`, `uniform`), `Sequence.logits_processors`.
-- structured outputs (`structured_outputs.py`): `Sequence.logits_processors`.
+- vLLM's sampling settings (`sampling/vllm_sampler.py`,
+  `sampling/logits_processors.py`): the `Sampler` class the runner is given (`adjust`,
+  `uniform`), `Sequence.logits_processors`.
+- structured outputs (`sampling/structured_outputs.py`): `Sequence.logits_processors`.
 - speculative decoding (`speculative.py`): `LLMEngine.schedule` and `apply`, extended
   by `SpeculativeEngine`; `ScheduledStep.proposals`; `BlockManager.reserve`, `trim`.
 - async scheduling (`async_scheduling.py`): `ModelRunner.launch`, `start`, `collect`;
@@ -22,9 +23,9 @@ folder a forker may delete with its option:
 - LoRA adapters (`lora/`): a `RunnerExtension`; `Sequence.cache_salt`.
 - pooling's engine (`pooling/llm.py`, `llm.RUNNERS`): `SamplingOptions.max_tokens=0`,
   `SamplerOutput.hidden_states`.
-- the step trace (`trace.py`): the runner `LLMEngine` is handed (`TracedRunner`).
-- tensor parallelism (`parallel.py`): a `ModelRunner` subclass on every rank.
-- data parallelism (`data_parallel.py`) and the OpenAI server (`serving/`): `LLM`.
+- the step trace (`trace/`): the runner `LLMEngine` is handed (`TracedRunner`).
+- tensor parallelism (`parallel/tensor.py`): a `ModelRunner` subclass on every rank.
+- data parallelism (`parallel/data.py`) and the OpenAI server (`serving/`): `LLM`.
 """
 
 import importlib.util
@@ -94,9 +95,9 @@ def add_pooling_models() -> None:
 
 
 def add_sampling_kernel() -> None:
-    """The GPU backends' Triton sampling kernel (`triton_sample.py`); without it (or
-    without triton) they sample with `sampler.sample`."""
-    from nanopaged.triton_sample import sample
+    """The GPU backends' Triton sampling kernel (`sampling/triton_kernel.py`); without
+    it (or without triton) they sample with `sampler.sample`."""
+    from nanopaged.sampling.triton_kernel import sample
 
     SAMPLING_KERNELS.update(triton=sample, flash=sample)
 
@@ -107,7 +108,7 @@ REGISTERED = {
     "nanopaged.models": add_model_families,
     "nanopaged.quantization": add_quantized_formats,
     "nanopaged.pooling": add_pooling_models,
-    "nanopaged.triton_sample": add_sampling_kernel,
+    "nanopaged.sampling.triton_kernel": add_sampling_kernel,
 }
 
 

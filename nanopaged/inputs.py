@@ -19,8 +19,8 @@ from nanopaged.checkpoint import (
 )
 from nanopaged.core.config import Config
 from nanopaged.core.sequence import Sequence, cdiv
-from nanopaged.logits_processors import SamplingAdjustments
 from nanopaged.outputs import Request
+from nanopaged.sampling.logits_processors import SamplingAdjustments
 from nanopaged.sampling_params import SamplingParams
 
 
@@ -85,7 +85,7 @@ class InputProcessor:
         with self._lock:
             if self._grammars is None:
                 try:
-                    from nanopaged.structured_outputs import Grammars
+                    from nanopaged.sampling.structured_outputs import Grammars
                 except ImportError:
                     raise ValueError(
                         "structured outputs need llguidance: pip install "

@@ -29,8 +29,8 @@ from nanopaged.engine_args import make_config, split_options
 from nanopaged.features import add_features
 from nanopaged.inputs import InputProcessor, Prompt, as_batch, per_prompt
 from nanopaged.outputs import EngineStats, Request, RequestOutput, token_logprobs
-from nanopaged.parallel import ParallelConfig, make_runner
-from nanopaged.sampling import VLLMSampler
+from nanopaged.parallel.tensor import ParallelConfig, make_runner
+from nanopaged.sampling.vllm_sampler import VLLMSampler
 from nanopaged.sampling_params import SamplingParams
 
 # the backends, model families, quantized formats and kernels present enter the core's
@@ -52,7 +52,7 @@ class LLM(VLLMEngineAPI):
     error, Ctrl-C) aborts every unfinished request; the prefix cache keeps only K/V that
     was written. A failure in one request's own bookkeeping (its text, its stop strings)
     ends that request alone, with its `error` set. With `data_parallel_size` > 1,
-    `LLM(...)` returns a `DataParallelLLM` instead (`data_parallel.py`): that many
+    `LLM(...)` returns a `DataParallelLLM` instead (`parallel/data.py`): that many
     replicas of this engine, each in its own process, behind the same API.
 
     The features an option asks for are imported when it does (speculative decoding, the
@@ -76,7 +76,7 @@ class LLM(VLLMEngineAPI):
                     "runner='pooling' runs one engine: data_parallel_size > 1 is not "
                     "supported with it"
                 )
-            from nanopaged.data_parallel import DataParallelLLM
+            from nanopaged.parallel.data import DataParallelLLM
 
             return DataParallelLLM(cls, model, **options)
         if pooling:

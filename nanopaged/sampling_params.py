@@ -15,8 +15,8 @@ class StructuredOutputsParams:
     """A constraint on a completion's text, as vLLM's: exactly one of a JSON schema
     (`json`, a dict or its text), any JSON object (`json_object=True`), a regular
     expression (`regex`), one of the strings of `choice`, or a GBNF or Lark `grammar`
-    (see `structured_outputs.py`). `disable_any_whitespace` keeps JSON free of optional
-    whitespace."""
+    (see `sampling/structured_outputs.py`). `disable_any_whitespace` keeps JSON free of
+    optional whitespace."""
 
     json: str | dict | None = None
     regex: str | None = None

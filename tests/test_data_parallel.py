@@ -9,7 +9,7 @@ import pytest
 from conftest import random_prompts
 
 from nanopaged import LLM, LoRARequest, SamplingParams
-from nanopaged.data_parallel import DataParallelLLM, Replica
+from nanopaged.parallel.data import DataParallelLLM, Replica
 from nanopaged.serving.router import Router
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12)

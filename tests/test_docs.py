@@ -124,7 +124,7 @@ def test_every_option_has_its_groups_default_and_type():
     """engine_args.OPTIONS (read by --help without torch) agrees with the dataclasses
     that check the options: the core's Config, scaling out's ParallelConfig."""
     from nanopaged.core.config import Config
-    from nanopaged.parallel import ParallelConfig
+    from nanopaged.parallel.tensor import ParallelConfig
 
     for cls in (Config, ParallelConfig):
         for f in fields(cls):

@@ -463,7 +463,7 @@ def test_structured_outputs_under_graphs(gpu_path, no_tf32):
 def test_the_sampling_kernel_at_qwen3s_vocabulary_is_the_reference():
     """The bench's shape: 256 bfloat16 rows of 151,936 logits, compiled."""
     from nanopaged.core.sampler import sample
-    from nanopaged.triton_sample import sample as sample_kernel
+    from nanopaged.sampling.triton_kernel import sample as sample_kernel
 
     g = torch.Generator(device="cuda").manual_seed(0)
     logits = (torch.randn(256, 151_936, device="cuda", generator=g) * 4).bfloat16()

@@ -44,7 +44,7 @@ LAYERS = [
     "checks",
     "cpu.kernels",
     "cpu",
-    "triton_sample",
+    "sampling.triton_kernel",
     "quantization.int4_triton",
     "quantization.dequantize",
     "quantization.fp8",
@@ -65,8 +65,8 @@ LAYERS = [
     "checkpoint",
     "random_checkpoint",
     "sampling_params",
-    "sampling",
-    "logits_processors",
+    "sampling.vllm_sampler",
+    "sampling.logits_processors",
     "outputs",
     "pooling.params",
     "lora.request",
@@ -76,17 +76,20 @@ LAYERS = [
     "lora.runner",
     "lora.admission",
     "lora",
-    "structured_outputs",
-    "parallel",
+    "sampling.structured_outputs",
+    "sampling",
+    "parallel.tensor",
     "engine_args",
     "utils",
     "inputs",
     "compat",
     "speculative",
     "async_scheduling",
-    "data_parallel",
+    "parallel.data",
+    "parallel",
     "serving.router",
     "trace",
+    "trace.__main__",
     "llm",
     "pooling.llm",
     "engine.arg_utils",
@@ -376,14 +379,14 @@ def test_speculation_reaches_the_core_through_one_seam(qwen3_path, hf_greedy):
     [
         "speculative",
         "trace",
-        "data_parallel",
-        "structured_outputs",
+        "parallel/data.py",
+        "sampling/structured_outputs.py",
         "lora",
         "quantization",
         "models",
         "cpu",
         "pooling serving/pooling_api.py",
-        "triton_sample",
+        "sampling/triton_kernel.py",
     ],
 )
 def test_a_feature_deleted_leaves_a_plain_generate_working(
@@ -421,8 +424,8 @@ def test_a_feature_deleted_leaves_a_plain_generate_working(
 @pytest.mark.parametrize("missing", ["triton", "safetensors"])
 def test_a_feature_skipped_only_for_an_optional_package(missing):
     """A machine without triton samples with `sampler.sample` (add_features skips
-    triton_sample); a feature missing any other package is an error, not a silent
-    skip."""
+    sampling/triton_kernel.py); a feature missing any other package is an error, not a
+    silent skip."""
     import subprocess
     import sys
 
@@ -466,7 +469,7 @@ core = snapshot()
 add_features, features.add_features = features.add_features, lambda: None
 imported = 0
 for info in pkgutil.walk_packages(nanopaged.__path__, "nanopaged."):
-    if info.name == "nanopaged.__main__":  # the command, run as it is imported
+    if info.name.endswith("__main__"):  # a command, run as it is imported
         continue
     try:
         importlib.import_module(info.name)

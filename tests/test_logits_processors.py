@@ -9,7 +9,7 @@ from transformers import MinPLogitsWarper
 
 from nanopaged import LLM, SamplingParams
 from nanopaged.core.sequence import Sequence
-from nanopaged.sampling import VLLMSampler
+from nanopaged.sampling.vllm_sampler import VLLMSampler
 
 PROMPTS = random_prompts([6, 17, 30], seed=70)
 STEPS = 16

@@ -17,7 +17,7 @@ from conftest import ARCHITECTURES, random_prompts
 
 from nanopaged import LLM, SamplingParams
 from nanopaged.core.config import Config
-from nanopaged.parallel import ParallelConfig, free_port
+from nanopaged.parallel.tensor import ParallelConfig, free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -138,7 +138,7 @@ def failing_worker(config, parallel, rank, extension):
 
 
 def test_a_worker_failing_at_start_raises_its_error_at_once(qwen3_path, monkeypatch):
-    monkeypatch.setattr("nanopaged.parallel.run_worker", failing_worker)
+    monkeypatch.setattr("nanopaged.parallel.tensor.run_worker", failing_worker)
     start = time.monotonic()
     with pytest.raises(
         RuntimeError,

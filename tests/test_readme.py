@@ -24,7 +24,7 @@ import time
 import httpx
 import pytest
 
-from nanopaged.parallel import free_port
+from nanopaged.parallel.tensor import free_port
 from nanopaged.serving.args import parse_args
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

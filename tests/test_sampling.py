@@ -7,7 +7,7 @@ from conftest import random_prompts
 
 from nanopaged import LLM, SamplingParams
 from nanopaged.core.sequence import Sequence
-from nanopaged.sampling import VLLMSampler
+from nanopaged.sampling.vllm_sampler import VLLMSampler
 
 PROMPTS = random_prompts([5, 30, 12], seed=11)
 
@@ -99,10 +99,10 @@ def test_the_first_of_n_seeded_samples_is_the_single_sample(qwen3_path):
 
 
 def test_the_triton_backend_samples_by_its_kernel_the_tokens_of_torch(qwen3_path):
-    """`triton_sample` is the GPU backends' sampler: seeded, through top-p, the tokens
-    of the plain backend."""
+    """`sampling/triton_kernel.py` is the GPU backends' sampler: seeded, through top-p,
+    the tokens of the plain backend."""
     pytest.importorskip("triton")
-    from nanopaged.triton_sample import sample as kernel
+    from nanopaged.sampling.triton_kernel import sample as kernel
 
     params = [
         SamplingParams(temperature=0.8, top_p=0.9, max_tokens=12, seed=seed)
@@ -138,7 +138,7 @@ def test_a_row_that_is_no_distribution_samples_the_greedy_token_on_each_backend(
     from nanopaged.core.sampler import SAMPLING_KERNELS, first_argmax, sample
 
     if backend == "triton":
-        pytest.importorskip("nanopaged.triton_sample")
+        pytest.importorskip("nanopaged.sampling.triton_kernel")
     logits = rows_that_are_no_distribution()
     temperatures, uniform = torch.full((6,), 0.7), torch.full((6,), 0.5)
     want = sample(logits, temperatures, uniform)
@@ -157,7 +157,7 @@ def test_a_request_whose_every_token_is_masked_gets_tokens_and_harms_nobody(
     gets the greedy token of its masked row, in the vocabulary, and the other requests
     their tokens."""
     if backend == "triton":
-        pytest.importorskip("nanopaged.triton_sample")
+        pytest.importorskip("nanopaged.sampling.triton_kernel")
     llm = LLM(qwen3_path, max_model_len=256, attention_backend=backend)
     eos = min(llm.inputs.eos_token_ids)
     masked = SamplingParams(allowed_token_ids=[eos], min_tokens=3, max_tokens=5)

@@ -15,7 +15,7 @@ import pytest
 from conftest import ctrl_c_as_at_a_terminal, random_prompts
 
 from nanopaged import LLM, SamplingParams
-from nanopaged.parallel import free_port
+from nanopaged.parallel.tensor import free_port
 
 openai = pytest.importorskip("openai")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -530,7 +530,7 @@ def test_a_request_sent_to_a_replica_whose_loop_just_died_is_answered():
     forever."""
     import asyncio
 
-    from nanopaged.data_parallel import ReplicaDied
+    from nanopaged.parallel.data import ReplicaDied
     from nanopaged.serving.server import EngineLoop
 
     class DeadReplica:

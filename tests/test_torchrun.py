@@ -11,7 +11,7 @@ import pytest
 from conftest import random_prompts
 
 from nanopaged import LLM
-from nanopaged.parallel import free_port
+from nanopaged.parallel.tensor import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIMEOUT_S = 240

@@ -1,4 +1,4 @@
-"""The step trace (nanopaged/trace.py) agrees with the engine at every step, and its
+"""The step trace (nanopaged/trace/) agrees with the engine at every step, and its
 page plays it back in a real browser (headless Chromium) without a JavaScript error."""
 
 import json

@@ -272,8 +272,8 @@ def test_sampling_kernel_inverts_the_cumulative_distribution(vocab_size, dtype):
     `sampler.sample`), never one that top-k/p dropped (-inf), at the ends of [0, 1)
     too, over a vocabulary that is no multiple of the kernel's block."""
     from nanopaged.core.sampler import sample
-    from nanopaged.triton_sample import BLOCK
-    from nanopaged.triton_sample import sample as sample_kernel
+    from nanopaged.sampling.triton_kernel import BLOCK
+    from nanopaged.sampling.triton_kernel import sample as sample_kernel
 
     assert vocab_size % BLOCK
     g = torch.Generator().manual_seed(vocab_size)

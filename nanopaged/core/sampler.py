@@ -1,6 +1,6 @@
 """Turns the logits of the sampling rows into next tokens: greedy, or sampled at a
 temperature. vLLM's other settings (top-k, top-p, min-p, seeds, logits processors)
-extend the `Sampler` above the core (`nanopaged/sampling.py`)."""
+extend the `Sampler` above the core (`nanopaged/sampling/vllm_sampler.py`)."""
 
 import torch
 

@@ -27,10 +27,10 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from nanopaged import LLM, chat, envs
-from nanopaged.data_parallel import ReplicaDied, sum_stats
 from nanopaged.engine_args import EngineArgs
 from nanopaged.lora.request import LoRARequest
 from nanopaged.outputs import EngineStats
+from nanopaged.parallel.data import ReplicaDied, sum_stats
 from nanopaged.serving import openai_api
 from nanopaged.serving.args import parse_args
 from nanopaged.serving.openai_responses import (

@@ -23,7 +23,7 @@ from nanopaged.compat import VLLMEngineAPI
 from nanopaged.engine_args import make_config, split_options
 from nanopaged.inputs import InputProcessor, as_batch, per_prompt
 from nanopaged.outputs import EngineStats, RequestMetrics, RequestOutput
-from nanopaged.parallel import ParallelConfig, start_method
+from nanopaged.parallel.tensor import ParallelConfig, start_method
 from nanopaged.sampling_params import SamplingParams
 
 

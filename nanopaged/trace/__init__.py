@@ -58,7 +58,7 @@ from nanopaged.sampling_params import SamplingParams
 
 NO_BLOCKS: list[int] = []  # never changed
 NO_SEQUENCES: list[Sequence] = []
-PAGE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "trace_page.html")
+PAGE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "page.html")
 
 
 class TracedRunner:
@@ -390,7 +390,3 @@ def main(argv: list[str] | None = None) -> None:
         print(f"wrote {write_page(args.trace, output)}")
     except (OSError, ValueError) as error:
         parser.exit(1, f"error: {error}\n")
-
-
-if __name__ == "__main__":
-    main()

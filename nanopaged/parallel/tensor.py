@@ -69,7 +69,7 @@ class ParallelConfig:
     engine starts, meeting on `distributed_port` of 127.0.0.1 (a free port when None);
     with `distributed_executor_backend` "external_launcher" they are the processes
     torchrun started, on any machines. `data_parallel_size` replicas of the engine each
-    serve a share of the requests (see `data_parallel.py`)."""
+    serve a share of the requests (see `parallel/data.py`)."""
 
     tensor_parallel_size: int = 1
     distributed_port: int | None = None
