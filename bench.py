@@ -49,6 +49,14 @@ def parse_args(argv=None) -> argparse.Namespace:
         f"nanopaged@CHECKOUT runs another checkout's (e.g. a worktree of an older "
         f"commit: before and after in one run)",
     )
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run the engines this many times, every other round in reverse order; "
+        "report each one's median, and its ratio round by round (before/after: "
+        "--engines nanopaged@../before,nanopaged --rounds 6)",
+    )
     p.add_argument("--num-requests", type=int)
     p.add_argument("--prompt-len", type=int, nargs=2, metavar=("MIN", "MAX"))
     p.add_argument("--output-len", type=int, nargs=2, metavar=("MIN", "MAX"))

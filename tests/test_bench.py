@@ -171,6 +171,32 @@ def test_another_checkout_runs_beside_this_one(bench, qwen3_path, tmp_path):
     assert tokens == {result["workload"]["output_tokens"]}
 
 
+def test_rounds_alternate_the_order_and_pair_the_ratios(bench, qwen3_path, monkeypatch):
+    """`--rounds 3`: the engines run three times, the second round in reverse; each
+    result is its run of median time, with every round's time and its ratio to the
+    first nanopaged engine's run of the same round."""
+    order, run_engine = [], throughput.run_engine
+
+    def recording(engine, *args):
+        order.append(engine)
+        return run_engine(engine, *args)
+
+    monkeypatch.setattr(throughput, "run_engine", recording)
+    engines = ["nanopaged:torch", "nanopaged:cpu"]
+    result = bench.main(
+        ["--tiny", "--model", qwen3_path, "--no-progress", "--rounds", "3"]
+        + ["--engines", ",".join(engines)]
+    )
+    assert order == engines + engines[::-1] + engines
+    base, other = (result["engines"][e] for e in engines)
+    assert base["ratio_rounds"] == [1.0, 1.0, 1.0]
+    assert other["ratio_rounds"] == [
+        b / o for b, o in zip(base["elapsed_rounds"], other["elapsed_rounds"])
+    ]
+    for r in (base, other):
+        assert r["elapsed"] == sorted(r["elapsed_rounds"])[1]
+
+
 def test_a_mixture_of_experts_runs_with_its_own_floor(bench, model_path):
     """`--model` a Qwen3-MoE checkpoint: nanopaged and transformers run it; the floor
     counts the weights a token runs (its top_k experts), not all of them."""
