@@ -16,8 +16,10 @@ from benchmarks.workload import repeated_time, timed
 
 def step_times(model: str, args) -> list[dict]:
     """Decode step time at several batch sizes with `--context`-token contexts, and
-    prefill tok/s, each against its floor: the bytes a decode step must move, the
-    arithmetic of a prefill."""
+    prefill tok/s, each against its floor: for a decode step the longer of moving its
+    bytes (every weight, every K/V of its contexts) and doing its arithmetic (every
+    weight, the LM head's too, and the attention's, for each sequence), for a prefill
+    its arithmetic (the LM head's on each prompt's last token only)."""
     import torch
 
     from nanopaged import LLM
@@ -41,7 +43,7 @@ def step_times(model: str, args) -> list[dict]:
         llm = LLM(
             model,
             attention_backend=backend,
-            max_num_seqs=max(args.batch_sizes),
+            max_num_seqs=max(*args.batch_sizes, args.prefill_seqs),
             max_model_len=args.context + 64,
             enforce_eager=args.enforce_eager,
             max_num_batched_tokens=max(
@@ -58,22 +60,30 @@ def step_times(model: str, args) -> list[dict]:
                 * shape["kv_elements_per_token"]
                 * llm.config.kv_cache_dtype.itemsize
             )
+            flops = batch * (
+                2 * shape["active_params"]
+                + shape["attention_flops_per_pair"] * args.context
+            )
+            floor_seconds = max(moved / device["bandwidth"], flops / device["flops"])
             rows.append(
                 dict(
                     backend=backend,
                     kind=f"decode b={batch}",
                     ms=seconds * 1e3,
-                    floor_ms=moved / device["bandwidth"] * 1e3,
+                    floor_ms=floor_seconds * 1e3,
                     tokens=len(step.seqs),
                 )
             )
-        seconds, tokens = _prefill_step_time(llm, args.prefill_seqs, args.context)
+        seconds, tokens, prompts = _prefill_step_time(
+            llm, args.prefill_seqs, args.context
+        )
+        # the LM head runs on each prompt's last token only: no engine needs the
+        # logits of the others (as the throughput floor counts it)
+        decoder_params = shape["active_params"] - shape["lm_head_params"]
         flops = (
-            2 * shape["active_params"] * tokens
-            + shape["attention_flops_per_pair"]
-            * args.prefill_seqs
-            * args.context**2
-            // 2
+            2 * decoder_params * tokens
+            + 2 * shape["lm_head_params"] * prompts
+            + shape["attention_flops_per_pair"] * prompts * args.context**2 // 2
         )
         rows.append(
             dict(
@@ -124,7 +134,7 @@ def _decode_step_time(llm, batch: int, context: int):
 
 def _prefill_step_time(llm, count: int, context: int):
     """One step prefilling `count` new prompts (new each time: no prefix-cache hits).
-    -> (seconds, tokens the step ran)"""
+    -> (seconds, tokens the step ran, prompts it ran)"""
     times = []
     for seed in range(6):
         request_ids = _random_requests(llm, count, context, seed=1000 + seed)
@@ -132,7 +142,7 @@ def _prefill_step_time(llm, count: int, context: int):
         times.append(elapsed)
         for request_id in request_ids:
             llm.abort(request_id)
-    return statistics.median(times[1:]), step.num_scheduled_tokens
+    return statistics.median(times[1:]), step.num_scheduled_tokens, len(step.seqs)
 
 
 def print_steps(rows: list[dict]) -> None:

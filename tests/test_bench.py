@@ -441,6 +441,38 @@ def test_step_times(bench, qwen3_path, tmp_path, figures):
     assert list(line.get_ydata()) == [r["tokens"] / (r["ms"] / 1e3) for r in decode]
 
 
+def test_the_step_floors_count_what_each_step_must_do(bench, qwen3_path, monkeypatch):
+    """A prefill step's floor: the decoder's arithmetic for every token, the LM head's
+    for each prompt's last token alone (the one it samples), and the attention's. A
+    decode step's: the longer of its bytes and its arithmetic (on a device that
+    multiplies slowly, the arithmetic)."""
+    from benchmarks import steps
+
+    rate = 1e9  # slow enough that a decode step's arithmetic outlasts its bytes
+    monkeypatch.setattr(
+        steps, "measure_device", lambda dtype: dict(flops=rate, bandwidth=1e11, gpu=0)
+    )
+    result = bench.main(
+        ["--tiny", "--model", qwen3_path, "--steps", "--backends", "torch"]
+        + ["--batch-sizes", "1", "--prefill-seqs", "2", "--context", "64"]
+    )
+    [prefill] = [row for row in result["steps"] if row["kind"].startswith("prefill")]
+    assert (
+        prefill["tokens"] == 128
+    )  # both prompts in one step, whatever the batch sizes
+    shape = floor.model_shape(qwen3_path)
+    decoder = shape["active_params"] - shape["lm_head_params"]
+    flops = (
+        2 * decoder * 128
+        + 2 * shape["lm_head_params"] * 2
+        + shape["attention_flops_per_pair"] * 2 * 64**2 // 2
+    )
+    assert prefill["floor_ms"] == pytest.approx(flops / rate * 1e3)
+    [decode] = [row for row in result["steps"] if row["kind"] == "decode b=1"]
+    flops = 2 * shape["active_params"] + shape["attention_flops_per_pair"] * 64
+    assert decode["floor_ms"] == pytest.approx(flops / rate * 1e3)
+
+
 def test_step_times_fit_a_cpu_pool_at_a_larger_batch(bench, qwen3_path):
     """32 sequences of 300 tokens fit the CPU pool it sizes: the timed step decodes all
     32, the prefill step runs 3 prompts of 300 tokens, each timing is of that step."""
