@@ -16,7 +16,7 @@ import importlib
 NAMES = {
     "LLM": "llm",
     "LLMEngine": "engine.llm_engine",
-    "EngineArgs": "engine_args",
+    "EngineArgs": "engine.arg_utils",
     "SamplingParams": "sampling_params",
     "TextPrompt": "inputs",
     "TokensPrompt": "inputs",

@@ -14,21 +14,9 @@ from collections.abc import Iterable, Iterator
 import torch
 
 from nanopaged import chat
-from nanopaged.engine_args import EngineArgs
+from nanopaged.engine.arg_utils import EngineArgs, lacks  # noqa: F401 (vLLM shims)
 from nanopaged.inputs import Prompt
 from nanopaged.sampling_params import SamplingParams
-
-
-def lacks(module: str, name: str, instead: str) -> ImportError | AttributeError:
-    """The error for `from module import name` where vLLM has `name` and nanopaged has
-    not: an ImportError saying what to use instead (an AttributeError for a dunder, as
-    Python's)."""
-    if name.startswith("__"):
-        return AttributeError(name)
-    return ImportError(
-        f"cannot import {name!r} from {module}: vLLM has it there, nanopaged "
-        f"does not. {instead}"
-    )
 
 
 class VLLMEngineAPI:

@@ -25,7 +25,7 @@ from nanopaged.core.llm_engine import LLMEngine
 from nanopaged.core.model_runner import ModelRunner
 from nanopaged.core.sequence import Sequence
 from nanopaged.core.step import SamplerOutput, ScheduledStep
-from nanopaged.engine_args import make_config, split_options
+from nanopaged.engine.arg_utils import make_config, split_options
 from nanopaged.features import add_features
 from nanopaged.inputs import InputProcessor, Prompt, as_batch, per_prompt
 from nanopaged.outputs import EngineStats, Request, RequestOutput, token_logprobs

@@ -1,5 +1,5 @@
 """vLLM's helpers that its example scripts import from `vllm.utils`."""
 
-from nanopaged.engine_args import FlexibleArgumentParser
+from nanopaged.engine.arg_utils import FlexibleArgumentParser
 
 __all__ = ["FlexibleArgumentParser"]

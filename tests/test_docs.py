@@ -13,7 +13,7 @@ import torch
 
 from nanopaged import LLM, EngineArgs, SamplingParams
 from nanopaged.core.config import Config
-from nanopaged.engine_args import ALIASES, HINTS, OPTIONS
+from nanopaged.engine.arg_utils import ALIASES, HINTS, OPTIONS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -121,7 +121,7 @@ def test_serve_help_says_what_it_serves_uncut():
 
 
 def test_every_option_has_its_groups_default_and_type():
-    """engine_args.OPTIONS (read by --help without torch) agrees with the dataclasses
+    """arg_utils.OPTIONS (read by --help without torch) agrees with the dataclasses
     that check the options: the core's Config, scaling out's ParallelConfig."""
     from nanopaged.core.config import Config
     from nanopaged.parallel.tensor import ParallelConfig

@@ -1,6 +1,6 @@
 """The core's options: what `LLMEngine` needs to know, resolved for this machine and
 this checkpoint. What a user gives is checked above the core before it gets here
-(`nanopaged/engine_args.py`: names, types, ranges, what this machine can do)."""
+(`nanopaged/engine/arg_utils.py`: names, types, ranges, what this machine can do)."""
 
 from dataclasses import dataclass
 

@@ -1,10 +1,19 @@
-"""vLLM's `vllm.engine`: `arg_utils` (EngineArgs) and `llm_engine` (LLMEngine)."""
+"""vLLM's `vllm.engine`: `arg_utils` (`EngineArgs`, and how nanopaged checks every
+option and makes the core's `Config` of them) and `llm_engine` (vLLM's `LLMEngine`,
+which is nanopaged's `LLM`), each imported when first named."""
 
-from nanopaged.compat import lacks
-from nanopaged.engine import arg_utils, llm_engine  # noqa: F401
+import importlib
+
+SUBMODULES = ("arg_utils", "llm_engine")
 
 
 def __getattr__(name: str):
+    if name in SUBMODULES:
+        return importlib.import_module(f"{__name__}.{name}")
+    if name.startswith("__"):  # the import system's probes, while compat may be loading
+        raise AttributeError(name)
+    from nanopaged.compat import lacks  # compat imports arg_utils
+
     raise lacks(
         __name__,
         name,

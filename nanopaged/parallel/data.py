@@ -20,7 +20,7 @@ import torch
 
 from nanopaged.checkpoint import resolve_model
 from nanopaged.compat import VLLMEngineAPI
-from nanopaged.engine_args import make_config, split_options
+from nanopaged.engine.arg_utils import make_config, split_options
 from nanopaged.inputs import InputProcessor, as_batch, per_prompt
 from nanopaged.outputs import EngineStats, RequestMetrics, RequestOutput
 from nanopaged.parallel.tensor import ParallelConfig, start_method

@@ -7,7 +7,7 @@ arguments."""
 import argparse
 import json
 
-from nanopaged.engine_args import EngineArgs, FlexibleArgumentParser
+from nanopaged.engine.arg_utils import EngineArgs, FlexibleArgumentParser
 
 DESCRIPTION = (
     "Serve a model behind an OpenAI-compatible HTTP API (/v1/completions, "

@@ -27,7 +27,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from nanopaged import LLM, chat, envs
-from nanopaged.engine_args import EngineArgs
+from nanopaged.engine.arg_utils import EngineArgs
 from nanopaged.lora.request import LoRARequest
 from nanopaged.outputs import EngineStats
 from nanopaged.parallel.data import ReplicaDied, sum_stats
