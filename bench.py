@@ -6,6 +6,8 @@
     python bench.py --cpu                # a small model on a CPU, beside transformers
     python bench.py --cpu --profile      # where a step's time goes, by stage
     python bench.py --prefix-len 512     # every prompt shares 512 leading tokens
+    python bench.py --cpu --engines nanopaged@../before,nanopaged --rounds 6
+                                         # a change's before and after, paired
     python bench.py --steps              # decode step time per batch, prefill tok/s
     python bench.py --host               # host time per decode step (no GPU needed)
     python bench.py --simulate           # the default workload on a simulated H200,
@@ -43,19 +45,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument(
         "--engines",
-        help=f"comma-separated, from {', '.join(ENGINES)}; "
-        f"nanopaged:BACKEND picks an attention backend (torch, cpu, "
-        f"triton, flash, auto), nanopaged:BACKEND+async adds async scheduling; "
-        f"nanopaged@CHECKOUT runs another checkout's (e.g. a worktree of an older "
-        f"commit: before and after in one run)",
+        help=f"comma-separated, from {', '.join(ENGINES)}; nanopaged:BACKEND picks "
+        "an attention backend (torch, cpu, triton, flash, auto), +async adds async "
+        "scheduling; nanopaged@CHECKOUT is another checkout's (before/after)",
     )
     p.add_argument(
-        "--rounds",
-        type=int,
-        default=1,
-        help="run the engines this many times, every other round in reverse order; "
-        "report each one's median, and its ratio round by round (before/after: "
-        "--engines nanopaged@../before,nanopaged --rounds 6)",
+        "--rounds", type=int, default=1, help="every other round in reverse; medians"
     )
     p.add_argument("--num-requests", type=int)
     p.add_argument("--prompt-len", type=int, nargs=2, metavar=("MIN", "MAX"))
@@ -219,20 +214,12 @@ def parse_args(argv=None) -> argparse.Namespace:
             setattr(args, name, value)
     if args.serve and importlib.util.find_spec("httpx") is None:
         p.error('--serve needs httpx: pip install -e ".[bench]"')
-    if args.plot and (
-        args.host
-        or args.simulate
-        or args.profile
-        or args.spec
-        or args.lora
-        or args.pooling
-        or args.kernels
-    ):
+    other_modes = args.host, args.simulate, args.profile, args.spec, args.lora
+    if args.plot and any((*other_modes, args.pooling, args.kernels)):
         p.error("--plot draws throughput, --steps or --serve results")
     if args.plot and importlib.util.find_spec("matplotlib") is None:
         p.error('--plot needs matplotlib: pip install -e ".[bench]"')
-    engines = args.engines.split(",")
-    unknown = {engine_name(e) for e in engines} - set(ENGINES)
+    unknown = {engine_name(e) for e in args.engines.split(",")} - set(ENGINES)
     if unknown:
         p.error(f"unknown engines {sorted(unknown)}; choose from {', '.join(ENGINES)}")
     return args

@@ -7,8 +7,9 @@ none replaces or removes an entry the core defines (tests/test_layout.py). A fea
 whose folder a forker deleted, or that needs a package this machine lacks (triton), is
 skipped, and a plain `generate` still works.
 
-The other features are turned on by an option and imported only then; each is a file or
-folder a forker may delete with its option:
+The others enter through the seams the core documents, named beside each below. vLLM's
+API and its sampling settings make every `LLM`; the rest are turned on by an option and
+imported only then, each a file or folder a forker may delete with its option:
 
 - vLLM's API over the core (`llm.py`, `inputs.py`, `outputs.py`, `compat.py`): the
   engine's `add`, `step`, `finish` and `stop`; each step's `SamplerOutput`.
