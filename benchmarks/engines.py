@@ -327,7 +327,7 @@ def _context() -> multiprocessing.context.BaseContext:
     if "forkserver" not in multiprocessing.get_all_start_methods():
         return multiprocessing.get_context("spawn")
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "transformers", "nanopaged.llm"])
+    ctx.set_forkserver_preload(["torch", "transformers", "nanopaged.entrypoints.llm"])
     return ctx
 
 
@@ -341,7 +341,9 @@ def run_engine(
     if module and importlib.util.find_spec(module) is None:
         return {"skipped": f"{module} is not importable"}
     checkout = engine.partition(":")[0].partition("@")[2]
-    if checkout and not os.path.isfile(os.path.join(checkout, "nanopaged", "llm.py")):
+    if checkout and not os.path.isfile(
+        os.path.join(checkout, "nanopaged", "core", "llm_engine.py")
+    ):
         return {"error": f"{checkout!r} is not a checkout of nanopaged"}
     ctx = multiprocessing.get_context("spawn") if "@" in engine else _context()
     queue = ctx.Queue()

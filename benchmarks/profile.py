@@ -13,7 +13,11 @@ from benchmarks.workload import Workload, warmup_prompts
 
 # (module, class, method) -> the stage its calls are charged to, outermost first
 STAGES = {
-    ("nanopaged.llm", "LLM", "run_step"): "engine bookkeeping (requests, outputs)",
+    (
+        "nanopaged.entrypoints.llm",
+        "LLM",
+        "run_step",
+    ): "engine bookkeeping (requests, outputs)",
     ("nanopaged.core.scheduler", "Scheduler", "schedule"): "schedule",
     ("nanopaged.core.model_runner", "ModelRunner", "prepare_inputs"): "inputs",
     ("nanopaged.core.model_runner", "ModelRunner", "device_inputs"): "inputs",

@@ -11,7 +11,7 @@ The others enter through the seams the core documents, named beside each below. 
 API and its sampling settings make every `LLM`; the rest are turned on by an option and
 imported only then, each a file or folder a forker may delete with its option:
 
-- vLLM's API over the core (`llm.py`, `inputs.py`, `outputs.py`, `compat.py`): the
+- vLLM's API over the core (`entrypoints/`, `inputs.py`, `outputs.py`): the
   engine's `add`, `step`, `finish` and `stop`; each step's `SamplerOutput`.
 - vLLM's sampling settings (`sampling/vllm_sampler.py`,
   `sampling/logits_processors.py`): the `Sampler` class the runner is given (`adjust`,
@@ -22,8 +22,8 @@ imported only then, each a file or folder a forker may delete with its option:
 - async scheduling (`async_scheduling.py`): `ModelRunner.launch`, `start`, `collect`;
   `Pending` input ids; `BlockManager.commit`.
 - LoRA adapters (`lora/`): a `RunnerExtension`; `Sequence.cache_salt`.
-- pooling's engine (`pooling/llm.py`, `llm.RUNNERS`): `SamplingOptions.max_tokens=0`,
-  `SamplerOutput.hidden_states`.
+- pooling's engine (`pooling/pooling_llm.py`, `entrypoints/llm.py`'s `RUNNERS`):
+  `SamplingOptions.max_tokens=0`, `SamplerOutput.hidden_states`.
 - the step trace (`trace/`): the runner `LLMEngine` is handed (`TracedRunner`).
 - tensor parallelism (`parallel/tensor.py`): a `ModelRunner` subclass on every rank.
 - data parallelism (`parallel/data.py`) and the OpenAI server (`serving/`): `LLM`.

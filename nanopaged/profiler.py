@@ -1,7 +1,7 @@
 """vLLM's `vllm.profiler`, whose layerwise profiler nanopaged has not: it profiles with
 `LLM.start_profile()` / `stop_profile()` (torch.profiler), as vLLM's LLM does."""
 
-from nanopaged.compat import lacks
+from nanopaged.engine.arg_utils import lacks
 
 
 def __getattr__(name: str):

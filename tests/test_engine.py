@@ -256,11 +256,13 @@ def test_the_progress_bar_shows_the_prefill_and_decode_rates(
     that ticks one second a reading: each step reads it twice more, then ends)."""
     import itertools
 
-    import nanopaged.llm
+    import nanopaged.entrypoints.llm
 
     llm = LLM(qwen3_path, max_model_len=512)
     clock = itertools.count()
-    monkeypatch.setattr(nanopaged.llm.time, "perf_counter", lambda: next(clock))
+    monkeypatch.setattr(
+        nanopaged.entrypoints.llm.time, "perf_counter", lambda: next(clock)
+    )
     last, run_step = {}, llm.run_step
 
     def recording():

@@ -61,7 +61,7 @@ LAYERS = [
     "pooling.models",
     "pooling",
     "features",
-    "chat",
+    "entrypoints.chat_utils",
     "checkpoint",
     "random_checkpoint",
     "sampling_params",
@@ -82,7 +82,7 @@ LAYERS = [
     "engine.arg_utils",
     "utils",
     "inputs",
-    "compat",
+    "entrypoints.compat",
     "speculative",
     "async_scheduling",
     "parallel.data",
@@ -90,11 +90,10 @@ LAYERS = [
     "serving.router",
     "trace",
     "trace.__main__",
-    "llm",
-    "pooling.llm",
+    "entrypoints.llm",
+    "pooling.pooling_llm",
     "engine.llm_engine",
     "engine",
-    "entrypoints.llm",
     "entrypoints",
     "distributed",
     "distributed.parallel_state",
@@ -232,8 +231,8 @@ def test_a_layer_that_imports_upwards_is_caught(tmp_path):
     """The check itself: an import of a higher module fails it."""
     known = modules()
     upwards = tmp_path / "block_manager.py"
-    upwards.write_text("def f():\n    from nanopaged.llm import LLM\n")
-    assert imports(str(upwards), known) == {"llm"}
+    upwards.write_text("def f():\n    from nanopaged.entrypoints.llm import LLM\n")
+    assert imports(str(upwards), known) == {"entrypoints.llm"}
 
 
 def nanopaged_objects() -> set[int]:
@@ -446,8 +445,9 @@ def test_a_feature_skipped_only_for_an_optional_package(missing):
 
 def test_features_enter_the_core_only_through_add_features_and_only_add():
     """Importing every module of the package enters nothing in the core's registries
-    (with `add_features` made a no-op: llm.py calls it); `add_features` then adds the
-    features' entries and leaves each entry the core defines the same object."""
+    (with `add_features` made a no-op: entrypoints/llm.py calls it); `add_features`
+    then adds the features' entries and leaves each entry the core defines the same
+    object."""
     import subprocess
     import sys
 

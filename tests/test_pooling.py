@@ -20,8 +20,8 @@ from transformers import (
 from nanopaged import LLM, PoolingParams, SamplingParams
 from nanopaged.core.llm_engine import LLMEngine
 from nanopaged.core.sequence import SamplingOptions, Sequence
-from nanopaged.pooling.llm import PoolingLLM
 from nanopaged.pooling.pooler import Pooling
+from nanopaged.pooling.pooling_llm import PoolingLLM
 from nanopaged.random_checkpoint import TINY_QWEN3, build_tokenizer
 
 st = pytest.importorskip("sentence_transformers")

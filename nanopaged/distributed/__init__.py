@@ -5,7 +5,7 @@ import gc
 import torch
 import torch.distributed as dist
 
-from nanopaged.compat import lacks
+from nanopaged.engine.arg_utils import lacks
 
 
 def cleanup_dist_env_and_memory(shutdown_ray: bool = False) -> None:

@@ -5,8 +5,8 @@ import os
 
 import torch.distributed as dist
 
-from nanopaged.compat import lacks
 from nanopaged.distributed import cleanup_dist_env_and_memory
+from nanopaged.engine.arg_utils import lacks
 
 
 class WorldGroup:

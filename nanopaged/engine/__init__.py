@@ -10,9 +10,11 @@ SUBMODULES = ("arg_utils", "llm_engine")
 def __getattr__(name: str):
     if name in SUBMODULES:
         return importlib.import_module(f"{__name__}.{name}")
-    if name.startswith("__"):  # the import system's probes, while compat may be loading
+    if name.startswith(
+        "__"
+    ):  # the import system's probes, while arg_utils may be loading
         raise AttributeError(name)
-    from nanopaged.compat import lacks  # compat imports arg_utils
+    from nanopaged.engine.arg_utils import lacks
 
     raise lacks(
         __name__,

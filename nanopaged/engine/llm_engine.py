@@ -1,8 +1,8 @@
 """vLLM's `vllm.engine.llm_engine`: `LLMEngine`, the engine driven a step at a time
 (`add_request`, `step`), which in nanopaged is the `LLM` class itself."""
 
-from nanopaged.compat import lacks
-from nanopaged.llm import LLM
+from nanopaged.engine.arg_utils import lacks
+from nanopaged.entrypoints.llm import LLM
 
 LLMEngine = LLM
 

@@ -19,8 +19,8 @@ import weakref
 import torch
 
 from nanopaged.checkpoint import resolve_model
-from nanopaged.compat import VLLMEngineAPI
 from nanopaged.engine.arg_utils import make_config, split_options
+from nanopaged.entrypoints.compat import VLLMEngineAPI
 from nanopaged.inputs import InputProcessor, as_batch, per_prompt
 from nanopaged.outputs import EngineStats, RequestMetrics, RequestOutput
 from nanopaged.parallel.tensor import ParallelConfig, start_method

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 import numpy as np
 from fastapi import FastAPI, Request
 
-from nanopaged.pooling.llm import paired
 from nanopaged.pooling.params import PoolingParams
+from nanopaged.pooling.pooling_llm import paired
 from nanopaged.serving.openai_responses import (
     Response,
     bad_request,

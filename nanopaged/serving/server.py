@@ -26,8 +26,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from nanopaged import LLM, chat, envs
+from nanopaged import LLM, envs
 from nanopaged.engine.arg_utils import EngineArgs
+from nanopaged.entrypoints import chat_utils as chat
 from nanopaged.lora.request import LoRARequest
 from nanopaged.outputs import EngineStats
 from nanopaged.parallel.data import ReplicaDied, sum_stats

@@ -1,10 +1,8 @@
 """The methods of vLLM's `LLM` and `LLMEngine` that vLLM's examples call beyond
 `generate`, `add_request` and `step`, written on those alone, so that one engine and its
 data-parallel replicas (`parallel/data.py`) share them: `chat`, `stream`,
-`from_engine_args`, and vLLM's other names. Nothing here changes what the engine does.
-Also what vLLM's module paths under `nanopaged.` (`engine`, `entrypoints`,
-`distributed`, `envs`, `profiler`) say of a name vLLM has there and nanopaged has not
-(`lacks`)."""
+`from_engine_args`, and vLLM's other names. Nothing here changes what the engine
+does."""
 
 import dataclasses
 import os
@@ -13,8 +11,8 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
-from nanopaged import chat
-from nanopaged.engine.arg_utils import EngineArgs, lacks  # noqa: F401 (vLLM shims)
+from nanopaged.engine.arg_utils import EngineArgs
+from nanopaged.entrypoints import chat_utils as chat
 from nanopaged.inputs import Prompt
 from nanopaged.sampling_params import SamplingParams
 
@@ -156,7 +154,7 @@ class VLLMEngineAPI:
 
     def embed(self, *args, **kwargs) -> list:
         """vLLM's pooling methods (`embed`, `classify`, `score`, `encode`): a pooling
-        engine's (`pooling/llm.py`); this one generates, and says so."""
+        engine's (`pooling/pooling_llm.py`); this one generates, and says so."""
         raise ValueError(
             "this engine generates (runner='generate'): embed(), classify(), score() "
             "and encode() need a pooling one, LLM(model, runner='pooling')"
