@@ -12,6 +12,7 @@ nobody defines is a ValueError naming it. This module imports nothing heavy, so 
 import argparse
 import dataclasses
 import difflib
+import importlib
 import json
 import sys
 from typing import get_args
@@ -454,6 +455,19 @@ def lacks(module: str, name: str, instead: str) -> ImportError | AttributeError:
         f"cannot import {name!r} from {module}: vLLM has it there, nanopaged "
         f"does not. {instead}"
     )
+
+
+def lazy_modules(package: str, submodules: tuple[str, ...], instead: str):
+    """The `__getattr__` of one of vLLM's packages here: each of its `submodules`
+    imported when first named (so that naming the package imports none of them), and
+    `lacks` for any other name."""
+
+    def getattr_(name: str):
+        if name in submodules:
+            return importlib.import_module(f"{package}.{name}")
+        raise lacks(package, name, instead)
+
+    return getattr_
 
 
 def __getattr__(name: str):

@@ -4,20 +4,10 @@ does: `llm` (`LLM`, over the core engine), `compat` (the methods of vLLM's `LLM`
 template), and `openai.api_server` (vLLM's path to the server, `nanopaged/serving/`).
 Each is imported when first named."""
 
-import importlib
+from nanopaged.engine.arg_utils import lazy_modules
 
-SUBMODULES = ("llm", "compat", "chat_utils", "openai")
-
-
-def __getattr__(name: str):
-    if name in SUBMODULES:
-        return importlib.import_module(f"{__name__}.{name}")
-    if name.startswith(
-        "__"
-    ):  # the import system's probes, while arg_utils may be loading
-        raise AttributeError(name)
-    from nanopaged.engine.arg_utils import lacks
-
-    raise lacks(
-        __name__, name, "nanopaged.entrypoints has llm (LLM) and openai.api_server"
-    )
+__getattr__ = lazy_modules(
+    __name__,
+    ("llm", "compat", "chat_utils", "openai"),
+    "nanopaged.entrypoints has llm (LLM) and openai.api_server",
+)
