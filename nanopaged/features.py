@@ -40,8 +40,8 @@ from nanopaged.core.sampler import SAMPLING_KERNELS
 
 
 def add_cpu_backend() -> None:
-    """The CPU backend (`cpu/`): its attention, C kernels and linear layers, and its
-    sampling kernel."""
+    """The CPU backend (`cpu/`): its attention, C kernels, linear layers and decode
+    steps' graphs, and its sampling kernel."""
     from nanopaged import cpu
 
     BACKENDS["cpu"] = cpu.BACKEND

@@ -43,6 +43,7 @@ LAYERS = [
     "core",
     "checks",
     "cpu.kernels",
+    "cpu.step_graph",
     "cpu",
     "sampling.triton_kernel",
     "quantization.int4_triton",

@@ -25,8 +25,10 @@ class Boom(Exception):
 @contextmanager
 def first_layer_raises(llm, error: type[BaseException], should_fail):
     """Makes the model's first layer raise `error` on the calls for which
-    `should_fail(meta)`."""
-    layer = llm.engine.runner.model.model.layers[0]
+    `should_fail(meta)`; its decode steps run eagerly meanwhile (a CPU's step graph
+    replays its C calls, not the layer's Python)."""
+    runner = llm.engine.runner
+    layer, graphs = runner.model.model.layers[0], runner.graphs
     forward = layer.forward
 
     def failing_forward(positions, hidden, residual, meta):
@@ -34,11 +36,12 @@ def first_layer_raises(llm, error: type[BaseException], should_fail):
             raise error("injected failure")
         return forward(positions, hidden, residual, meta)
 
-    layer.forward = failing_forward
+    layer.forward, runner.graphs = failing_forward, None
     try:
         yield
     finally:
         del layer.forward
+        runner.graphs = graphs
 
 
 def nth(kind: str, n: int):

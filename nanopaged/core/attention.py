@@ -127,12 +127,15 @@ class Backend:
     """An attention backend: `kernels()` gives what a model built for it computes with
     (its module imported only then); `missing(on_gpu, kv_dtype)` names what it lacks
     here (None: usable); "auto" picks it on `auto_on` devices; `zeros` allocates its KV
-    cache. Its sampling kernel, if it has one, is in `sampler.SAMPLING_KERNELS`."""
+    cache; `graphs(model, config, max_blocks_per_seq)` makes what replays its decode
+    steps, where it is not CUDA graphs (`cuda_graphs.DecodeGraphs`). Its sampling
+    kernel, if it has one, is in `sampler.SAMPLING_KERNELS`."""
 
     kernels: Callable[[], Kernels]
     missing: Callable[[bool, torch.dtype], str | None]
     auto_on: tuple[str, ...] = ("cuda", "cpu")
     zeros: Callable[..., torch.Tensor] = torch.zeros
+    graphs: Callable | None = None
 
 
 def triton_kernels() -> tuple:

@@ -46,7 +46,8 @@ class RunnerExtension:
 class ModelRunner:
     """Turns a scheduled step into model inputs, runs the model, and samples. Prefill
     steps run eagerly over a ragged batch; decode steps replay a CUDA graph captured for
-    the next larger batch size, when graphs are on. A step is launched, then
+    the next larger batch size, or the backend's own `graphs` (the CPU's), when graphs
+    are on. A step is launched, then
     collected: on a GPU, `launch` queues the device's work and `collect` waits for its
     tokens. Seams: a subclass may run `execute` on several processes (tensor
     parallelism), or `start` the device's part elsewhere (async scheduling's thread on a
@@ -74,9 +75,12 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         self.extension.prepare_model(self)
         self.num_kvcache_blocks = self.allocate_kv_cache()
+        graphs = self.backend.graphs
+        if graphs is None and self.device.type == "cuda":
+            graphs = DecodeGraphs
         eager = config.enforce_eager or config.attention_backend == "torch"
-        if self.device.type == "cuda" and not eager:
-            self.graphs = DecodeGraphs(self.model, config, self.max_blocks_per_seq)
+        if graphs is not None and not eager:
+            self.graphs = graphs(self.model, config, self.max_blocks_per_seq)
 
     def close(self) -> None:
         """Releases what the runner started (a subclass's processes)."""

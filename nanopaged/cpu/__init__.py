@@ -41,9 +41,11 @@ from nanopaged.core.attention import (
     decode_torch,
     prefill_torch,
 )
+from nanopaged.core.config import Config
 from nanopaged.core.layers import Kernels, LinearBase, LinearMethod
 from nanopaged.cpu import kernels as cpu_kernels
 from nanopaged.cpu.kernels import usable_cores  # noqa: F401 (the cpu package's name)
+from nanopaged.cpu.step_graph import StepGraphs
 
 # Queries a sequence, at most, for which a prefill step attends a query at a time (a
 # speculative verification, a small chunk): more, and tiles of matrix products are
@@ -204,9 +206,19 @@ def model_kernels() -> Kernels:
     return Kernels("cpu", attention, linear, **cpu_kernels.ELEMENTWISE)
 
 
+def step_graphs(
+    model: nn.Module, config: Config, max_blocks_per_seq: int
+) -> StepGraphs:
+    """The decode steps' graphs (`step_graph.py`), for a model whose linear methods are
+    this backend's or plain: another's Python may differ between steps."""
+    methods = (LinearMethod, PackedLinear, PanelLinear)
+    return StepGraphs(model, config, max_blocks_per_seq, methods)
+
+
 BACKEND = Backend(
     model_kernels,
     lambda on_gpu, dtype: "device='cpu'" if on_gpu else None,
     ("cpu",),
     huge_zeros,
+    step_graphs,
 )

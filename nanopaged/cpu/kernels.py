@@ -13,6 +13,7 @@ program's OpenMP settings stay the program's. Where it cannot be built (no compi
 said once), each function here returns None or runs the plain PyTorch code.
 """
 
+import contextvars
 import ctypes
 import functools
 import hashlib
@@ -59,6 +60,10 @@ PANEL = 16  # output features in a panel of a packed weight (the C file's PANEL)
 # call than torch.empty(shape, dtype=), at ~60 calls a decode step)
 CONTIGUOUS = torch.contiguous_format
 logger = logging.getLogger(__name__)
+# the steps of the forward a step graph is capturing, if any (step_graph.py)
+CAPTURE: contextvars.ContextVar[list | None] = contextvars.ContextVar(
+    "capture", default=None
+)
 
 
 @functools.cache
@@ -176,6 +181,15 @@ def library() -> ctypes.CDLL | None:
     return lib
 
 
+def run(kernel, *args):
+    """kernel(*args), and recorded while a step graph captures (its last argument, as
+    every kernel's, the thread count)."""
+    steps = CAPTURE.get()
+    if steps is not None:
+        steps.append((kernel, args))
+    return kernel(*args)
+
+
 @functools.cache
 def _fp8_table() -> torch.Tensor:
     """Each FP8 (e4m3) byte's value, as torch converts it."""
@@ -216,7 +230,8 @@ def paged_attention(
     context_lens = context_lens.to(torch.int32).contiguous()
     cu = None if cu_seqlens_q is None else cu_seqlens_q.to(torch.int32).contiguous()
     out = torch.empty_like(queries, memory_format=CONTIGUOUS)
-    failed = (lib.prefill_attention if tiled else lib.paged_attention)(
+    failed = run(
+        lib.prefill_attention if tiled else lib.paged_attention,
         queries.data_ptr(),
         queries.stride(0),
         k_cache.data_ptr(),
@@ -251,7 +266,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     rows = x if x.dim() == 3 else x.reshape(-1, 1, x.shape[-1])
     rows = _heads(rows)
     out = torch.empty_like(x, memory_format=CONTIGUOUS)
-    library().rms_norm(
+    run(
+        library().rms_norm,
         rows.data_ptr(),
         rows.stride(0),
         rows.shape[1],
@@ -277,7 +293,8 @@ def add_rms_norm(
     out = torch.empty_like(x, memory_format=CONTIGUOUS)
     total = torch.empty_like(x, memory_format=CONTIGUOUS)
     n = x.shape[-1]
-    library().rms_norm(
+    run(
+        library().rms_norm,
         x.data_ptr(),
         n,
         1,
@@ -304,7 +321,8 @@ def apply_rotary(
     rotated = []
     for x in (_heads(q), _heads(k)):
         out = torch.empty_like(x, memory_format=CONTIGUOUS)
-        library().rotary(
+        run(
+            library().rotary,
             x.data_ptr(),
             x.stride(0),
             x.shape[0],
@@ -326,7 +344,8 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     gate_up = gate_up.contiguous()
     n = gate_up.shape[-1] // 2
     out = torch.empty(*gate_up.shape[:-1], n, dtype=torch.float32)
-    library().silu_and_mul(
+    run(
+        library().silu_and_mul,
         gate_up.data_ptr(),
         gate_up.numel() // (2 * n),
         n,
@@ -352,7 +371,8 @@ def store_kv(
     ):
         return False
     k, v, slots = _heads(k), _heads(v), slots.to(torch.int64).contiguous()
-    library().store_kv(
+    run(
+        library().store_kv,
         k.data_ptr(),
         k.stride(0),
         v.data_ptr(),
@@ -409,7 +429,8 @@ def panel_matmul(x: torch.Tensor, panels: torch.Tensor) -> torch.Tensor:
         rows = rows.float().contiguous()
     (m, k), n = rows.shape, panels.shape[0] * PANEL
     out = torch.empty((m, n), dtype=torch.float32)
-    library().panel_matmul(
+    run(
+        library().panel_matmul,
         rows.data_ptr(),
         rows.stride(0),
         panels.data_ptr(),

@@ -81,13 +81,14 @@ class Response:
         """Yields each output as it comes; aborts what is unfinished if the client goes
         away."""
         unfinished, checked = set(self.index), time.monotonic()
+        every = 0.1  # seconds between two looks for a client gone: a step or a few
         try:
             while unfinished:
                 try:
-                    output = await asyncio.wait_for(self.outbox.get(), timeout=0.5)
+                    output = await asyncio.wait_for(self.outbox.get(), timeout=every)
                 except asyncio.TimeoutError:
                     output = None
-                if time.monotonic() - checked >= 0.5:  # whether outputs flow or not
+                if time.monotonic() - checked >= every:  # whether outputs flow or not
                     if await self.request.is_disconnected():
                         self.client_gone = True
                         return
