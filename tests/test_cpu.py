@@ -391,22 +391,27 @@ def test_store_writes_each_token_to_its_slot(kv_dtype, tokens):
     cpu.store_kvcache(k, v, k_cache, v_cache, slots)
     assert torch.equal(k_cache.float(), expected_k.float())
     assert torch.equal(v_cache.float(), expected_v.float())
-    assert cpu_kernels.store_kv(k, v, k_cache, v_cache, slots) == (
-        kv_dtype == torch.float32
-    )
+    assert cpu_kernels.store_kv(k, v, k_cache, v_cache, slots)
 
 
-def test_the_store_kernel_skips_slots_below_zero():
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+@pytest.mark.parametrize("kernel", [True, False])
+def test_the_store_skips_slots_below_zero(kv_dtype, kernel, monkeypatch):
+    """A step graph's padding rows have slot -1: the C kernel and the PyTorch path
+    without it both write no slot for them."""
+    if not kernel:
+        monkeypatch.setattr(cpu_kernels, "library", lambda: None)
     k_cache, v_cache, _ = paged_cache(16, [64], 2, seed=4)
+    k_cache, v_cache = k_cache.to(kv_dtype), v_cache.to(kv_dtype)
     before_k, before_v = k_cache.clone(), v_cache.clone()
     k, v = torch.randn(2, 3, 2, HEAD_DIM).unbind(0)
-    assert cpu_kernels.store_kv(k, v, k_cache, v_cache, torch.tensor([5, -1, 9]))
+    cpu.store_kvcache(k, v, k_cache, v_cache, torch.tensor([5, -1, 9]))
     untouched = torch.ones(k_cache.numel() // (2 * HEAD_DIM), dtype=torch.bool)
     untouched[[5, 9]] = False
     for cache, before, new in ((k_cache, before_k, k), (v_cache, before_v, v)):
         rows, rows_before = cache.view(-1, 2, HEAD_DIM), before.view(-1, 2, HEAD_DIM)
-        assert torch.equal(rows[[5, 9]], new[[0, 2]])
-        assert torch.equal(rows[untouched], rows_before[untouched])
+        assert torch.equal(rows[[5, 9]].float(), new[[0, 2]].to(kv_dtype).float())
+        assert torch.equal(rows[untouched].float(), rows_before[untouched].float())
 
 
 @pytest.mark.skipif(

@@ -64,15 +64,26 @@ def toy_graphs(model: nn.Module) -> StepGraphs:
         return StepGraphs(model, config, 4, methods=(LinearMethod,))
 
 
+def replays_the_forward(graphs: StepGraphs, model: nn.Module, inputs: tuple) -> bool:
+    """Whether a replay gives the forward of `inputs`: bit for bit that of the rows it
+    ran, padding included (how many rows a matmul multiplies changes its rounding),
+    and so that of `inputs` alone up to rounding."""
+    n, replayed = len(inputs[0]), graphs.replay(*inputs)
+    size = next(size for size in graphs.sizes if size >= n)
+    padded = model(*graphs.inputs(size))[:n]
+    alone = model(*inputs)
+    return torch.equal(replayed, padded) and torch.allclose(replayed, alone, 1e-5, 1e-5)
+
+
 @torch.inference_mode()
 def test_a_replay_computes_the_forward_of_new_inputs():
     model = Toy()
     graphs = toy_graphs(model)
     for seed, n in enumerate([3, 3, 5, 3, 5, 1]):
         inputs = step(n, seed)
-        assert torch.equal(graphs.replay(*inputs), model(*inputs))
+        assert replays_the_forward(graphs, model, inputs)
     assert all(graph is not None for graph in graphs.graphs.values())
-    assert sorted(graphs.graphs) == [1, 3, 5]
+    assert sorted(graphs.graphs) == [1, 4, 8]  # the next larger sizes: 3 and 5 pad
 
 
 @torch.inference_mode()
@@ -105,7 +116,7 @@ def test_a_graph_whose_replay_differs_from_its_capture_is_not_kept(monkeypatch):
     for seed in range(2):
         inputs = step(3, seed)
         assert torch.equal(graphs.replay(*inputs), model(*inputs))
-    assert graphs.graphs == {3: None}
+    assert graphs.graphs == {4: None}
 
 
 def test_a_model_with_a_linear_method_of_another_feature_has_no_graphs(qwen3_path):
@@ -128,9 +139,10 @@ def test_the_kernels_take_the_thread_count_the_program_sets_later():
     try:
         torch.set_num_threads(1)
         inputs = step(3, 1)
-        assert torch.equal(graphs.replay(*inputs), model(*inputs))
-        c_calls = [call for call in graphs.calls[3] if call.func is not run_operator]
-        assert graphs.threads == 1 and c_calls
+        assert replays_the_forward(graphs, model, inputs)
+        graph = graphs.graphs[4]
+        c_calls = [call for call in graph.calls if call.func is not run_operator]
+        assert graph.bound[1] == 1 and c_calls
         assert all(call.args[-1] == 1 for call in c_calls)
     finally:
         torch.set_num_threads(threads)
@@ -153,7 +165,7 @@ def test_ctrl_c_while_capturing_leaves_no_graph_and_no_recording(monkeypatch):
     assert kernels.CAPTURE.get() is None and graphs.graphs == {}
     monkeypatch.setattr(kernels, "run", real_run)
     inputs = step(3, 1)
-    assert torch.equal(graphs.replay(*inputs), model(*inputs))
+    assert replays_the_forward(graphs, model, inputs)
 
 
 def generated(path: str, eager: bool) -> tuple[list, LLM]:
@@ -175,7 +187,7 @@ def test_graphs_sample_the_eager_tokens(arch, model_path):
     tokens, llm = generated(path, eager=False)
     assert tokens == eager
     captured = llm.engine.runner.graphs.graphs
-    assert captured and set(captured) <= {1, 2, 3, 4}
+    assert captured and set(captured) <= {1, 2, 4}
     # a mixture's routing counts tokens per expert (`bincount`): eager at every size
     replayed = [graph is not None for graph in captured.values()]
     assert all(replayed) if arch != "mixtral" else not any(replayed)

@@ -183,17 +183,18 @@ def store_kvcache(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """k, v: (T, nkv, hs) written to their slots (a CPU runs no CUDA graphs: no
-    padding): by the C kernel into a float32 cache; else into an FP8 cache as bytes, for
-    which index_copy_ has a kernel."""
+    """k, v: (T, nkv, hs) written to their slots, slot -1 (a step graph's padding row)
+    skipped: by the C kernel, in the cache's dtype; without it, by index_copy_ (into an
+    FP8 cache as bytes, for which index_copy_ has a kernel)."""
     if cpu_kernels.store_kv(k, v, k_cache, v_cache, slot_mapping):
         return
+    valid = slot_mapping >= 0
     for new, cache in ((k, k_cache), (v, v_cache)):
-        new = new.to(cache.dtype)
+        new = new[valid].to(cache.dtype)
         if cache.dtype == torch.float8_e4m3fn:
             new = new.view(torch.uint8)
             cache = cache.view(torch.uint8)
-        cache.view(-1, *new.shape[1:]).index_copy_(0, slot_mapping, new)
+        cache.view(-1, *new.shape[1:]).index_copy_(0, slot_mapping[valid], new)
 
 
 def model_kernels() -> Kernels:

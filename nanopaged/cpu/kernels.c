@@ -498,17 +498,17 @@ void silu_and_mul(const float *gate_up, long tokens, int n, float *out, int thre
     parallel(tokens, even_chunk(tokens, threads), threads, silu_tokens, &args);
 }
 
-/* Each token's K and V rows (`row` floats; tokens k_stride and v_stride apart) copied into their
-   float32 cache slots (a slot below 0: none, as padding in the Triton kernel): index_copy_ took
-   30-70 us a layer for a decode step's few rows. */
+/* Each token's K and V rows (`row` bytes, in the cache's dtype; tokens k_stride and v_stride
+   bytes apart) copied into their cache slots (a slot below 0: none, a step graph's padding row,
+   as in the Triton kernel): index_copy_ took 30-70 us a layer for a decode step's few rows. */
 struct store_args {
-    const float *k;
+    const char *k;
     long k_stride;
-    const float *v;
+    const char *v;
     long v_stride;
-    int row;
+    long row;
     const int64_t *slots;
-    float *k_cache, *v_cache;
+    char *k_cache, *v_cache;
 };
 
 static void store_tokens(const void *args, long first, long end) {
@@ -516,15 +516,15 @@ static void store_tokens(const void *args, long first, long end) {
     for (long t = first; t < end; t++) {
         if (a->slots[t] < 0)
             continue;
-        memcpy(a->k_cache + a->slots[t] * a->row, a->k + t * a->k_stride, a->row * sizeof(float));
-        memcpy(a->v_cache + a->slots[t] * a->row, a->v + t * a->v_stride, a->row * sizeof(float));
+        memcpy(a->k_cache + a->slots[t] * a->row, a->k + t * a->k_stride, a->row);
+        memcpy(a->v_cache + a->slots[t] * a->row, a->v + t * a->v_stride, a->row);
     }
 }
 
-void store_kv(const float *k, long k_stride, const float *v, long v_stride, long tokens, int row,
-              const int64_t *slots, float *k_cache, float *v_cache, int threads) {
+void store_kv(const char *k, long k_stride, const char *v, long v_stride, long tokens, long row,
+              const int64_t *slots, char *k_cache, char *v_cache, int threads) {
     struct store_args args = {k, k_stride, v, v_stride, row, slots, k_cache, v_cache};
-    threads = tokens * row >= PARALLEL_MIN ? threads : 1;
+    threads = tokens * row >= 4 * PARALLEL_MIN ? threads : 1;  /* PARALLEL_MIN floats */
     parallel(tokens, even_chunk(tokens, threads), threads, store_tokens, &args);
 }
 

@@ -50,7 +50,7 @@ SIGNATURES = {  # the C functions: (return type, argument types)
     "rms_norm": (None, [_P, _L, _I, _P, _P, _L, _I, _F, _P, _P, _I]),
     "rotary": (None, [_P, _L, _I, _I, _I, _P, _P, _P, _I]),
     "silu_and_mul": (None, [_P, _L, _I, _P, _I]),
-    "store_kv": (None, [_P, _L, _P, _L, _L, _I, _P, _P, _P, _I]),
+    "store_kv": (None, [_P, _L, _P, _L, _L, _L, _P, _P, _P, _I]),
     "sample": (None, [_P, _P, _P, _L, _I, _P, _I]),
     "panel_matmul": (None, [_P, _L, _P, _L, _I, _L, _P, _I]),
     "cores_shared": (_I, []),
@@ -362,23 +362,21 @@ def store_kv(
     v_cache: torch.Tensor,
     slots: torch.Tensor,
 ) -> bool:
-    """k, v (T, nkv, hs) into their slots of a float32 cache; False where the kernel
-    does not apply (no library, another dtype)."""
-    if library() is None or not (
-        _float32(k, v, k_cache, v_cache)
-        and k_cache.is_contiguous()
-        and v_cache.is_contiguous()
-    ):
+    """k, v (T, nkv, hs), converted to the cache's dtype, into their slots (below 0:
+    none); False where the kernel does not apply (no library, a cache not
+    contiguous)."""
+    if library() is None or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         return False
-    k, v, slots = _heads(k), _heads(v), slots.to(torch.int64).contiguous()
+    k, v = _heads(k.to(k_cache.dtype)), _heads(v.to(v_cache.dtype))
+    slots, size = slots.to(torch.int64).contiguous(), k_cache.element_size()
     run(
         library().store_kv,
         k.data_ptr(),
-        k.stride(0),
+        k.stride(0) * size,
         v.data_ptr(),
-        v.stride(0),
+        v.stride(0) * size,
         k.shape[0],
-        k.shape[1] * k.shape[2],
+        k.shape[1] * k.shape[2] * size,
         slots.data_ptr(),
         k_cache.data_ptr(),
         v_cache.data_ptr(),

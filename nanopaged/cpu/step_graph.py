@@ -35,7 +35,6 @@ from typing import NamedTuple
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten, tree_map
 
 from nanopaged.core.attention import AttentionMetadata
 from nanopaged.core.config import Config
@@ -69,7 +68,23 @@ def storage_of(t: torch.Tensor) -> int:
 
 
 def tensors(tree) -> list[torch.Tensor]:
-    return [x for x in tree_flatten(tree)[0] if isinstance(x, torch.Tensor)]
+    """The tensors in an operator's arguments or results (lists, tuples, dicts)."""
+    if isinstance(tree, torch.Tensor):
+        return [tree]
+    if isinstance(tree, dict):
+        tree = list(tree.values())
+    if isinstance(tree, (list, tuple)):
+        return [t for x in tree for t in tensors(x)]
+    return []
+
+
+def mapped(f, tree):
+    """`tree` with f(x) for each x that is not a list, a tuple or a dict."""
+    if isinstance(tree, dict):
+        return {key: mapped(f, x) for key, x in tree.items()}
+    if isinstance(tree, (list, tuple)) and not isinstance(tree, Placed):
+        return type(tree)(mapped(f, x) for x in tree)
+    return f(tree)
 
 
 def aligned(size: int) -> int:
@@ -128,7 +143,7 @@ class StepGraph:
     """One batch size's forward as steps, C calls or operators, in which every tensor
     the forward made is named by its storage, and every storage by its place in an
     arena (`offsets`, in bytes): `bind` turns them into calls on any arena of at least
-    `arena_bytes`."""
+    `arena_bytes`, kept in `calls` with the arena's address and the thread count."""
 
     def __init__(self, capture: Capture, hidden: torch.Tensor):
         self.hidden = hidden  # the forward's result stays where it is: the caller's
@@ -139,6 +154,8 @@ class StepGraph:
         self.spans = self.lifetimes(capture.steps)
         self.offsets, self.arena_bytes = self.place(self.spans)
         self.steps = [self.placed(step) for step in capture.steps]
+        self.calls: list = []  # `steps` bound to an arena's address and a thread count
+        self.bound: tuple[int, int] | None = None
 
     def owner(self, address: int | None) -> int | None:
         """The storage of a made tensor that `address` lies in, if any."""
@@ -198,7 +215,7 @@ class StepGraph:
             return Placed(storage_of(x), offset, x.dtype, x.shape, x.stride())
 
         func, args, kwargs, made = step
-        return func, *tree_map(place, (args, kwargs, made))
+        return func, *mapped(place, (args, kwargs, made))
 
     def bind(self, arena: torch.Tensor, threads: int) -> list:
         """The steps as calls on `arena` (bytes), the C kernels on `threads`."""
@@ -226,13 +243,9 @@ class StepGraph:
                 ]
                 calls.append(functools.partial(kernel, *args[:-1], threads))
             else:
-                func, args, kwargs, made = tree_map(tensor, step, is_leaf=is_placed)
+                func, args, kwargs, made = mapped(tensor, step)
                 calls.append(functools.partial(run_operator, func, args, kwargs, made))
         return calls
-
-
-def is_placed(x) -> bool:
-    return isinstance(x, Placed)
 
 
 def run_operator(func, args, kwargs, made: list[tuple[int, torch.Tensor]]) -> None:
@@ -245,10 +258,13 @@ def run_operator(func, args, kwargs, made: list[tuple[int, torch.Tensor]]) -> No
 
 class StepGraphs:
     """The CPU backend's decode graphs (the runner's `graphs`, as `DecodeGraphs` on a
-    GPU): a `StepGraph` per batch size, captured the first time that size runs, over
-    static buffers of `max_num_seqs` rows, all bound to one arena. `max_batch` is 0 (no
-    graphs) for a model whose linear methods are not all `methods`, or under tensor
-    parallelism."""
+    GPU): a `StepGraph` per batch size of `sizes`, captured the first time a batch
+    needs it, over static buffers of `max_num_seqs` rows, all bound to one arena. A
+    batch replays the next larger size's graph, its padding rows writing no slot and
+    attending to nothing; sizes are 8 apart above 8, so a run meets a few of them (each
+    capture costs a few steps) and pads a few rows (each costs a row's arithmetic).
+    `max_batch` is 0 (no graphs) for a model whose linear methods are not all
+    `methods`, or under tensor parallelism."""
 
     def __init__(
         self,
@@ -263,75 +279,72 @@ class StepGraphs:
             for m in model.modules()
         )
         size = config.max_num_seqs
+        self.sizes = [s for s in (1, 2, 4, *range(8, size, 8)) if s < size] + [size]
         self.max_batch = size if plain and tp_size() == 1 else 0
         self.input_ids = torch.zeros(size, dtype=torch.int64)
         self.positions = torch.zeros(size, dtype=torch.int64)
         self.meta = AttentionMetadata(
             ragged=False,
-            slot_mapping=torch.zeros(size, dtype=torch.int64),
+            slot_mapping=torch.full((size,), -1, dtype=torch.int64),
             context_lens=torch.zeros(size, dtype=torch.int32),
             block_tables=torch.zeros((size, max_blocks_per_seq), dtype=torch.int32),
             max_seqlen_k=config.max_model_len,
         )
         self.graphs: dict[int, StepGraph | None] = {}  # None: that size runs eagerly
         self.arena = torch.empty(0, dtype=torch.uint8)
-        self.threads = 0
-        self.calls: dict[int, list] = {}  # each graph bound to `arena` and `threads`
 
-    def inputs(self, n: int) -> tuple:
-        """The model's arguments for a batch of `n`: the buffers' first `n` rows."""
+    def inputs(self, size: int) -> tuple:
+        """The model's arguments for a batch of `size`: the buffers' first rows."""
         meta = self.meta
-        rows = (meta.slot_mapping[:n], meta.context_lens[:n], meta.block_tables[:n])
-        meta = AttentionMetadata(False, *rows, meta.max_seqlen_k)
-        return self.input_ids[:n], self.positions[:n], meta
+        rows = (meta.slot_mapping, meta.context_lens, meta.block_tables)
+        meta = AttentionMetadata(False, *(r[:size] for r in rows), meta.max_seqlen_k)
+        return self.input_ids[:size], self.positions[:size], meta
 
-    def capture(self, n: int) -> StepGraph | None:
-        """The graph of a batch of `n`, or None where the forward does what a replay
-        cannot. It is captured after a first forward, so that what a first call makes
-        and keeps is made outside it; outside inference mode, in which PyTorch hides
-        some operators (`.to`, `.contiguous`) from a dispatch mode; and kept only if a
-        replay gives what the capture computed, bit for bit. Each computes the step in
-        the buffers, as a replay does."""
-        args = self.inputs(n)
-        self.model(*args)
+    def capture(self, size: int, n: int) -> StepGraph | None:
+        """The graph of a batch of `size`, or None where the forward does what a replay
+        cannot. It is captured outside inference mode, in which PyTorch hides some
+        operators (`.to`, `.contiguous`) from a dispatch mode, and kept only if its
+        first replay gives the capture's result bit for bit in the `n` rows that are
+        not padding. Both compute the step in the buffers, as a replay does."""
         capture = Capture()
         recording = kernels.CAPTURE.set(capture.steps)
         try:
             with torch.inference_mode(False), torch.no_grad(), capture:
-                hidden = self.model(*args)
+                hidden = self.model(*self.inputs(size))
         except Ungraphable:
             return None
         finally:
             kernels.CAPTURE.reset(recording)
-        graph, expected = StepGraph(capture, hidden), hidden.clone()
-        self.run(n, graph)
-        return graph if torch.equal(graph.hidden, expected) else None
+        graph, expected = StepGraph(capture, hidden), hidden[:n].clone()
+        self.run(graph)
+        return graph if torch.equal(graph.hidden[:n], expected) else None
 
-    def run(self, n: int, graph: StepGraph) -> None:
+    def run(self, graph: StepGraph) -> None:
         """Replays `graph`, bound to the arena (grown if it needs more) and to the
         threads the kernels run on now."""
-        threads = kernels.threads()
-        if graph.arena_bytes > len(self.arena) or threads != self.threads:
-            size = max(graph.arena_bytes, len(self.arena))
-            self.arena = torch.empty(size, dtype=torch.uint8)
-            self.threads, self.calls = threads, {}
-        if n not in self.calls:
-            self.calls[n] = graph.bind(self.arena, threads)
-        for call in self.calls[n]:
+        if graph.arena_bytes > len(self.arena):
+            self.arena = torch.empty(graph.arena_bytes, dtype=torch.uint8)
+        bound = (self.arena.data_ptr(), kernels.threads())
+        if graph.bound != bound:
+            graph.calls, graph.bound = graph.bind(self.arena, bound[1]), bound
+        for call in graph.calls:
             call()
 
     def replay(self, input_ids, positions, meta: AttentionMetadata) -> torch.Tensor:
         """The hidden states of a decode batch of at most `max_batch` sequences."""
         n = len(input_ids)
+        size = next(size for size in self.sizes if size >= n)
         self.input_ids[:n] = input_ids
         self.positions[:n] = positions
         self.meta.slot_mapping[:n] = meta.slot_mapping
+        self.meta.slot_mapping[n:size] = -1
         self.meta.context_lens[:n] = meta.context_lens
+        self.meta.context_lens[n:size] = 0
         self.meta.block_tables[:n, : meta.block_tables.shape[1]] = meta.block_tables
-        if n not in self.graphs:
-            self.graphs[n] = self.capture(n)
-        graph = self.graphs[n]
+        if size not in self.graphs:
+            self.graphs[size] = self.capture(size, n)
+        graph = self.graphs[size]
         if graph is None:
             return self.model(input_ids, positions, meta)
-        self.run(n, graph)
-        return graph.hidden
+        self.run(graph)
+        return graph.hidden[:n]
