@@ -19,9 +19,10 @@ last), so a graph costs about one layer's activations, not the whole forward's.
 A replay is right only if the forward does the same each step, which is also what a
 CUDA graph needs: the core's decode forward reads no tensor's values in Python. The
 capture checks what it can. An operator whose result's shape depends on the values
-(`bincount`, `nonzero`), a value read back (`.item()`), random numbers or an operator
-from outside PyTorch's `aten` (a collective) make that batch size run eagerly, and so
-does a graph whose first replay does not give the capture's result bit for bit. A whole
+(`bincount`, `nonzero`), a value read back (`.item()`), random numbers, an operator
+from outside PyTorch's `aten` (a collective) or one on an inference tensor (PyTorch
+hides some of those from a dispatch mode) make that batch size run eagerly, and so does
+a graph whose first replay does not give the capture's result bit for bit. A whole
 model runs eagerly if it has a linear method the CPU backend does not define (LoRA's, a
 quantization's: their Python may differ from step to step), or under tensor
 parallelism.
