@@ -108,10 +108,10 @@ def _target(compiler: str) -> str:
     said = []
     for flags in (["-march=native", "-dM", "-E", "-x", "c", "-"], ["--version"]):
         try:
-            run = subprocess.run(
+            answer = subprocess.run(
                 [compiler, *flags], input=b"", capture_output=True, timeout=60
             )
-            said.append(run.stdout)
+            said.append(answer.stdout)
         except (OSError, subprocess.SubprocessError):
             said.append(b"")
     return b"\0".join([b"\n".join(sorted(said[0].splitlines())), said[1]]).decode(
