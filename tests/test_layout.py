@@ -495,7 +495,7 @@ print(sorted(k for k in after["backends"] if k not in core["backends"]),
     assert int(result.stdout.split()[1]) >= 12  # families, pooling architectures
 
 
-def test_a_plain_request_walks_at_most_64_functions_of_the_core(tmp_path):
+def test_a_plain_request_walks_at_most_55_functions_of_the_core(tmp_path):
     """docs/architecture.md's walk (benchmarks/walk.py): the core's functions one plain
     request enters, held where they are."""
     from benchmarks.walk import walk
@@ -503,5 +503,5 @@ def test_a_plain_request_walks_at_most_64_functions_of_the_core(tmp_path):
 
     entered = walk(write_random_checkpoint(str(tmp_path), SHAPES["qwen3"]))
     core = [f for f in entered if f[0].startswith("core")]
-    assert 40 < len(core) <= 64, core
+    assert 40 < len(core) <= 55, core
     assert ("core/llm_engine.py", "step") in {f[:2] for f in core}

@@ -70,13 +70,13 @@ def test_a_batch_larger_than_every_graph_runs_eagerly(qwen3_path, monkeypatch):
     runner = llm.engine.runner
     monkeypatch.setattr("nanopaged.core.cuda_graphs.capture_cuda_graph", StandInGraph)
     runner.graphs = DecodeGraphs(runner.model, llm.config, runner.max_blocks_per_seq)
-    _, inputs = decode_step(llm, 33)
-    runner.run_model(*inputs)
+    step, _ = decode_step(llm, 33)
+    runner.execute(runner.prepare_inputs(step))
     assert not any(g.replays for g in runner.graphs.graphs.values())
     for request_id in list(llm.requests):
         llm.abort(request_id)
-    _, inputs = decode_step(llm, 32)
-    runner.run_model(*inputs)
+    step, _ = decode_step(llm, 32)
+    runner.execute(runner.prepare_inputs(step))
     assert [size for size, g in runner.graphs.graphs.items() if g.replays] == [32]
 
 

@@ -78,9 +78,6 @@ class BlockManager:
     def num_free_blocks(self) -> int:
         return len(self.free_block_ids)
 
-    def blocks_for(self, num_tokens: int) -> int:
-        return cdiv(num_tokens, self.block_size)
-
     def _cached_prefix(self, seq: Sequence) -> list[int]:
         """Block ids that already hold the leading full blocks of `seq`, but the block
         of its last token, which the model must run for the next token's logits."""
@@ -102,14 +99,15 @@ class BlockManager:
         assert not seq.block_table
         hits = self._cached_prefix(seq)
         hits_in_use = sum(1 for b in hits if self.ref_counts[b] > 0)
-        if self.blocks_for(len(seq)) - hits_in_use > self.num_free_blocks:
+        num_blocks = cdiv(len(seq), self.block_size)
+        if num_blocks - hits_in_use > len(self.free_block_ids):
             return False
         for block_id in hits:
             if self.ref_counts[block_id] == 0:
                 del self.free_block_ids[block_id]
             self.ref_counts[block_id] += 1
         seq.block_table = list(hits)
-        for _ in range(self.blocks_for(len(seq)) - len(hits)):
+        for _ in range(num_blocks - len(hits)):
             seq.block_table.append(self._take_free_block())
         seq.num_computed_tokens = len(hits) * self.block_size
         if seq.num_completion_tokens == 0:  # admitted first, not recomputed
@@ -150,7 +148,7 @@ class BlockManager:
         """After `may_append`: makes room for up to `num_slots` proposals past the last
         token of `seq`, with free blocks only; returns for how many it made room."""
         in_last_block = len(seq.block_table) * self.block_size - len(seq)
-        new_blocks = self.blocks_for(num_slots - in_last_block)
+        new_blocks = cdiv(num_slots - in_last_block, self.block_size)
         new_blocks = min(new_blocks, self.num_free_blocks)
         for _ in range(new_blocks):
             seq.block_table.append(self._take_free_block())
@@ -161,7 +159,7 @@ class BlockManager:
         appended): caches the blocks they filled, gives back those past its end."""
         self.cache_full_blocks(seq, len(seq) - 1 - seq.num_computed_tokens)
         seq.num_computed_tokens = len(seq) - 1
-        while len(seq.block_table) > self.blocks_for(len(seq)):
+        while len(seq.block_table) > cdiv(len(seq), self.block_size):
             self._release(seq.block_table.pop())
 
     def cache_full_blocks(self, seq: Sequence, num_tokens: int) -> None:

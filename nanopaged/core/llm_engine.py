@@ -82,23 +82,19 @@ class LLMEngine:
         """Appends each row's tokens to its sequence, deciding after each whether it
         stops (the tokens after a stop are dropped); returns what it applied."""
         self.scheduler.finish(step.ended, "length")  # their prompt ran
+        max_model_len = self.config.max_model_len
         for seq, token_ids in zip(step.samplers, sampled.token_ids):
+            max_tokens = seq.sampling_params.max_tokens
             for token_id in token_ids:
                 seq.token_ids.append(token_id)
                 self.num_generated_tokens += 1
-                reason = self._stop_reason(seq)
-                if reason is not None:
-                    self.scheduler.finish([seq], reason)
+                if token_id in seq.stop_token_ids:
+                    self.scheduler.finish([seq], "stop")
+                    break
+                if seq.num_completion_tokens == max_tokens or len(seq) >= max_model_len:
+                    self.scheduler.finish([seq], "length")
                     break
         return sampled
-
-    def _stop_reason(self, seq: Sequence) -> str | None:
-        if seq.token_ids[-1] in seq.stop_token_ids:
-            return "stop"
-        at_max_tokens = seq.num_completion_tokens == seq.sampling_params.max_tokens
-        if at_max_tokens or len(seq) >= self.config.max_model_len:
-            return "length"
-        return None
 
     def abort_all(self) -> None:
         """After a failed or interrupted step: all sequences end, none half-run."""

@@ -31,7 +31,8 @@ class RunnerExtension:
     """A feature's part in every rank's runner (LoRA's): `prepare_model(runner)` before
     the KV pool is sized (to add weights, wrap layers); `prepare_inputs(step, inputs)`
     on rank 0, whose result goes with the inputs to every rank (`StepInputs.extension`);
-    `before_forward(inputs)` on every rank, before the model runs the step."""
+    `before_forward(inputs)` on every rank, before the model runs the step. A runner
+    without one calls none of these."""
 
     def prepare_model(self, runner: "ModelRunner") -> None:
         pass
@@ -64,7 +65,7 @@ class ModelRunner:
     ):
         self.config = config
         self.extra_kv_bytes_per_block = extra_kv_bytes_per_block
-        self.extension = extension or RunnerExtension()
+        self.extension = extension
         self.block_size = config.kvcache_block_size
         self.device = torch.device(config.device)
         self.backend = BACKENDS[config.attention_backend]
@@ -73,7 +74,8 @@ class ModelRunner:
         self.sampler = sampler(self.device, config.seed, kernel)
         self.max_blocks_per_seq = cdiv(config.max_model_len, self.block_size)
         self.graphs: DecodeGraphs | None = None
-        self.extension.prepare_model(self)
+        if extension is not None:
+            extension.prepare_model(self)
         self.num_kvcache_blocks = self.allocate_kv_cache()
         graphs = self.backend.graphs
         if graphs is None and self.device.type == "cuda":
@@ -192,7 +194,8 @@ class ModelRunner:
             cu_seqlens_k=np.cumsum([0, *context_lens]) if ragged else None,
             max_seqlen_q=int(num_tokens.max()),
         )
-        inputs.extension = self.extension.prepare_inputs(step, inputs)
+        if self.extension is not None:
+            inputs.extension = self.extension.prepare_inputs(step, inputs)
         return inputs
 
     def block_tables(self, seqs: list[Sequence]) -> np.ndarray:
@@ -253,9 +256,8 @@ class ModelRunner:
         if launched.copied is not None:
             launched.copied.synchronize()
         step, tokens = launched.step, launched.tokens_on_host
-        tokens = [] if tokens is None else tokens.tolist()
-        firsts, counts = step.first_rows, step.sample_counts
-        tokens = [tokens[a : a + n] for a, n in zip(firsts, counts)]
+        tokens = iter([] if tokens is None else tokens.tolist())
+        tokens = [list(itertools.islice(tokens, n)) for n in step.sample_counts]
         hidden = launched.hidden if step.hidden_states else None
         return SamplerOutput(tokens, launched.logits, hidden)
 
@@ -265,8 +267,14 @@ class ModelRunner:
     ) -> tuple[torch.Tensor | None, torch.Tensor]:
         """The model run over a step's inputs: the logits of the rows `logits_indices`
         picks (None when there are none), and every token's last hidden state."""
-        self.extension.before_forward(inputs)
-        hidden = self.run_model(*self.device_inputs(inputs, pending))
+        if self.extension is not None:
+            self.extension.before_forward(inputs)
+        input_ids, positions, meta = self.device_inputs(inputs, pending)
+        graphs = self.graphs
+        if meta.ragged or graphs is None or len(input_ids) > graphs.max_batch:
+            hidden = self.model(input_ids, positions, meta)
+        else:  # a decode step the graphs hold
+            hidden = graphs.replay(input_ids, positions, meta)
         if len(inputs.logits_indices) == 0:
             return None, hidden
         rows = hidden  # a decode step samples each of its rows, once
@@ -294,12 +302,6 @@ class ModelRunner:
             earlier = pending.launched.tokens[to_device(device, pending.rows)]
             input_ids[to_device(device, pending.input_rows)] = earlier
         return input_ids, to_device(device, inputs.positions, torch.int64), meta
-
-    def run_model(self, input_ids, positions, meta: AttentionMetadata) -> torch.Tensor:
-        graphs = self.graphs
-        if meta.ragged or graphs is None or len(input_ids) > graphs.max_batch:
-            return self.model(input_ids, positions, meta)
-        return graphs.replay(input_ids, positions, meta)
 
 
 def kv_block_bytes(model, block_size: int, dtype: torch.dtype) -> int:

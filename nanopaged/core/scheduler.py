@@ -45,8 +45,8 @@ class Scheduler:
         """The next step (with no sequences when there is nothing to run), booked."""
         step, budget = ScheduledStep(), self.config.max_num_batched_tokens
         if self.config.scheduling == "mixed":
-            self._schedule_decode(step)
-            self._schedule_prefill(step, budget - step.num_scheduled_tokens)
+            self._schedule_decode(step)  # one token a sequence
+            self._schedule_prefill(step, budget - len(step.seqs))
             return step
         if not (self.decode_next and self.running):
             self._schedule_prefill(step, budget)

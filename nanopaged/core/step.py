@@ -20,12 +20,15 @@ class ScheduledStep:
     path for it. `preempted` lists the sequences preempted to make room for this step
     (they may run in it again, recomputed from their start).
 
-    The last three fields serve features above the core, and stay empty without them:
+    The last four fields serve features above the core, and stay empty without them:
 
     - `ended`: sequences whose prompt ran in this step but that sample nothing
       (`max_tokens=0`: a pooling request, or prompt logprobs only); they end with it.
     - `hidden_states`: true when a sequence asks for the model's last hidden states
       (pooling).
+    - `prompt_rows`: for prompt logprobs, `(i, n)` for each sequence (by index) that
+      asks for its prompt's logits: it runs `n` tokens in this step whose next token is
+      a prompt token.
     - `proposals`: speculative decoding's proposed tokens, by the index of their
       sequence: they run after its last token, in slots reserved for them, and each of
       them is sampled too."""
@@ -39,6 +42,7 @@ class ScheduledStep:
     preempted: list[Sequence] = field(default_factory=list)
     ended: list[Sequence] = field(default_factory=list)
     hidden_states: bool = False
+    prompt_rows: list[tuple[int, int]] = field(default_factory=list)
     proposals: dict[int, list[int]] = field(default_factory=dict)
 
     def add(self, seq: Sequence, num_tokens: int) -> None:
@@ -51,6 +55,9 @@ class ScheduledStep:
         sampled = last and seq.sampling_params.max_tokens != 0
         self.ragged = self.ragged or num_tokens != 1 or not sampled
         self.hidden_states = self.hidden_states or seq.hidden_states
+        if seq.prompt_logits and start + 1 < seq.num_prompt_tokens:
+            n = min(start + num_tokens, seq.num_prompt_tokens - 1) - start
+            self.prompt_rows.append((len(self.seqs) - 1, n))
         if sampled:
             self.samplers.append(seq)
             self.sample_rows.append(len(self.seqs) - 1)
@@ -82,18 +89,6 @@ class ScheduledStep:
         """Each sampling row's first row of logits: its tokens take `sample_counts`
         rows (each row's own index without speculative decoding)."""
         return list(itertools.accumulate(self.sample_counts[:-1], initial=0))
-
-    @property
-    def prompt_rows(self) -> list[tuple[int, int]]:
-        """For prompt logprobs: (i, n) for each sequence (by index) that asks for its
-        prompt's logits, and how many prompt tokens it runs in this step whose next
-        token is a prompt token."""
-        runs = enumerate(zip(self.seqs, self.starts, self.num_tokens))
-        return [
-            (i, min(start + n, seq.num_prompt_tokens - 1) - start)
-            for i, (seq, start, n) in runs
-            if seq.prompt_logits and start + 1 < seq.num_prompt_tokens
-        ]
 
 
 @dataclass

@@ -455,15 +455,16 @@ class LLM(VLLMEngineAPI):
             while not self.is_finished():
                 start = time.perf_counter()
                 step, advanced = self.run_step()
-                seconds = time.perf_counter() - start
-                rates["prefill" if step.ragged else "decode"] = (
-                    step.num_scheduled_tokens / seconds
-                )
-                # update() redraws, at most every 0.1 s
-                bar.set_postfix_str(
-                    ", ".join(f"{k} {v:,.0f} tok/s" for k, v in rates.items()),
-                    refresh=False,
-                )
+                if use_tqdm:
+                    seconds = time.perf_counter() - start
+                    rates["prefill" if step.ragged else "decode"] = (
+                        step.num_scheduled_tokens / seconds
+                    )
+                    # update() redraws, at most every 0.1 s
+                    bar.set_postfix_str(
+                        ", ".join(f"{k} {v:,.0f} tok/s" for k, v in rates.items()),
+                        refresh=False,
+                    )
                 # a request gets tokens until it finishes (take() times its end)
                 ended = [r for r in advanced if r.metrics.finish_time is not None]
                 bar.update(len(ended))
