@@ -31,8 +31,8 @@ class RunnerExtension:
     """A feature's part in every rank's runner (LoRA's): `prepare_model(runner)` before
     the KV pool is sized (to add weights, wrap layers); `prepare_inputs(step, inputs)`
     on rank 0, whose result goes with the inputs to every rank (`StepInputs.extension`);
-    `before_forward(inputs)` on every rank, before the model runs the step. A runner
-    without one calls none of these."""
+    `before_forward(inputs)` on every rank, before the model runs the step. Without a
+    feature that needs one, a runner has none (`extension` is None)."""
 
     def prepare_model(self, runner: "ModelRunner") -> None:
         pass
@@ -255,9 +255,10 @@ class ModelRunner:
         for them."""
         if launched.copied is not None:
             launched.copied.synchronize()
-        step, tokens = launched.step, launched.tokens_on_host
-        tokens = iter([] if tokens is None else tokens.tolist())
-        tokens = [list(itertools.islice(tokens, n)) for n in step.sample_counts]
+        step, on_host = launched.step, launched.tokens_on_host
+        # in row order: each sampling row's token, then one after each of its proposals
+        flat = iter([] if on_host is None else on_host.tolist())
+        tokens = [list(itertools.islice(flat, n)) for n in step.sample_counts]
         hidden = launched.hidden if step.hidden_states else None
         return SamplerOutput(tokens, launched.logits, hidden)
 
