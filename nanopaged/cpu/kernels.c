@@ -260,9 +260,13 @@ static const float *cache_row(const void *cache, int kv_kind, const float *fp8_t
 }
 
 /* Asks for `n` elements of a cache from `index` on to be loaded into the caches: a block is
-   elsewhere in memory than the one before it, which the CPU's own prefetcher cannot guess. The
-   next block is asked for a row at a time as this one's rows are read: a whole block at once
-   (256 lines) fills the few outstanding-miss slots a core has, and stalls it (20% slower). */
+   elsewhere in memory than the one before it, which the CPU's own prefetcher cannot guess. As
+   a decode reads a block's keys, a row at a time, it asks for the same row of the block's
+   values (read next) and of the next block's keys: a whole block at once (256 lines) fills the
+   few outstanding-miss slots a core has, and stalls it (20% slower). Asking for the values
+   with the keys rather than the next block's values with these values reads a decode step's
+   K/V in ~0.9x the time (48 sequences of 400 tokens), as then every block's values are asked
+   for, the first one's too. */
 static inline void prefetch(const void *cache, int kv_kind, long index, int n) {
     int size = kv_kind == KV_FLOAT32 ? 4 : kv_kind == KV_BFLOAT16 ? 2 : 1;
     const char *start = (const char *)cache + index * size;
@@ -301,6 +305,7 @@ static inline __attribute__((always_inline)) void attend(
         long next = b < last / block_size ? (long)block_table[b + 1] * block_size * row : -1;
         for (int t = t0; t < t1; t++) {  /* the block in order, each key read once */
             if (next >= 0) prefetch(k_cache, kv_kind, next + t * row, row);
+            prefetch(v_cache, kv_kind, base + t * row, row);  /* read after the keys */
             const float *k = cache_row(k_cache, kv_kind, fp8_table, base + t * row, row, buffer);
             for (int h = 0; h < num_heads; h++)
                 s[h][t] = dot(q + h * head_dim, k + h / group * head_dim, head_dim);
@@ -323,7 +328,6 @@ static inline __attribute__((always_inline)) void attend(
             for (int d = 0; d < head_dim; d++) acc[h * head_dim + d] *= alpha;
         }
         for (int t = t0; t < t1; t++) {
-            if (next >= 0) prefetch(v_cache, kv_kind, next + t * row, row);
             const float *v = cache_row(v_cache, kv_kind, fp8_table, base + t * row, row, buffer);
             for (int h = 0; h < num_heads; h++) {
                 const float *v_h = v + h / group * head_dim;
