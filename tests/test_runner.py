@@ -80,6 +80,16 @@ def test_a_batch_larger_than_every_graph_runs_eagerly(qwen3_path, monkeypatch):
     assert [size for size, g in runner.graphs.graphs.items() if g.replays] == [32]
 
 
+def test_a_runner_without_a_feature_that_needs_one_has_no_extension(qwen3_path):
+    """A plain engine's runner calls no extension hook: it has none, and its step
+    inputs carry nothing of one (LoRA's runner has one: tests/test_lora.py)."""
+    llm = LLM(qwen3_path, attention_backend="torch", num_kvcache_blocks=64)
+    runner = llm.engine.runner
+    assert runner.extension is None
+    step, _ = decode_step(llm, 2)
+    assert runner.prepare_inputs(step).extension is None
+
+
 def test_the_gpu_kv_budget_is_what_the_profiling_forward_leaves(
     qwen3_path, monkeypatch
 ):
