@@ -17,8 +17,12 @@ sampled); this file is what overlap changes in it, and nothing else does:
   device runs n+1 before any later step (a GPU's one stream; on a CPU, `DeviceThread`'s
   one thread), so a later owner's K/V always lands after the wasted row's.
 - The prefix cache commits a step's hashes once that step has finished (the first
-  `entered` of the journal); a failure or Ctrl-C in either step rolls both back and
-  ends every sequence, as the core does after a failed step.
+  `entered` of the journal). A failure or Ctrl-C in either step, or in the layer above
+  between two calls, rolls both back (`abort_all`): every sequence ends, as the core
+  does after a failed step, and the steps in flight are forgotten.
+- The engine is finished only once it has read every step it launched: a call that
+  runs it to its end leaves nothing running, and a wasted step's failure is that
+  call's.
 - A step whose sampling reads the tokens so far (penalties, bad words, logits
   processors, a grammar: `Sequence.logits_processors`) runs synchronously: while such a
   sequence is unfinished, each step is the core's, applied before the next is scheduled.
@@ -26,6 +30,7 @@ sampled); this file is what overlap changes in it, and nothing else does:
 """
 
 import concurrent.futures
+import os
 import weakref
 
 import torch
@@ -44,23 +49,28 @@ class AsyncEngine(LLMEngine):
 
     def __init__(self, config, runner: ModelRunner):
         super().__init__(config, runner)
-        self.in_flight: Launched | None = None
-        # each sampling sequence of the step in flight -> where its pending token is
+        # the steps launched and not yet read, oldest first (at most two, one between
+        # two calls)
+        self.in_flight: list[Launched] = []
+        # each sampling sequence of the oldest step in flight -> where its pending
+        # token is
         self.pending_at: dict[Sequence, int] = {}
-        self.entered = 0  # prefix-cache hashes the step in flight entered
+        self.entered = 0  # prefix-cache hashes the oldest step in flight entered
+
+    def is_finished(self) -> bool:
+        """Also waits for the step in flight: a call that runs until the engine is
+        finished has read every step it launched (and its failure is the call's)."""
+        return not self.in_flight and super().is_finished()
 
     def step(self) -> tuple[ScheduledStep, SamplerOutput]:
         try:
             return self._step()
         except BaseException:
-            for seq, position in self.pending_at.items():
-                del seq.token_ids[position:]
-            self.in_flight, self.pending_at = None, {}
-            self.abort_all()  # both steps' hashes forgotten, every sequence ended
+            self.abort_all()
             raise
 
     def _step(self) -> tuple[ScheduledStep, SamplerOutput]:
-        previous, self.in_flight = self.in_flight, None
+        previous = self.in_flight[0] if self.in_flight else None
         self.pending_at = {}
         for seq in previous.step.samplers if previous else ():
             if seq.finish_reason is None:  # its sampled token, not known yet
@@ -68,22 +78,41 @@ class AsyncEngine(LLMEngine):
                 seq.token_ids.append(PENDING)
         if any(seq.logits_processors for seq in self.unfinished()):
             # their sampling reads the tokens so far: the core's step, synchronous
-            return self.read(previous) if previous else super().step()
+            return self.read() if previous else super().step()
         step = self.schedule()
         if not step.seqs:
             if previous:
-                return self.read(previous)
+                return self.read()
             assert self.is_finished(), "sequences are queued but none can run"
             return step, SamplerOutput([])
         pending = self.pending(step, previous) if previous else None
-        launched = self.runner.launch(step, pending)
+        self.in_flight.append(self.runner.launch(step, pending))
         # a prompt that is never sampled ends with the step that runs it (its inputs
         # are built: its blocks may go)
         self.scheduler.finish(step.ended, "length")
-        done = self.read(previous) if previous else (ScheduledStep(), SamplerOutput([]))
-        self.in_flight = launched
+        done = self.read() if previous else (ScheduledStep(), SamplerOutput([]))
         self.entered = len(self.block_manager.uncommitted)  # all the new step's
         return done
+
+    def abort_all(self) -> None:
+        """After a failure or an interrupt, in this step or in the layer above: no
+        sequence keeps a pending token, the hashes of every step in flight are
+        forgotten, and those steps are waited for (whatever they raise), so that
+        nothing this engine launched still runs."""
+        for seq, position in self.pending_at.items():
+            del seq.token_ids[position:]
+        dropped, self.in_flight, self.pending_at, self.entered = (
+            self.in_flight,
+            [],
+            {},
+            0,
+        )
+        super().abort_all()
+        for launched in dropped:
+            try:
+                self.runner.collect(launched)
+            except Exception:
+                pass  # its tokens are dropped; its failure is the one raised already
 
     def pending(self, step: ScheduledStep, previous: Launched) -> Pending | None:
         """The input ids of `step` that `previous` samples: a sequence's last token,
@@ -97,10 +126,12 @@ class AsyncEngine(LLMEngine):
                 rows.append(row_of[seq])
         return Pending(previous, input_rows, rows) if rows else None
 
-    def read(self, launched: Launched) -> tuple[ScheduledStep, SamplerOutput]:
-        """Reads a launched step's tokens, commits the hashes it entered and applies
-        its tokens in place of the pending ones (those of a sequence ended meanwhile,
-        aborted or at a stop string, are dropped)."""
+    def read(self) -> tuple[ScheduledStep, SamplerOutput]:
+        """Reads the oldest launched step's tokens, commits the hashes it entered and
+        applies its tokens in place of the pending ones (those of a sequence ended
+        meanwhile, aborted or at a stop string, are dropped: its row is left with no
+        token)."""
+        launched = self.in_flight.pop(0)
         sampled = self.runner.collect(launched)
         self.block_manager.commit(self.entered)
         self.entered = 0
@@ -131,29 +162,54 @@ class DeviceThread(ModelRunner):
     """The model runner with its device's part of each step (`start`: the model run and
     the sampling) on a thread of its own, one step after another, as a GPU runs a
     stream: on a CPU, where nothing else is asynchronous, what lets the host's work
-    overlap the model's."""
+    overlap the model's. The thread runs with the host's `torch.set_num_threads` as it
+    was at each launch (torch keeps a count per thread). A forked child has none of its
+    parent's threads: it starts its own, and runs there again the steps its parent had
+    launched and not finished (a step's inputs and random numbers are fixed at launch:
+    it computes the same)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.stream = concurrent.futures.ThreadPoolExecutor(
-            1, thread_name_prefix="nanopaged-device"
-        )
-        # a launched step's work, until it is collected (or dropped, after a failure)
+        self.pid: int | None = None  # the process whose thread `stream` runs
+        self.stream: concurrent.futures.ThreadPoolExecutor | None = None
+        # a launched step's work and its future, until it is collected (or dropped,
+        # after a failure)
         self.running = weakref.WeakKeyDictionary()
 
     def start(self, launched: Launched, pending: Pending | None) -> None:
-        self.running[launched] = self.stream.submit(self._start, launched, pending)
+        work = (launched, pending, torch.get_num_threads())
+        self.running[launched] = work, self.thread().submit(self._start, *work)
 
-    def _start(self, launched: Launched, pending: Pending | None) -> None:
+    def _start(self, launched: Launched, pending: Pending | None, threads: int):
+        if torch.get_num_threads() != threads:  # the program's choice, at launch
+            torch.set_num_threads(threads)
         with torch.inference_mode():  # a thread's own setting
             super().start(launched, pending)
 
+    def thread(self) -> concurrent.futures.ThreadPoolExecutor:
+        """This process's device thread (started anew in a forked child)."""
+        if self.pid != os.getpid():
+            self.pid = os.getpid()
+            self.stream = concurrent.futures.ThreadPoolExecutor(
+                1, thread_name_prefix="nanopaged-device"
+            )
+            for launched, (work, future) in list(self.running.items()):
+                if not future.done():  # its parent's thread was running it
+                    self.running[launched] = (
+                        work,
+                        self.stream.submit(self._start, *work),
+                    )
+        return self.stream
+
     def collect(self, launched: Launched) -> SamplerOutput:
-        self.running.pop(launched).result()
+        self.thread()
+        _, future = self.running.pop(launched)
+        future.result()
         return super().collect(launched)
 
     def close(self) -> None:
-        self.stream.shutdown(cancel_futures=True)
+        if self.stream is not None and self.pid == os.getpid():
+            self.stream.shutdown(cancel_futures=True)
         super().close()
 
 

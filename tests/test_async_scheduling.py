@@ -4,6 +4,9 @@ real, the tokens are those of the synchronous engine (greedy and seeded) and of
 transformers, whatever the scheduling does; failures and Ctrl-C leave the cache correct;
 what reads the tokens so far falls back to synchronous steps."""
 
+import os
+import select
+import signal
 import threading
 
 import pytest
@@ -24,6 +27,7 @@ from test_reliability import (
 from nanopaged import LLM, SamplingParams
 from nanopaged.async_scheduling import AsyncEngine, DeviceThread
 from nanopaged.core.llm_engine import LLMEngine
+from nanopaged.core.sequence import PENDING
 
 PROMPTS = random_prompts([40, 7, 70, 33, 90, 12], seed=60)
 # a shared prefix of two blocks: prefix hits
@@ -97,10 +101,10 @@ def test_the_next_step_is_launched_before_the_previous_one_has_finished(qwen3_pa
     start, launch = runner._start, runner.launch
     overlapped = []
 
-    def slow_start(launched, pending):
+    def slow_start(*work):
         overlapped.append(launched_next.wait(timeout=10))
         launched_next.clear()
-        start(launched, pending)
+        start(*work)
 
     def noting_launch(step, pending=None):
         result = launch(step, pending)
@@ -229,3 +233,179 @@ def test_pooling_beside_generation_pools_as_the_synchronous_engine(qwen3_path):
         assert pooled.finish_reason == "length"
         hidden.append(rows)
     assert torch.allclose(hidden[0], hidden[1])
+
+
+def test_logprobs_of_a_request_that_ended_a_step_before_are_not_asked_for(qwen3_path):
+    """A sequence that ended at step n has a wasted row in n+1, with no token: a step
+    whose only logprobs rows are such rows asks for none (in one batch, and on the call
+    after a logprobs call)."""
+    logprobs = SamplingParams(temperature=0, max_tokens=2, logprobs=3, ignore_eos=True)
+    params = [logprobs, GREEDY]
+    sync, overlap, llm = both(qwen3_path, PROMPTS[:2], params)
+    assert completions(overlap) == completions(sync)
+    for got, expected in zip(
+        overlap[0].outputs[0].logprobs, sync[0].outputs[0].logprobs
+    ):
+        assert got.keys() == expected.keys()
+    llm.generate(PROMPTS[:1], logprobs, use_tqdm=False)
+    again = llm.generate(PROMPTS[1:2], GREEDY, use_tqdm=False)
+    assert completions(again) == completions(sync[1:])
+
+
+def test_pooling_gives_the_synchronous_engines_vectors(qwen3_path):
+    """A pooling sequence ends with the step that runs it, launched but not yet read:
+    the engine is finished only once it has read it."""
+    texts = ["paged attention", "a block table maps blocks", "the sea"]
+    vectors = []
+    for overlap in (False, True):
+        llm = LLM(qwen3_path, runner="pooling", async_scheduling=overlap)
+        outputs = llm.embed(texts, use_tqdm=False)
+        assert all(output.finished for output in outputs)
+        vectors.append(torch.tensor([o.outputs.embedding for o in outputs]))
+    assert isinstance(llm.engine, AsyncEngine)
+    assert torch.allclose(vectors[0], vectors[1])
+
+
+def test_ctrl_c_above_the_engine_forgets_the_step_in_flight(qwen3_path, hf_greedy):
+    """Ctrl-C in the layer above the engine (its note of a step's tokens), while a
+    prefill that entered hashes is in flight: the next call neither commits those
+    hashes nor counts them as its own, so when its first step fails, no block it
+    named is served later."""
+    llm = fresh_engine(qwen3_path, async_scheduling=True)
+    take = llm.take
+
+    def interrupted(step, sampled):
+        if llm.engine.entered:  # the step in flight entered hashes
+            raise KeyboardInterrupt
+        return take(step, sampled)
+
+    llm.take = interrupted
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False)
+    del llm.take
+    assert_engine_is_clean(llm)
+    prompt = INTERRUPT_PROMPTS[0]  # 40 tokens: two full blocks
+
+    def its_prefill(meta):  # not the step in flight, which may still run
+        return meta.ragged and int(meta.cu_seqlens_q[-1]) == len(prompt)
+
+    with first_layer_raises(llm, Boom, its_prefill), pytest.raises(Boom):
+        llm.generate([prompt], GREEDY, use_tqdm=False)
+    assert_engine_is_clean(llm)
+    print("DBG", llm.engine.block_manager.hash_to_block, llm.engine.entered)
+    [output] = llm.generate([prompt], GREEDY, use_tqdm=False)
+    print("DBG", output.num_cached_tokens)
+    assert output.num_cached_tokens == 0
+    assert completions([output]) == hf_greedy(qwen3_path, [prompt], 24)
+
+
+def test_a_call_returns_only_once_its_steps_have_run(qwen3_path, hf_greedy):
+    """The last step of a call has only wasted rows (every sequence ended the step
+    before): the call reads it before it returns, so its failure is that call's and
+    the next call runs as if nothing happened."""
+    llm = fresh_engine(qwen3_path, async_scheduling=True)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    # the prefill samples token 1, decodes 1-3 the rest: decode 4 is the wasted step
+    with first_layer_raises(llm, Boom, nth("decode", 4)), pytest.raises(Boom):
+        llm.generate(PROMPTS[:2], params, use_tqdm=False)
+    assert not llm.engine.in_flight
+    assert_engine_is_clean(llm)
+    outputs = llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False)
+    assert completions(outputs) == hf_greedy(qwen3_path, PROMPTS[:2], 24)
+
+
+def test_a_failed_step_leaves_no_pending_token_in_any_sequence(qwen3_path):
+    """Between two calls no sequence holds a pending token, also after a failure: the
+    sequences it aborts keep only the tokens that were read."""
+    llm = fresh_engine(qwen3_path, async_scheduling=True)
+    for prompt in PROMPTS[:3]:
+        llm.add_request(prompt, GREEDY)
+    seqs = [seq for request in llm.requests.values() for seq in request.seqs]
+    with first_layer_raises(llm, Boom, nth("decode", 3)), pytest.raises(Boom):
+        while not llm.is_finished():
+            llm.step()
+    assert all(seq.finish_reason == "abort" for seq in seqs)
+    assert all(PENDING not in seq.token_ids for seq in seqs)
+    assert all(seq.num_completion_tokens > 0 for seq in seqs)
+
+
+def test_a_block_is_cached_only_once_its_last_tokens_kv_is_computed(
+    qwen3_path, hf_greedy
+):
+    """A block that a sequence's pending token filled, read while the step launched
+    after it was a prefill that left the sequence out, holds no K/V for that token
+    yet: a prompt that repeats it, prefilled next, gets no hit on that block and
+    transformers' tokens."""
+    llm = fresh_engine(qwen3_path, async_scheduling=True)
+    prompt = PROMPTS[1][:7] + PROMPTS[0][:13]  # 20 tokens
+    llm.add_request(prompt, GREEDY)
+    for _ in range(12):  # the 12th call launches the step that samples position 31
+        llm.step()
+    llm.add_request(PROMPTS[5], GREEDY)  # prefilled next, on its own
+    [output] = llm.step()  # reads position 31: its block is full
+    assert len(output.outputs[0].token_ids) == 12
+    [seq] = llm.requests[output.request_id].seqs
+    assert seq not in llm.engine.in_flight[0].step.seqs
+    repeat = prompt + output.outputs[0].token_ids + [5]
+    llm.add_request(repeat, GREEDY, request_id="repeat")
+    outputs = {}
+    while not llm.is_finished():
+        outputs.update((o.request_id, o) for o in llm.step() if o.finished)
+    assert outputs["repeat"].num_cached_tokens == 16
+    assert completions([outputs["repeat"]]) == hf_greedy(qwen3_path, [repeat], 24)
+
+
+def test_the_device_thread_follows_the_programs_thread_count(qwen3_path):
+    """`torch.set_num_threads` between two calls: the device's thread runs the next
+    step with the new count (torch keeps a count per thread)."""
+    llm = fresh_engine(qwen3_path, async_scheduling=True)
+    runner, counts = llm.engine.runner, []
+    execute = runner.execute
+
+    def counting(*args, **kwargs):
+        counts.append(torch.get_num_threads())
+        return execute(*args, **kwargs)
+
+    runner.execute = counting
+    before = torch.get_num_threads()
+    try:
+        for threads in (before, 3 - before if before < 3 else 1):
+            torch.set_num_threads(threads)
+            counts.clear()
+            llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)
+            assert set(counts) == {threads}
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_an_engine_goes_on_in_a_forked_child(qwen3_path):
+    """After `os.fork()`, with a step in flight: the child starts its own device
+    thread, runs that step again and gets the parent's tokens."""
+    llm = fresh_engine(qwen3_path, async_scheduling=True)
+    expected = completions(llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False))
+    request_id = llm.add_request(PROMPTS[1], GREEDY)
+    llm.step(), llm.step()  # the second step is in flight
+    readable, writable = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: its tokens, or its error, down the pipe
+        try:
+            outputs = [o for _ in range(100) for o in llm.step() if o.finished]
+            again = llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)
+            said = repr(completions(outputs) + completions(again))
+        except BaseException as error:
+            said = repr(error)
+        os.write(writable, said.encode())
+        os._exit(0)
+    os.close(writable)
+    try:
+        ready, _, _ = select.select([readable], [], [], 60)
+        said = os.read(readable, 1 << 16).decode() if ready else "no answer in 60 s"
+    finally:
+        os.close(readable)
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    assert said == repr([expected[1], expected[0]])
+    outputs = {}
+    while not llm.is_finished():
+        outputs.update((o.request_id, o) for o in llm.step() if o.finished)
+    assert completions([outputs[request_id]]) == [expected[1]]

@@ -296,7 +296,9 @@ class LLM(VLLMEngineAPI):
                 self._fail(request, error)
         logprobs = self._logprobs(step, sampled)
         for row, seq in enumerate(step.samplers):
-            if seq not in self.owners:  # aborted while its step ran (async scheduling)
+            # aborted while its step ran, or ended the step before (async scheduling's
+            # wasted row: no token)
+            if seq not in self.owners or not sampled.token_ids[row]:
                 continue
             request, index = self.owners[seq]
             advanced[request] = None
@@ -315,12 +317,13 @@ class LLM(VLLMEngineAPI):
         return list(advanced)
 
     def _logprobs(self, step: ScheduledStep, sampled: SamplerOutput) -> dict[int, list]:
-        """For the sampling rows whose request asks for logprobs, those of their new
-        tokens, each in the model's distribution at the row it came from."""
+        """For the sampling rows whose request asks for logprobs and that got tokens,
+        those of their new tokens, each in the model's distribution at the row it came
+        from."""
         asking = [
             row
             for row, seq in enumerate(step.samplers)
-            if seq.sampling_params.logprobs is not None
+            if seq.sampling_params.logprobs is not None and sampled.token_ids[row]
         ]
         if not asking:
             return {}
