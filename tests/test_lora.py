@@ -10,6 +10,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 
 import numpy as np
 import pytest
@@ -261,8 +262,8 @@ def test_slots_are_refilled_least_recently_used_first(adapters, tmp_path):
     prompt = random_prompts([20], seed=15)
     loads = []
     load = runner._load
-    runner._load = lambda slot, request: (
-        loads.append((slot, request.lora_name)) or load(slot, request)
+    runner._load = lambda slot, request, generation: (
+        loads.append((slot, request.lora_name)) or load(slot, request, generation)
     )
     for request in (first, second, first, third, first, second):
         output = llm.generate(prompt, GREEDY, use_tqdm=False, lora_request=request)
@@ -625,3 +626,49 @@ def test_an_adapter_removed_and_rewritten_is_read_again_and_its_blocks_not_serve
     new = llm.generate(prompt, GREEDY, use_tqdm=False, lora_request=lora)
     assert new[0].num_cached_tokens == 0
     assert token_ids(new) == peft_greedy(base, [first], prompt) != token_ids(old)
+
+
+def test_the_slot_plan_holds_however_late_the_device_runs_a_step(adapters, tmp_path):
+    """With async scheduling the host plans step n+1's slots before the device has run
+    step n: here n loads a third adapter over the first one's slot, and n+1, planned
+    before n ran, uses the first adapter. Each gets its own tokens."""
+    base, (first, second) = adapters("qwen3")
+    third = LoRARequest(
+        "third", 3, write_adapter(base, str(tmp_path / "c"), 2, ["o_proj"], 3)
+    )
+    llm = LLM(
+        base,
+        enable_lora=True,
+        max_loras=2,
+        max_lora_rank=8,
+        max_model_len=256,
+        async_scheduling=True,
+    )
+    prompts = random_prompts([20, 26], seed=16)
+    for request in (first, second):  # first in slot 0 (the least recent), second in 1
+        llm.generate(prompts[:1], GREEDY, use_tqdm=False, lora_request=request)
+    runner = llm.engine.runner
+    start, launch = runner._start, runner.launch
+    second_launched = threading.Event()
+
+    def late_start(launched, *rest):  # the first step waits for the next one's launch
+        if not second_launched.is_set():
+            assert second_launched.wait(timeout=30)
+        start(launched, *rest)
+
+    def noting_launch(step, pending=None):
+        launched = launch(step, pending)
+        if first in map(runner.extension.adapters.get, step.seqs):
+            second_launched.set()
+        return launched
+
+    runner._start, runner.launch = late_start, noting_launch
+    ids = [llm.add_request(prompts[0], GREEDY, lora_request=third)]
+    llm.step()  # launches the third adapter's prefill, which loads it over slot 0
+    ids.append(llm.add_request(prompts[1], GREEDY, lora_request=first))
+    outputs = {}
+    while not llm.is_finished():
+        outputs.update((o.request_id, o) for o in llm.step() if o.finished)
+    assert second_launched.is_set()
+    got = [outputs[i].outputs[0].token_ids for i in ids]
+    assert got == peft_greedy(base, [third, first], prompts)

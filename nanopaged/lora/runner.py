@@ -3,6 +3,7 @@ add each row's adapter delta (punica.py), `max_loras` device slots filled least 
 used first, and the slots of a step's rows sent with its inputs."""
 
 import importlib.util
+import threading
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -73,35 +74,45 @@ class LoRALinear(LinearMethod):
 
 @dataclass
 class LoRAInputs:
-    """What a step tells every rank about adapters: the adapters to load first, as
+    """What a step tells every rank about adapters: each adapter its rows use, as
     (slot, request, generation), and each token's slot (-1: the base model)."""
 
-    loads: list[tuple[int, LoRARequest, int]]
+    adapters: list[tuple[int, LoRARequest, int]]
     slots: np.ndarray
 
 
 class LoRAExtension(RunnerExtension):
     """LoRA in each rank's runner (the runner's `extension`). Its projections are
-    wrapped before the KV pool is sized (the slots take memory). On rank 0, `adapters`
-    maps each sequence to its adapter and `prepare_inputs` decides which adapters the
-    step loads into which slots (least recently used first, never one the step needs);
-    the step's `LoRAInputs` carry that plan and each token's slot to every rank, where
-    `before_forward` loads them and sets the rows' slots. An adapter is read, checked
-    and staged by `check` on rank 0 when a request brings it (the `max_cpu_loras` most
-    recent stay staged on the host); other ranks read their shards when told to load
-    it."""
+    wrapped before the KV pool is sized (the slots take memory).
+
+    On rank 0, `adapters` maps each sequence to its adapter, and `prepare_inputs` plans
+    which slot holds each adapter a step uses: `slots` is that plan, as the steps
+    launched so far leave the slots (a slot refilled least recently used first, never
+    with one the step needs). The step's `LoRAInputs` carry the plan and each token's
+    slot to every rank, where `before_forward` loads each adapter that its slot does not
+    already hold (`loaded`: what the slots hold on this rank, now). So the plan is true
+    when the step runs however late it runs (async scheduling plans step n+1 before n
+    has loaded its adapters), and after a load that a failure cut short. An adapter is
+    read, checked and staged by `check` on rank 0 when a request brings it (the
+    `max_cpu_loras` most recent stay staged on the host); other ranks read their shards
+    when told to load it."""
 
     def __init__(self, lora: LoRAConfig):
         self.lora_config = lora
         self.adapters: weakref.WeakKeyDictionary[Sequence, LoRARequest] = (
             weakref.WeakKeyDictionary()
         )
-        self.staged: OrderedDict[tuple, dict] = OrderedDict()
+        # adapter key -> (its generation, its weights), read from its files
+        self.staged: OrderedDict[tuple, tuple[int, dict]] = OrderedDict()
+        # staged is used by the host (a request's check) and the device's thread
+        self.staging = threading.Lock()
         self.generations: dict[tuple, int] = {}  # times each adapter was forgotten
-        # the adapter in each slot
+        # the adapter each slot holds once the steps launched so far have run
         self.slots: list[tuple | None] = [None] * lora.max_loras
         self.last_used = [0] * lora.max_loras
         self.num_steps = 0
+        # the adapter (key, generation) each slot holds on this rank now
+        self.loaded: list[tuple | None] = [None] * lora.max_loras
 
     def prepare_model(self, runner: ModelRunner) -> None:
         """Wraps the model's projections: each adds its rows' adapter deltas."""
@@ -125,25 +136,29 @@ class LoRAExtension(RunnerExtension):
     def check(self, request: LoRARequest) -> None:
         """Reads and stages `request`'s adapter (a ValueError names what is wrong with
         it)."""
-        self._staged(request)
+        self._staged(request, self.generations.get(adapter_key(request), 0))
 
     def forget(self, key: tuple) -> None:
-        """Drops the staged and loaded copies of the adapter `adapter_key` gave `key`
-        (it is read again if asked for)."""
-        self.staged.pop(key, None)
+        """Drops the staged and planned copies of the adapter `adapter_key` gave `key`
+        (it is read again, a new generation, if asked for)."""
+        with self.staging:
+            self.staged.pop(key, None)
         self.generations[key] = self.generations.get(key, 0) + 1
         self.slots = [None if slot == key else slot for slot in self.slots]
 
-    def _staged(self, request: LoRARequest) -> dict:
+    def _staged(self, request: LoRARequest, generation: int) -> dict:
         key = adapter_key(request)
-        if key not in self.staged:
-            self.staged[key] = stage(
-                request, self.model, self.lora_config.max_lora_rank, self.dtype
-            )
+        with self.staging:
+            kept = self.staged.pop(key, None)
+            if kept is None or kept[0] != generation:
+                weights = stage(
+                    request, self.model, self.lora_config.max_lora_rank, self.dtype
+                )
+                kept = generation, weights
+            self.staged[key] = kept  # the most recent
             while len(self.staged) > self.lora_config.max_cpu_loras:
                 self.staged.popitem(last=False)
-        self.staged.move_to_end(key)
-        return self.staged[key]
+            return kept[1]
 
     def prepare_inputs(self, step: ScheduledStep, inputs: StepInputs) -> LoRAInputs:
         wanted = [self.adapters.get(seq) for seq in step.seqs]
@@ -159,37 +174,36 @@ class LoRAExtension(RunnerExtension):
             (i for i in range(len(self.slots)) if i not in slot_of.values()),
             key=lambda i: (self.slots[i] is not None, self.last_used[i]),
         )
-        loads = []
-        for key, request in needed.items():
+        for key in needed:
             if key not in slot_of:
                 slot_of[key] = spare.pop(0)
-                loads.append((slot_of[key], request, self.generations.get(key, 0)))
+                self.slots[slot_of[key]] = key
+        self.num_steps += 1
+        for slot in slot_of.values():
+            self.last_used[slot] = self.num_steps
+        used = [
+            (slot_of[key], request, self.generations.get(key, 0))
+            for key, request in needed.items()
+        ]
         row_slots = [-1 if r is None else slot_of[adapter_key(r)] for r in wanted]
         counts = np.diff(inputs.cu_seqlens_q) if inputs.ragged else 1
-        return LoRAInputs(loads, np.repeat(np.array(row_slots, np.int64), counts))
+        return LoRAInputs(used, np.repeat(np.array(row_slots, np.int64), counts))
 
     def before_forward(self, inputs: StepInputs) -> None:
         lora = inputs.extension
         # a step not prepared by a runner (the profiling forward): no adapter
         if lora is None:
             lora = LoRAInputs([], np.full(len(inputs.input_ids), -1, np.int64))
-        for slot, request, generation in lora.loads:
-            key = adapter_key(request)
-            # forgotten on rank 0: read anew
-            if self.generations.get(key, 0) != generation:
-                self.staged.pop(key, None)
-                self.generations[key] = generation
-            self._load(slot, request)
-        self.num_steps += 1
-        for slot in np.unique(lora.slots[lora.slots >= 0]):
-            self.last_used[slot] = self.num_steps
+        for slot, request, generation in lora.adapters:
+            if self.loaded[slot] != (adapter_key(request), generation):
+                self._load(slot, request, generation)
         self.rows.set(lora.slots)
 
-    def _load(self, slot: int, request: LoRARequest) -> None:
+    def _load(self, slot: int, request: LoRARequest, generation: int) -> None:
         """Copies the adapter into `slot`; until it is all there, the slot holds no
         adapter."""
-        self.slots[slot] = None
-        staged = self._staged(request)
+        self.loaded[slot] = None
+        staged = self._staged(request, generation)
         for name, layer in self.layers.items():
             if name in staged:
                 layer.a[slot].copy_(staged[name][0])
@@ -197,4 +211,4 @@ class LoRAExtension(RunnerExtension):
             else:
                 layer.a[slot].zero_()
                 layer.b[:, slot].zero_()
-        self.slots[slot] = adapter_key(request)
+        self.loaded[slot] = adapter_key(request), generation
