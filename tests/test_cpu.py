@@ -355,6 +355,7 @@ def test_the_library_is_built_once_per_compiler_and_reused(
     cpu_kernels.library.cache_clear()
     try:
         assert cpu_kernels.library() is not None
+        assert "building the CPU backend's C kernels" in caplog.text
         built = list(tmp_path.iterdir())
         assert len(built) == 1 and built[0].name.startswith("cpu_kernels-")
         cpu_kernels.library.cache_clear()
@@ -575,6 +576,20 @@ def test_kernels_called_from_two_threads_at_once_are_each_right():
     with concurrent.futures.ThreadPoolExecutor(2) as callers:
         errors = list(callers.map(norms, [2, 3, 2, 3]))
     assert max(errors) < 1e-6
+
+
+def test_a_kernel_returns_only_once_every_helper_is_done():
+    """More helpers than cores, kernel after kernel with other helper counts (threads
+    descheduled between two kernels, late to see which one runs): each kernel's output
+    is whole when it returns, equal to the one-thread kernel's, bit for bit."""
+    g = torch.Generator().manual_seed(7)
+    x, weight = torch.randn(256, 256, generator=g), torch.randn(256, generator=g)
+    want = kernel_norm(x, weight, 1)
+    wrong, deadline = 0, time.monotonic() + 3
+    while time.monotonic() < deadline:
+        for threads in (4 * cpu.usable_cores(), 2, 3 * cpu.usable_cores(), 3, 1):
+            wrong += not torch.equal(kernel_norm(x, weight, threads), want)
+    assert wrong == 0
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="fork")

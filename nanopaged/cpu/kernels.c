@@ -56,13 +56,14 @@ static struct {
     atomic_long contended_until;  /* until when (now_ns) its cores are known shared */
     atomic_long first_taken;      /* when the latest window of taken yields began */
     atomic_int times_taken;       /* taken yields in that window */
-    /* apart from what every thread reads while it waits: a claim writes it */
-    _Alignas(64) atomic_int generation;  /* one more for each kernel the pool runs */
+    /* apart from what every thread reads while it waits: a claim writes it. The kernel
+       being run, as one word: its number (one more for each kernel the pool runs) times
+       MAX_THREADS, plus its helpers' count (see pool_thread) */
+    _Alignas(64) atomic_long kernel;
     /* the kernel being run: its tasks, chunks of them claimed in turn by any thread */
     task_fn fn;
     const void *args;
     long tasks, chunk;
-    int helpers;             /* pool threads 0 .. helpers - 1 take part */
     atomic_int working;      /* helpers not yet done with this kernel */
     _Alignas(64) atomic_long next;  /* the first task of the next chunk to claim */
 } pool = {.lock = PTHREAD_MUTEX_INITIALIZER, .wake = PTHREAD_COND_INITIALIZER,
@@ -119,12 +120,13 @@ static void claim_chunks(void) {
                                                                   : pool.tasks);
 }
 
-/* Waits until the pool's generation is no longer `seen`, as the comment above says; returns
-   the new one. */
-static int await_kernel(int seen) {
+/* Waits until the pool's kernel is no longer `seen`, as the comment above says; returns
+   the new one, as it read it once. */
+static long await_kernel(long seen) {
     long start = now_ns();
     for (long spins = 1;; spins++) {
-        if (atomic_load(&pool.generation) != seen) return atomic_load(&pool.generation);
+        long kernel = atomic_load(&pool.kernel);
+        if (kernel != seen) return kernel;
         relax();
         if (spins % 64 == 0) {
             long now = now_ns();
@@ -133,24 +135,31 @@ static int await_kernel(int seen) {
             offer_core();
         }
     }
+    long kernel;
     pthread_mutex_lock(&pool.lock);
     pool.sleepers++;
-    while (atomic_load(&pool.generation) == seen) pthread_cond_wait(&pool.wake, &pool.lock);
+    while ((kernel = atomic_load(&pool.kernel)) == seen)
+        pthread_cond_wait(&pool.wake, &pool.lock);
     pool.sleepers--;
     pthread_mutex_unlock(&pool.lock);
-    return atomic_load(&pool.generation);
+    return kernel;
 }
 
-/* Pool thread `index`: it takes part in every kernel after generation `born_after[index]`. */
-static int born_after[MAX_THREADS];
+/* Pool thread `index`: it takes part in every kernel after `born_after[index]` whose helpers
+   it is one of. Which kernel and how many helpers it has come in one read of one word: read
+   apart, a thread late between the two reads could take a later kernel's count for the one
+   it saw, help that later kernel, then see it again as new and count itself done twice, so
+   that the caller returns while a helper still writes. A helper of the kernel it read is
+   counted in `working`: that kernel, and its fields, stay until this thread is done. */
+static long born_after[MAX_THREADS];
 
 static void *pool_thread(void *index) {
 #ifdef __linux__
     pthread_setname_np(pthread_self(), "nanopaged-cpu");  /* as top -H and tests see it */
 #endif
-    for (int seen = born_after[(long)index];;) {
+    for (long seen = born_after[(long)index];;) {
         seen = await_kernel(seen);
-        if ((long)index < pool.helpers) {
+        if ((long)index < seen % MAX_THREADS) {
             claim_chunks();
             atomic_fetch_sub(&pool.working, 1);
         }
@@ -183,7 +192,7 @@ static void parallel(long tasks, long chunk, int threads, task_fn fn, const void
     pthread_mutex_lock(&pool.lock);
     if (pool.started == 0) pthread_atfork(NULL, NULL, forget_threads);
     for (pthread_t thread; pool.started < threads - 1; pool.started++) {
-        born_after[pool.started] = atomic_load(&pool.generation);
+        born_after[pool.started] = atomic_load(&pool.kernel);
         if (pthread_create(&thread, NULL, pool_thread, (void *)(long)pool.started)) break;
         pthread_detach(thread);
     }
@@ -191,10 +200,12 @@ static void parallel(long tasks, long chunk, int threads, task_fn fn, const void
     pool.args = args;
     pool.tasks = tasks;
     pool.chunk = chunk;
-    pool.helpers = threads - 1 < pool.started ? threads - 1 : pool.started;
+    int helpers = threads - 1 < pool.started ? threads - 1 : pool.started;
     atomic_store(&pool.next, 0);
-    atomic_store(&pool.working, pool.helpers);
-    atomic_fetch_add(&pool.generation, 1);
+    atomic_store(&pool.working, helpers);
+    /* published last, the kernel's fields above with it (helpers < MAX_THREADS) */
+    atomic_store(&pool.kernel, (atomic_load(&pool.kernel) / MAX_THREADS + 1) * MAX_THREADS
+                                   + helpers);
     if (pool.sleepers) pthread_cond_broadcast(&pool.wake);
     pthread_mutex_unlock(&pool.lock);
     claim_chunks();

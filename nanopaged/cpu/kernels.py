@@ -159,13 +159,19 @@ def library_path() -> str:
 
 @functools.cache
 def library() -> ctypes.CDLL | None:
-    """The compiled kernels, built on first use; None where they cannot be built or
-    loaded (a missing compiler, a read-only or noexec cache folder): said once, in the
-    log."""
+    """The compiled kernels, built on first use (said in the log, as it takes a
+    while); None where they cannot be built or loaded (a missing compiler, a read-only
+    or noexec cache folder): said once, in the log."""
     path = library_path()
     try:
         if not os.path.exists(path):
             os.makedirs(CACHE_DIR, exist_ok=True)
+            # the first engine on a machine waits for it: said, not silent
+            logger.warning(
+                "nanopaged: building the CPU backend's C kernels for this CPU, once "
+                "(about 10 s; kept in %s)",
+                CACHE_DIR,
+            )
             _compile(os.environ.get("CC", "cc"), path)
         lib = ctypes.CDLL(path)
     except OSError as error:
