@@ -257,7 +257,10 @@ def run_hf_static(model: str, work: Workload, args) -> dict:
 
     def generate(batches, progress=False):
         tokens = 0
-        for batch in bar(batches, "Batches", progress):
+        # a bar of output tokens, moved at each step (a batch can take minutes)
+        shown = bar(None, "Generating", progress)
+        shown.reset(total=sum(work.output_lens[i] for b in batches for i in b))
+        for batch in batches:
             width = max(len(work.prompts[i]) for i in batch)
             n = max(work.output_lens[i] for i in batch)
             ids = torch.tensor(
@@ -279,14 +282,34 @@ def run_hf_static(model: str, work: Workload, args) -> dict:
                 temperature=work.temperature,
                 cache_implementation="static",
                 pad_token_id=0,
+                streamer=StepCounter(shown, batch, work.output_lens)
+                if progress
+                else None,
             )
             # the tokens the requests asked for
             tokens += sum(work.output_lens[i] for i in batch)
+        shown.close()
         return tokens
 
     generate([batches[0][:2]])
     elapsed, tokens = timed(lambda: generate(batches, args.progress))
     return dict(elapsed=elapsed, output_tokens=tokens, batch_size=args.hf_batch_size)
+
+
+class StepCounter:
+    """A `generate` streamer that moves a bar by the tokens each step gives the requests
+    of `batch` (those past a request's length are padding to the batch's longest)."""
+
+    def __init__(self, shown, batch: list[int], output_lens: list[int]):
+        self.shown, self.lens, self.steps = shown, [output_lens[i] for i in batch], -1
+
+    def put(self, value) -> None:
+        self.steps += 1  # the first call brings the prompts
+        if self.steps:
+            self.shown.update(sum(n >= self.steps for n in self.lens))
+
+    def end(self) -> None:
+        pass
 
 
 RUNNERS = {

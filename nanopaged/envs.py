@@ -11,8 +11,13 @@ ENVIRONMENT = {
     "VLLM_HOST_IP": "",
     "VLLM_PORT": None,
     "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "0",
+    "VLLM_ALLOW_LONG_MAX_MODEL_LEN": "0",
 }
-FLAGS = ("VLLM_USE_V1", "VLLM_ALLOW_RUNTIME_LORA_UPDATING")  # "1" or "true": True
+FLAGS = (
+    "VLLM_USE_V1",
+    "VLLM_ALLOW_RUNTIME_LORA_UPDATING",
+    "VLLM_ALLOW_LONG_MAX_MODEL_LEN",
+)  # "1" or "true": True
 
 
 def __getattr__(name: str):

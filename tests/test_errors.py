@@ -530,3 +530,19 @@ def test_a_closed_engine_says_so(qwen3_path):
     ):
         with pytest.raises(RuntimeError, match="the engine is closed"):
             call()
+
+
+def test_a_max_model_len_beyond_the_models_positions_is_refused(
+    qwen3_path, monkeypatch
+):
+    """As vLLM: the model's 2,048 positions are the most, unless
+    VLLM_ALLOW_LONG_MAX_MODEL_LEN says to stretch them (read, never set)."""
+    with pytest.raises(ValueError, match="max_model_len=100000 is more than the"):
+        LLM(qwen3_path, max_model_len=100000)
+    assert LLM(qwen3_path, max_model_len=2048).config.max_model_len == 2048
+    monkeypatch.setenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")
+    llm = LLM(qwen3_path, max_model_len=3000, num_kvcache_blocks=200)
+    assert llm.config.max_model_len == 3000
+    prompt = random_prompts([2990])[0]
+    [out] = llm.generate([prompt], GREEDY, use_tqdm=False)
+    assert len(out.outputs[0].token_ids) == 4  # positions past 2,048 run

@@ -6,6 +6,7 @@ expects."""
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 
@@ -420,6 +421,38 @@ def test_the_command_line_as_a_newcomer_meets_it(qwen3_path, tmp_path):
         assert len(result.stderr.strip().splitlines()) == 1 and message in result.stderr
 
 
+def test_the_command_says_its_commands_and_refuses_others():
+    def nanopaged(*args):
+        return subprocess.run(
+            [sys.executable, "-m", "nanopaged", *args],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env=dict(os.environ, PYTHONPATH=ROOT),
+        )
+
+    for help_args in ((), ("--help",)):
+        result = nanopaged(*help_args)
+        assert result.returncode == 0 and "commands:\n  serve " in result.stdout
+        assert result.stdout.startswith("usage: nanopaged serve MODEL [options]")
+    result = nanopaged("server", "tiny")
+    assert result.returncode != 0 and "Traceback" not in result.stderr
+    assert "unknown command 'server'" in result.stderr
+
+
+def test_a_port_in_use_is_said_before_the_model_loads(tmp_path):
+    """The port is tried first: with a model that does not exist, the port is what is
+    wrong (the model would take a while to load)."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = run_cli(str(tmp_path / "none"), "--port", str(port))
+    assert result.returncode != 0 and "Traceback" not in result.stderr
+    assert f"cannot listen on 127.0.0.1:{port}" in result.stderr
+
+
 @pytest.mark.parametrize(
     "entry",
     [
@@ -458,10 +491,9 @@ def test_a_shutdown_mid_stream_ends_the_stream_cleanly(qwen3_path):
         assert next(line for line in lines if line.startswith("data:"))
         server.process.send_signal(signal.SIGTERM)
         rest = [line for line in lines if line.startswith("data:")]
-    assert (
-        rest[-1] == "data: [DONE]"
-        and "shutting down" in json.loads(rest[-2][5:])["error"]["message"]
-    )
+    message = json.loads(rest[-2][5:])["error"]["message"]
+    assert rest[-1] == "data: [DONE]" and "the server is shutting down" in message
+    assert "failed" not in message  # nothing crashed
     server.process.wait(timeout=60)
     assert "CancelledError" not in server.process.stderr.read()
 

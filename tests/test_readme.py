@@ -200,3 +200,33 @@ def test_every_link_of_a_page_leads_to_a_file(page):
     for link in links:
         if not link.startswith("http"):
             assert os.path.exists(os.path.join(ROOT, os.path.dirname(page), link)), link
+
+
+def set_up_lines() -> list[str]:
+    """The commands of the README's set-up block (indented under "## Set up")."""
+    with open(os.path.join(ROOT, "README.md")) as f:
+        section = f.read().split("## Set up\n\n", 1)[1].split("\n\n")[0]
+    return [line.split("#")[0].strip() for line in section.splitlines()]
+
+
+def test_the_set_up_blocks_install_serves_scripts_run_beside_the_clone(tmp_path):
+    """The set-up block's install of nanopaged (without its dependencies, into a new
+    venv): a script run from the folder that holds a clone named `nanopaged` imports
+    the package, not the clone's folder (an empty namespace package)."""
+    [install] = [line for line in set_up_lines() if line.startswith("pip install -e .")]
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    python = str(venv / "bin" / "python")
+    arguments = shlex.split(install)[1:]
+    subprocess.run(
+        [python, "-m", "pip", *arguments, "-q", "--no-deps"], cwd=ROOT, check=True
+    )
+    os.symlink(ROOT, tmp_path / "nanopaged")  # the clone, as `git clone` names it
+    said = subprocess.run(  # the package's own file, not an empty namespace's None
+        [python, "-c", "import nanopaged; print(nanopaged.__file__)"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"},
+    )
+    assert said.stdout.strip() == os.path.join(ROOT, "nanopaged", "__init__.py")

@@ -301,6 +301,7 @@ def make_config(path: str, core: dict):
     from nanopaged.core.config import FLASH_BLOCK_SIZE, Config
 
     hf_config = read_checkpoint_config(path)
+    check_max_model_len(core.get("max_model_len"), hf_config)
     if core.get("device") == "cuda" and not torch.cuda.is_available():
         raise ValueError("device='cuda' was asked for but torch sees no CUDA GPU")
     kv_dtype = core.get("kv_cache_dtype", "auto")
@@ -339,6 +340,26 @@ def make_config(path: str, core: dict):
             f"longer prompts could never run; raise it or lower max_model_len"
         )
     return config
+
+
+def check_max_model_len(max_model_len: int | None, hf_config) -> None:
+    """As vLLM: a `max_model_len` beyond the model's positions is refused, unless
+    $VLLM_ALLOW_LONG_MAX_MODEL_LEN is set, which stretches the model's positions to it
+    (its rotary embedding then goes where it was not trained)."""
+    from nanopaged import envs
+
+    longest = hf_config.max_position_embeddings
+    if max_model_len is None or max_model_len <= longest:
+        return
+    if not envs.VLLM_ALLOW_LONG_MAX_MODEL_LEN:
+        raise ValueError(
+            f"max_model_len={max_model_len} is more than the model's "
+            f"{longest} positions (max_position_embeddings in its config.json): "
+            f"leave it unset for {longest}, or lower it; to go past the model's "
+            f"positions anyway, set VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 (its outputs "
+            f"there may be nonsense)"
+        )
+    hf_config.max_position_embeddings = max_model_len
 
 
 def _normalize(options: dict) -> dict:

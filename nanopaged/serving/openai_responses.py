@@ -19,6 +19,11 @@ from nanopaged.serving.openai_api import ParsedRequest
 LOGPROB_FLOOR = -9999.0  # what vLLM reports for -inf: JSON has no infinities
 
 
+class ShuttingDown(RuntimeError):
+    """What the requests still running get when the server stops: not a failure of
+    theirs, nor of the engine (an HTTP 503, or a stream's last error event)."""
+
+
 class Response:
     """One HTTP request's engine requests and their outputs. It holds its place among
     the waiting requests until each engine request has produced a first output or ended,
@@ -95,6 +100,8 @@ class Response:
                     checked = time.monotonic()
                 if output is None:
                     continue
+                if isinstance(output, ShuttingDown):
+                    raise output
                 if isinstance(output, Exception):
                     raise RuntimeError(f"the engine failed: {output}")
                 if output.request_id not in self.latest:

@@ -16,6 +16,7 @@ from nanopaged.pooling.params import PoolingParams
 from nanopaged.pooling.pooling_llm import paired
 from nanopaged.serving.openai_responses import (
     Response,
+    ShuttingDown,
     bad_request,
     error_response,
     read_body,
@@ -102,6 +103,8 @@ async def run(request: Request, engine, batch: PoolingBatch, model: str):
     try:
         async for _ in response.outputs():
             pass
+    except ShuttingDown as error:
+        return error_response(503, str(error))
     except RuntimeError as error:
         return error_response(500, str(error))
     if response.client_gone:  # its requests are aborted; nobody reads an answer

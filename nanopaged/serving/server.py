@@ -14,6 +14,7 @@ import argparse
 import asyncio
 import dataclasses
 import queue
+import socket
 import sys
 import threading
 import time
@@ -36,6 +37,7 @@ from nanopaged.serving import openai_api
 from nanopaged.serving.args import parse_args
 from nanopaged.serving.openai_responses import (
     Response,
+    ShuttingDown,
     bad_request,
     error_response,
     read_body,
@@ -94,7 +96,7 @@ class EngineLoop:
 
     def fail_all(self, reason: str) -> None:
         """Ends every request with an error (the server is shutting down)."""
-        self.inbox.put((self._fail_all, (RuntimeError(reason),)))
+        self.inbox.put((self._fail_all, (ShuttingDown(reason),)))
 
     def stop(self) -> None:
         self.running = False
@@ -369,6 +371,8 @@ async def respond(response: Response):
         return StreamingResponse(response.events(), media_type="text/event-stream")
     try:
         return await response.whole()
+    except ShuttingDown as error:
+        return error_response(503, str(error))
     except RuntimeError as error:
         return error_response(500, str(error))
 
@@ -420,8 +424,27 @@ class Server(uvicorn.Server):
     error event, so that no stream is cut off mid-way."""
 
     def handle_exit(self, sig, frame) -> None:
-        self.config.app.state.engine.fail_all("the server is shutting down")
+        self.config.app.state.engine.fail_all(
+            "the server is shutting down: this request ended before its last token; "
+            "send it again once a server runs"
+        )
         super().handle_exit(sig, frame)
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Before the model loads (which takes a while): a ValueError if another program
+    listens on `port` already (bound as uvicorn binds, so that what it could take
+    passes)."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError as error:
+            raise ValueError(
+                f"cannot listen on {host}:{port} ({error.strerror}): another server "
+                f"holds that port, or the host is not this machine's; choose another "
+                f"with --port or --host"
+            ) from None
 
 
 def serve(args: argparse.Namespace) -> None:
@@ -432,6 +455,7 @@ def serve(args: argparse.Namespace) -> None:
         for i, (name, path, base) in enumerate(args.lora_modules or [])
     ]
     try:
+        check_port_free(args.host, args.port)
         llm = LLM(**dataclasses.asdict(EngineArgs.from_cli_args(args)))
         for lora in loras:
             llm.add_lora(lora)
