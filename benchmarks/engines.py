@@ -258,8 +258,8 @@ def run_hf_static(model: str, work: Workload, args) -> dict:
     def generate(batches, progress=False):
         tokens = 0
         # a bar of output tokens, moved at each step (a batch can take minutes)
-        shown = bar(None, "Generating", progress)
-        shown.reset(total=sum(work.output_lens[i] for b in batches for i in b))
+        total = sum(work.output_lens[i] for batch in batches for i in batch)
+        shown = bar(range(total), "Generating", progress)
         for batch in batches:
             width = max(len(work.prompts[i]) for i in batch)
             n = max(work.output_lens[i] for i in batch)

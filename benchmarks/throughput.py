@@ -56,8 +56,10 @@ def run_throughput(model: str, args) -> dict:
     if args.preset == "cpu":
         expected = sum(CPU_PRESET_SECONDS.get(engine_name(e), 60) for e in engines)
         print(
-            f"expect about {expected / 60:.0f} min (seconds per engine on a 2-core "
-            f"CPU: {', '.join(f'{e} {s}' for e, s in CPU_PRESET_SECONDS.items())})"
+            f"expect {expected / 60:.0f}-{3 * expected / 60:.0f} min (seconds per "
+            f"engine, loading included, on a fast 2-core CPU: "
+            f"{', '.join(f'{e} {s}' for e, s in CPU_PRESET_SECONDS.items())}; up to "
+            f"three times as long on a slow or busy one)"
         )
     print(
         f"{'engine':18} {'time s':>8} {'out tok/s':>10} {'total tok/s':>11} "

@@ -53,7 +53,8 @@ def resolve_model(model: str) -> str:
             f"model {model!r} is not a local directory, and as a Hugging Face id it is "
             f"neither in the cache nor downloadable ({type(error).__name__}); download "
             f"it where there is network (`hf download {model}`) and copy the cache "
-            "here, or pass the directory of a checkpoint"
+            "here, or pass the directory of a checkpoint (`python -m "
+            "nanopaged.random_checkpoint DIR` writes a small random one to try)"
         ) from None
 
 

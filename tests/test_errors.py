@@ -395,7 +395,8 @@ def test_a_path_that_is_no_directory_is_said_so_not_looked_up_on_the_hub(path):
 def test_missing_model_names_it_and_says_how_to_get_it(offline_hub):
     with pytest.raises(
         ValueError,
-        match=r"'nowhere/model' is not a local directory.*hf download nowhere/model",
+        match=r"'nowhere/model' is not a local directory.*hf download nowhere/model"
+        r".*nanopaged.random_checkpoint DIR",
     ):
         LLM("nowhere/model")
 

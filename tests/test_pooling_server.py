@@ -156,3 +156,16 @@ def test_a_client_that_goes_away_or_a_big_batch_harms_nothing(st_path):  # noqa:
     finally:
         assert server.stop()
     assert "Traceback" not in server.log and "Error" not in server.log
+
+
+def test_embeddings_with_async_scheduling_are_the_offline_ones(st_path, offline):  # noqa: F811
+    """`serve --async-scheduling` on an embedding model: each request's step is read
+    before its answer, which is the synchronous engine's."""
+    server = Server(st_path, "--async-scheduling")
+    try:
+        want = np.array([o.outputs.embedding for o in offline.embed(TEXTS)])
+        response = post(server, "/v1/embeddings", input=TEXTS)
+        got = np.array([d["embedding"] for d in response.json()["data"]])
+        assert np.abs(got - want).max() < 1e-5
+    finally:
+        server.stop()
