@@ -24,6 +24,12 @@ imported only then, each a file or folder a forker may delete with its option:
 - LoRA adapters (`lora/`): a `RunnerExtension`; `Sequence.cache_salt`.
 - pooling's engine (`pooling/pooling_llm.py`, `entrypoints/llm.py`'s `RUNNERS`):
   `SamplingOptions.max_tokens=0`, `SamplerOutput.hidden_states`.
+- RL rollouts (`rl/`, `entrypoints/training.py`, `serving/rl_api.py`): new weights
+  where the loader puts them (the model's `checkpoint_param`, its layers'
+  `weight_loader`, a packed weight's `LinearMethod.dense_weight` and
+  `set_dense_weight`); `BlockManager.reset_prefix_cache` after them; sleep through the
+  runner's `model`, `kv_cache` and `graphs`, and `Scheduler.preempt_all`; every rank
+  through `MultiprocRunner.call`; `LLM`'s refusals (`paused`).
 - the step trace (`trace/`): the runner `LLMEngine` is handed (`TracedRunner`).
 - tensor parallelism (`parallel/tensor.py`): a `ModelRunner` subclass on every rank.
 - data parallelism (`parallel/data.py`) and the OpenAI server (`serving/`): `LLM`.

@@ -57,7 +57,9 @@ class RequestOutput:
     for a prompt given as token ids; `num_cached_tokens` counts prompt tokens the prefix
     cache served. `prompt_logprobs`, when asked for, has an entry per prompt token, None
     for the first. `error` says why a request that failed on its own ended (its
-    completions then end with finish_reason "abort")."""
+    completions then end with finish_reason "abort"). `weight_version` counts the
+    changes of weights before the request came (`rl/control.py`): the weights that made
+    it."""
 
     request_id: str
     prompt: str | None
@@ -68,6 +70,7 @@ class RequestOutput:
     metrics: RequestMetrics
     error: str | None = None
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    weight_version: int = 0
 
 
 @dataclass
@@ -243,6 +246,7 @@ class Request:
         self.prompt_logprobs: list[dict[int, Logprob] | None] = [None]
         self.error: str | None = None
         self.lora_request = None  # the adapter its samples run with (lora/), if any
+        self.weight_version = 0  # the weights' version when it was queued
         # whether each token needs a look (a grammar, logprobs, stop strings), or only
         # the last
         self.each_token = bool(matchers or params.logprobs is not None or params.stop)
@@ -355,4 +359,5 @@ class Request:
             self.metrics,
             self.error,
             prompt_logprobs and list(prompt_logprobs),
+            self.weight_version,
         )

@@ -82,7 +82,10 @@ class LinearMethod:
     (nanopaged/quantization/): `create_weights(layer, in_features, out_features)`
     registers the layer's parameters (see `parameter`); `process_weights(layer)`, once
     the checkpoint is loaded, may repack or dequantize them and returns the method that
-    multiplies from then on (the loader sets the layer's `method`); `apply` does it."""
+    multiplies from then on (the loader sets the layer's `method`); `apply` does it. A
+    method that repacks the weight defines `dense_weight(layer)` (the plain weight) and
+    `set_dense_weight(layer, weight)` (packs a new one in place), by which new weights
+    replace the old while the engine runs (`rl/weights.py`)."""
 
     def create_weights(self, layer: nn.Module, in_features: int, out_features: int):
         layer.weight = parameter(torch.empty(out_features, in_features), 0, 1)

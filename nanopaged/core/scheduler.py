@@ -106,6 +106,12 @@ class Scheduler:
         self.waiting.insert(1 if chunked else 0, seq)
         self.num_preemptions += 1
 
+    def preempt_all(self) -> None:
+        """Preempts every running sequence, newest first, as when the pool runs out (a
+        feature that is about to drop the KV cache: sleep mode)."""
+        while self.running:
+            self._preempt(self.running.pop())
+
     def finish(self, seqs: list[Sequence], reason: str) -> None:
         """Ends unfinished sequences wherever they are and frees their blocks (their
         hashes stay): `reason` is "stop", "length" or "abort"."""

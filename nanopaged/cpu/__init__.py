@@ -108,6 +108,19 @@ class PackedLinear(LinearMethod):
             x, layer.packed_weight, layer.bias, "none", [None], ""
         )
 
+    def dense_weight(self, layer: nn.Module) -> torch.Tensor:
+        """The plain (out, in) weight, out of oneDNN's layout (a copy)."""
+        return layer.packed_weight.to_dense()
+
+    def set_dense_weight(self, layer: nn.Module, weight: torch.Tensor) -> None:
+        """Packs `weight` into the layer's packed weight, in place (a step graph
+        reads it there)."""
+        layer.packed_weight.copy_(
+            torch.ops.mkldnn._reorder_linear_weight(
+                weight.to(layer.packed_weight.dtype), 64
+            )
+        )
+
 
 class PanelLinear(LinearMethod):
     """The C kernels' matmul over the weight in panels (`cpu_kernels.panel_matmul`):
@@ -119,6 +132,16 @@ class PanelLinear(LinearMethod):
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         out = cpu_kernels.panel_matmul(x, layer.panels)
         return out if layer.bias is None else out.add_(layer.bias)
+
+    def dense_weight(self, layer: nn.Module) -> torch.Tensor:
+        """The plain (out, in) weight, out of its panels (a copy)."""
+        panels, k = layer.panels, layer.panels.shape[1]
+        return panels.transpose(1, 2).reshape(-1, k)
+
+    def set_dense_weight(self, layer: nn.Module, weight: torch.Tensor) -> None:
+        """Packs `weight` into the layer's panels, in place (a step graph reads them
+        there)."""
+        layer.panels.copy_(cpu_kernels.pack_panels(weight.float()))
 
 
 def prefill(

@@ -161,6 +161,25 @@ OPTIONS = {
         "schedule and launch each step while the one before runs, and read that "
         "one's tokens then (vLLM's): the host's work hides behind the device's",
     ),
+    "logprobs_mode": (
+        str,
+        "raw_logprobs",
+        "what logprobs are of: raw_logprobs, the model's distribution; or "
+        "processed_logprobs, the one sampled from (temperature, top-k, top-p, min-p: "
+        "an RL trainer's)",
+    ),
+    "enable_sleep_mode": (
+        bool,
+        False,
+        "allow sleep(level) and wake_up(): give back the KV cache's memory, and the "
+        "weights' (RL, between rounds of rollouts)",
+    ),
+    "weight_transfer_config": (
+        dict | None,
+        None,
+        "vLLM's weight transfer from a trainer in another process, as JSON: "
+        '{"backend": "nccl"} (NCCL on GPUs, gloo on CPUs) or {"backend": "gloo"}',
+    ),
     "trace": (
         str | None,
         None,
@@ -218,6 +237,7 @@ CHOICES = {
     "kv_cache_dtype": ("auto", "fp8", "fp8_e4m3"),
     "runner": ("auto", "generate", "pooling"),
     "task": (None, "auto", "generate", "embed", "classify", "score"),
+    "logprobs_mode": ("raw_logprobs", "processed_logprobs"),
 }
 POSITIVE = (
     "max_num_batched_tokens",
@@ -243,6 +263,9 @@ SURFACE = (
     "task",
     "pooler_config",
     "async_scheduling",
+    "logprobs_mode",
+    "enable_sleep_mode",
+    "weight_transfer_config",
     "trace",
 )
 
@@ -267,6 +290,9 @@ def split_options(model: str, options: dict) -> tuple[dict, dict, dict]:
         )
     if type(options.get("dtype")).__module__ == "torch":  # a torch.dtype: its name
         options = dict(options, dtype=str(options["dtype"]).removeprefix("torch."))
+    transfer = options.get("weight_transfer_config")
+    if hasattr(transfer, "backend"):  # vLLM's WeightTransferConfig: its dict
+        options = dict(options, weight_transfer_config={"backend": transfer.backend})
     args = EngineArgs(model, **options)
     check_fields(args, dict(CHOICES, attention_backend=("auto", *BACKENDS)), POSITIVE)
     if not 0.0 < args.gpu_memory_utilization <= 1.0:

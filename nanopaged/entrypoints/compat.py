@@ -17,6 +17,11 @@ from nanopaged.inputs import Prompt
 from nanopaged.sampling_params import SamplingParams
 
 
+class EnginePaused(RuntimeError):
+    """Generation refused while the engine sleeps or its weights change (see
+    `rl/control.py`): until `wake_up` or `finish_weight_update`."""
+
+
 class VLLMEngineAPI:
     """A mixin of an engine that has `generate`, `add_request`, `step`, `abort`,
     `is_finished`, `requests` (the unfinished ones added with `add_request`), `inputs`
@@ -166,9 +171,21 @@ class VLLMEngineAPI:
         """The structured outputs' grammars (see `InputProcessor.grammars`)."""
         return self.inputs.grammars()
 
-    def _check_open(self) -> None:
+    def _check_closed(self) -> None:
         if not self._finalizer.alive:
             raise RuntimeError("the engine is closed; create a new one")
+
+    def _check_open(self) -> None:
+        """Whether the engine may generate: not closed, and nothing of RL's refuses
+        (asleep, mid-update: `rl/control.py`)."""
+        self._check_closed()
+        if (reason := self.paused()) is not None:
+            raise EnginePaused(reason)
+
+    def paused(self) -> str | None:
+        """Why the engine does not generate now (asleep, mid-update), or None."""
+        rl = getattr(self, "rl", None)
+        return None if rl is None else rl.refusal()
 
     def _check_idle(self, method: str) -> None:
         self._check_open()

@@ -26,6 +26,7 @@ from nanopaged.core.sequence import Sequence
 from nanopaged.core.step import SamplerOutput, ScheduledStep
 from nanopaged.engine.arg_utils import make_config, split_options
 from nanopaged.entrypoints.compat import VLLMEngineAPI
+from nanopaged.entrypoints.training import TrainingAPI, transfer_backend
 from nanopaged.features import add_features
 from nanopaged.inputs import InputProcessor, Prompt, as_batch, per_prompt
 from nanopaged.outputs import EngineStats, Request, RequestOutput, token_logprobs
@@ -41,7 +42,7 @@ add_features()
 RUNNERS = {"pooling": ("nanopaged.pooling.pooling_llm", "PoolingLLM")}
 
 
-class LLM(VLLMEngineAPI):
+class LLM(VLLMEngineAPI, TrainingAPI):
     """The engine, as vLLM's: `LLM(model, **options).generate(prompts, params)`.
 
     Requests can also be run a step at a time: `add_request`, then `step()` until
@@ -99,6 +100,12 @@ class LLM(VLLMEngineAPI):
             )
             proposer = speculative.make_proposer(spec, config)
         self.inputs = InputProcessor.for_checkpoint(config, surface)
+        self.logprobs_mode = surface["logprobs_mode"]
+        self.rl = None  # RL's state, made by the first RL method (training.py)
+        self.training_options = (
+            surface["enable_sleep_mode"],
+            transfer_backend(surface["weight_transfer_config"]),
+        )
         self.lora = lora = None
         if surface["enable_lora"]:
             from nanopaged.lora.admission import LoRAAdmission
@@ -213,6 +220,7 @@ class LLM(VLLMEngineAPI):
 
     def _enqueue(self, request: Request) -> str:
         self.requests[request.request_id] = request
+        request.weight_version = 0 if self.rl is None else self.rl.version
         if self.lora is not None and not self.lora.admits(request, self.engine):
             self.lora.held.append(request)  # until one of the engine's adapters is done
             return request.request_id
@@ -319,7 +327,8 @@ class LLM(VLLMEngineAPI):
     def _logprobs(self, step: ScheduledStep, sampled: SamplerOutput) -> dict[int, list]:
         """For the sampling rows whose request asks for logprobs and that got tokens,
         those of their new tokens, each in the model's distribution at the row it came
-        from."""
+        from (with `logprobs_mode="processed_logprobs"`, the one it was sampled
+        from)."""
         asking = [
             row
             for row, seq in enumerate(step.samplers)
@@ -331,9 +340,13 @@ class LLM(VLLMEngineAPI):
         rows = [
             first_rows[r] + j for r in asking for j in range(len(sampled.token_ids[r]))
         ]
+        logits = sampled.logits[rows]
+        if self.logprobs_mode == "processed_logprobs":  # as they were sampled
+            seqs = [step.samplers[r] for r in asking for _ in sampled.token_ids[r]]
+            logits = self.engine.runner.sampler.processed(logits, seqs)
         entries = iter(
             token_logprobs(
-                sampled.logits[rows],
+                logits,
                 [t for r in asking for t in sampled.token_ids[r]],
                 [
                     step.samplers[r].sampling_params.logprobs

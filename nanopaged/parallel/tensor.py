@@ -17,6 +17,9 @@ broadcast, and every rank returns the same outputs, as vLLM's torchrun_example.p
 expects. A rank that dies breaks the next collective on the others, which raise (gloo)
 or time out (NCCL) rather than wait forever.
 
+Beside the steps, rank 0 may run a function on every rank (`MultiprocRunner.call`, a
+pickled `RankCall`: RL's `collective_rpc`, new weights on each rank's shard).
+
 The core sees none of this: the model's layers shard themselves over the ranks of the
 default process group, and `make_runner` hands the engine a `ModelRunner` whose steps
 run on every rank.
@@ -27,12 +30,13 @@ import gc
 import multiprocessing as mp
 import multiprocessing.connection
 import os
+import pickle
 import signal
 import socket
 import sys
 import time
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -61,6 +65,18 @@ BACKENDS = (None, "mp", "external_launcher")
 
 class WorkerDied(RuntimeError):
     pass
+
+
+@dataclass
+class RankCall:
+    """A function every rank runs, rank 0 too (`MultiprocRunner.call`; RL's
+    `collective_rpc`): `function(runner, state, *args)`, with the rank's runner and a
+    dict the rank keeps for such calls (a feature's state on that rank). It travels
+    pickled (by `pickle.dumps`, on rank 0): a function defined at a module's top
+    level."""
+
+    function: Callable
+    args: tuple = ()
 
 
 @dataclass
@@ -234,6 +250,32 @@ class MultiprocRunner(ModelRunner):
             broadcast(inputs, self.group, self.workers)
         return super().execute(inputs, pending)
 
+    def call(self, function: Callable, state: dict, *args) -> list:
+        """`function(runner, state, *args)` on every rank (rank 0's with `state`, each
+        worker's with its own); the results in rank order. A rank's exception is
+        raised here, the first in rank order, after every rank has run."""
+        try:  # pickled here, where a failure leaves the workers waiting in step
+            message = pickle.dumps(RankCall(function, args))
+        except (pickle.PicklingError, AttributeError, TypeError) as error:
+            raise ValueError(
+                f"a call on every rank travels pickled to the tensor-parallel workers, "
+                f"and this one cannot ({error}): a function sent must be defined at a "
+                f"module's top level"
+            ) from None
+        with in_lockstep(self.workers):
+            broadcast(message, self.group, self.workers)
+            try:
+                results = [function(self, state, *args)]
+            except Exception as error:
+                results = [error]
+            gathered = [None] * (len(self.workers) + 1)
+            dist.gather_object(None, gathered, dst=0, group=self.group)
+            results += gathered[1:]
+        for result in results:
+            if isinstance(result, Exception):
+                raise result
+        return results
+
     def close(self) -> None:
         """Stops the workers and leaves the process group."""
         workers, self.workers = self.workers, []
@@ -250,9 +292,17 @@ def run_worker(
     `None`."""
     add_features()  # a spawned worker starts with the core's registries empty
     group = join_ranks(config, parallel, rank, [])
-    runner = ModelRunner(config, extension=extension)
-    while (inputs := receive(group)) is not None:
-        runner.execute(inputs)
+    runner, state = ModelRunner(config, extension=extension), {}
+    while (message := receive(group)) is not None:
+        if not isinstance(message, bytes):  # a step's inputs
+            runner.execute(message)
+            continue
+        try:  # a pickled RankCall
+            call = pickle.loads(message)
+            result = call.function(runner, state, *call.args)
+        except Exception as error:  # raised on rank 0
+            result = error
+        dist.gather_object(result, None, dst=0, group=group)
     dist.destroy_process_group()
 
 

@@ -72,6 +72,20 @@ class VLLMSampler(Sampler):
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
+    def processed(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """The rows' logits as their tokens were drawn from them (vLLM's
+        "processed_logprobs"): top-k, top-p and min-p applied, then divided by the
+        temperature (a greedy row's as they are). Processors that read the tokens so
+        far (penalties) are not applied: those tokens have moved on since."""
+        params = [seq.sampling_params for seq in seqs]
+        logits = logits.float()
+        if any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0 for p in params):
+            logits = self.filter(logits, params)
+        temperatures = [
+            p.temperature if p.temperature >= GREEDY_BELOW else 1.0 for p in params
+        ]
+        return logits / to_device(self.device, temperatures, torch.float32)[:, None]
+
     def uniform(self, seqs: list[Sequence], offsets: list[int]) -> torch.Tensor:
         uniform = super().uniform(seqs, offsets)
         for r, seq in enumerate(seqs):

@@ -19,9 +19,10 @@ from nanopaged.serving.openai_api import ParsedRequest
 LOGPROB_FLOOR = -9999.0  # what vLLM reports for -inf: JSON has no infinities
 
 
-class ShuttingDown(RuntimeError):
-    """What the requests still running get when the server stops: not a failure of
-    theirs, nor of the engine (an HTTP 503, or a stream's last error event)."""
+class EndedByServer(RuntimeError):
+    """What the requests still running get when the server ends them (it shuts down,
+    or its engine is put to sleep): not a failure of theirs, nor of the engine (an HTTP
+    503, or a stream's last error event)."""
 
 
 class Response:
@@ -100,7 +101,7 @@ class Response:
                     checked = time.monotonic()
                 if output is None:
                     continue
-                if isinstance(output, ShuttingDown):
+                if isinstance(output, EndedByServer):
                     raise output
                 if isinstance(output, Exception):
                     raise RuntimeError(f"the engine failed: {output}")

@@ -12,11 +12,12 @@ from dataclasses import dataclass
 import numpy as np
 from fastapi import FastAPI, Request
 
+from nanopaged.entrypoints.compat import EnginePaused
 from nanopaged.pooling.params import PoolingParams
 from nanopaged.pooling.pooling_llm import paired
 from nanopaged.serving.openai_responses import (
+    EndedByServer,
     Response,
-    ShuttingDown,
     bad_request,
     error_response,
     read_body,
@@ -100,10 +101,12 @@ async def run(request: Request, engine, batch: PoolingBatch, model: str):
         await response.submit()
     except ValueError as error:
         return bad_request(error)
+    except EnginePaused as error:  # asleep, or mid-update: later
+        return error_response(503, str(error))
     try:
         async for _ in response.outputs():
             pass
-    except ShuttingDown as error:
+    except EndedByServer as error:
         return error_response(503, str(error))
     except RuntimeError as error:
         return error_response(500, str(error))

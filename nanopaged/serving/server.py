@@ -30,14 +30,15 @@ from starlette.exceptions import HTTPException
 from nanopaged import LLM, envs
 from nanopaged.engine.arg_utils import EngineArgs
 from nanopaged.entrypoints import chat_utils as chat
+from nanopaged.entrypoints.compat import EnginePaused
 from nanopaged.lora.request import LoRARequest
 from nanopaged.outputs import EngineStats
 from nanopaged.parallel.data import ReplicaDied, sum_stats
 from nanopaged.serving import openai_api
 from nanopaged.serving.args import parse_args
 from nanopaged.serving.openai_responses import (
+    EndedByServer,
     Response,
-    ShuttingDown,
     bad_request,
     error_response,
     read_body,
@@ -95,8 +96,9 @@ class EngineLoop:
         self.inbox.put((self._abort, (request_id,)))
 
     def fail_all(self, reason: str) -> None:
-        """Ends every request with an error (the server is shutting down)."""
-        self.inbox.put((self._fail_all, (ShuttingDown(reason),)))
+        """Ends every request with an error (the server is shutting down, or its engine
+        is put to sleep)."""
+        self.inbox.put((self._fail_all, (EndedByServer(reason),)))
 
     def stop(self) -> None:
         self.running = False
@@ -155,18 +157,26 @@ class EngineLoop:
             except Exception:
                 pass  # an abort: nothing to abort
 
+    def idle(self) -> bool:
+        """Nothing to step: no request, or an engine that does not generate now (its
+        kept requests wait: asleep, or mid-update)."""
+        paused = getattr(self.llm, "paused", None)  # a replica's has none
+        return self.llm.is_finished() or (paused is not None and paused() is not None)
+
     def _run(self) -> None:
         """Serves the inbox and steps the engine until stopped. Nothing a request does
         can end this loop: a failed step fails the requests it held, and the loop goes
         on (a replica whose process died only refuses what it is sent)."""
         while self.running:
             try:
-                if self.llm.is_finished():
-                    function, args = self.inbox.get()  # idle: sleep until work arrives
+                if self.idle():
+                    function, args = self.inbox.get()  # sleep until work arrives
                     function(*args)
                 while not self.inbox.empty():
                     function, args = self.inbox.get()
                     function(*args)
+                if self.idle():
+                    continue
                 outputs = self.llm.step()
             # the engine has aborted every request: tell their handlers
             except Exception as error:
@@ -241,9 +251,13 @@ def create_app(
         from nanopaged.serving.pooling_api import add_pooling_routes
 
         add_pooling_routes(app, engine, models)
-    # vLLM's endpoints, behind vLLM's variable
+    # vLLM's endpoints, behind vLLM's variables
     if envs.VLLM_ALLOW_RUNTIME_LORA_UPDATING:
         models.add_lora_routes(app)
+    if envs.VLLM_SERVER_DEV_MODE and replicas is None:
+        from nanopaged.serving.rl_api import add_rl_routes
+
+        add_rl_routes(app, engine)
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, error: HTTPException):
@@ -365,13 +379,15 @@ async def respond(response: Response):
         await response.submit()
     except ValueError as error:
         return bad_request(error)
+    except EnginePaused as error:  # asleep, or mid-update: later
+        return error_response(503, str(error))
     except Exception as error:
         return error_response(500, f"the engine could not take the request: {error}")
     if response.parsed.stream:
         return StreamingResponse(response.events(), media_type="text/event-stream")
     try:
         return await response.whole()
-    except ShuttingDown as error:
+    except EndedByServer as error:
         return error_response(503, str(error))
     except RuntimeError as error:
         return error_response(500, str(error))
