@@ -3,6 +3,7 @@ plain-PyTorch reference: its attention, fused element-wise functions and samplin
 packed linear layers, how the kernels are built, and the process settings it makes."""
 
 import ctypes
+import itertools
 import math
 import mmap
 import os
@@ -902,3 +903,45 @@ def test_the_library_is_keyed_by_what_the_compiler_targets_here(monkeypatch):
     for other in ("#define __ARM_FEATURE_SVE 1", "#define __AVX512F__ 1\ngcc 99"):
         monkeypatch.setattr(cpu_kernels, "_target", lambda compiler, o=other: o)
         assert cpu_kernels.library_path() != here
+
+
+def test_a_rows_matmul_is_the_same_bits_in_any_batch():
+    """Batch invariance: row 0's product is the same alone or among any rows."""
+    g = torch.Generator().manual_seed(8)
+    weight, x = torch.randn(96, 80, generator=g), torch.randn(40, 80, generator=g)
+    panels = cpu_kernels.pack_panels(weight)
+    alone = cpu_kernels.panel_matmul(x[:1].contiguous(), panels)
+    for rows in (2, 3, 4, 5, 6, 7, 13, 40):
+        assert torch.equal(cpu_kernels.panel_matmul(x[:rows], panels)[:1], alone)
+
+
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+def test_a_querys_attention_is_the_same_bits_from_either_kernel(kv_dtype):
+    """The decode kernel (a query at a time) and the tiled prefill kernel give a query
+    the same bits, whatever its neighbours in the tile: a token's attention never
+    depends on how its step was formed."""
+    block_size, lens = 16, [37, 70]
+    k_cache, v_cache, tables = paged_cache(block_size, lens, 2, seed=9)
+    k_cache, v_cache = k_cache.to(kv_dtype), v_cache.to(kv_dtype)
+    g = torch.Generator().manual_seed(10)
+    queries = torch.randn(sum(lens), 4, HEAD_DIM, generator=g)
+    cu = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32)
+    context = torch.tensor(lens, dtype=torch.int32)
+
+    def attend(q, cu_seqlens, context_lens, table, tiled):
+        return cpu_kernels.paged_attention(
+            q, k_cache, v_cache, table, context_lens, cu_seqlens, 0.25, None, tiled
+        )
+
+    tiled = attend(queries, cu, context, tables, True)  # whole prompts
+    for seq, length in enumerate(lens):
+        for position in (0, length // 2, length - 1):  # one query, as a decode step
+            token = int(cu[seq]) + position
+            one = attend(
+                queries[token : token + 1],
+                None,
+                torch.tensor([position + 1], dtype=torch.int32),
+                tables[seq : seq + 1],
+                False,
+            )
+            assert torch.equal(one[0], tiled[token])

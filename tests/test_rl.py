@@ -559,3 +559,59 @@ def test_the_loop_of_docs_rl_md_learns_with_no_logprob_drift(qwen3_path):
     assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.2
     assert namespace["remote_rewards"] == rewards[:5]
     assert namespace["remote"].get_weight_version() == "step-5"
+
+
+def logprob_bits(output) -> list:
+    """Each completion's tokens and the exact logprob of each."""
+    return [
+        (c.token_ids, [e[t].logprob for e, t in zip(c.logprobs, c.token_ids)])
+        for c in output.outputs
+    ]
+
+
+@pytest.mark.parametrize(
+    "beside, options",
+    [
+        ("others", {}),
+        ("others", {"scheduling": "mixed"}),
+        ("others", {"max_num_batched_tokens": 16}),  # its prompt in chunks
+        ("others", {"num_kvcache_blocks": 14}),  # preempted and computed again
+        ("others", {"async_scheduling": True}),
+        ("others", {"enforce_eager": True}),
+        ("prefix", {}),  # its prefix cached by an earlier request
+    ],
+    ids=["batch", "mixed", "chunked", "preempted", "async", "eager", "prefix-hit"],
+)
+def test_a_requests_tokens_and_logprobs_are_the_same_bits_whatever_runs_beside_it(
+    beside, options, qwen3_path
+):
+    """The CPU backend is batch-invariant: alone, or among 63 others in every way a
+    batch can form, a seeded request's tokens and logprobs are bit for bit the same."""
+    target = random_prompts([50], seed=72)[0]
+    params = SamplingParams(
+        temperature=0.9, max_tokens=40, logprobs=2, ignore_eos=True, seed=7
+    )
+    alone = LLM(qwen3_path, max_model_len=256)
+    [expected] = generate(alone, [target], params)
+    llm = LLM(qwen3_path, max_model_len=256, **options)
+    assert llm.config.attention_backend == "cpu"
+    if beside == "prefix":
+        generate(llm, [target[:40] + [9, 9]], GREEDY)
+        [got] = generate(llm, [target], params)
+        assert got.num_cached_tokens == 32
+    else:
+        others = random_prompts([20 + i for i in range(63)], seed=73)
+        got = generate(llm, [target] + others, params)[0]
+    if "num_kvcache_blocks" in options:
+        assert llm.engine.scheduler.num_preemptions > 0
+    assert logprob_bits(got) == logprob_bits(expected)
+
+
+def test_vllms_batch_invariant_switch_is_refused_where_the_kernels_are_not(
+    qwen3_path, monkeypatch
+):
+    monkeypatch.setenv("VLLM_BATCH_INVARIANT", "1")
+    assert LLM(qwen3_path, max_model_len=256).config.attention_backend == "cpu"
+    with pytest.raises(ValueError, match="'torch' backend has none yet"):
+        LLM(qwen3_path, attention_backend="torch")
+    assert os.environ["VLLM_BATCH_INVARIANT"] == "1"  # read, never changed

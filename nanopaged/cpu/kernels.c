@@ -328,11 +328,10 @@ static inline __attribute__((always_inline)) void attend(
                 s[h][t] *= scale;
                 m_new = s[h][t] > m_new ? s[h][t] : m_new;
             }
-#pragma omp simd reduction(+ : sum)
-            for (int t = t0; t < t1; t++) {
+#pragma omp simd
+            for (int t = t0; t < t1; t++)
                 s[h][t] = exp_nonpositive(s[h][t] - m_new);  /* now the weight p */
-                sum += s[h][t];
-            }
+            for (int t = t0; t < t1; t++) sum += s[h][t];  /* in order: prefill's sum */
             float alpha = exp_nonpositive(m[h] - m_new);  /* 0 for the first block */
             l[h] = l[h] * alpha + sum;
             m[h] = m_new;
@@ -622,33 +621,25 @@ void sample(const float *logits, const float *temperatures, const float *uniform
 }
 
 /* `rows` (at most TILE_ROWS) rows of x times one panel: rows x 2 vector sums in registers, each
-   panel row loaded once for all the rows and each x element broadcast once for the panel. An FMA
-   waits for the one before it on the same sum (its latency, 4-5 cycles, at 2 a cycle): few rows
-   keep `sets` sums a row, over alternate k, so that ~12 run at once. */
+   panel row loaded once for all the rows and each x element broadcast once for the panel. Each
+   output is one sum over k in order, started from 0 (or from `out`, to accumulate): the same
+   arithmetic whatever the rows beside it, so that a row's result never depends on its batch
+   (batch invariance). */
 static inline __attribute__((always_inline)) void panel_tile(
         const float *x, long x_stride, const float *panel, long panel_stride, int k_size,
-        int rows, int sets, float *out, long out_stride, int accumulate, const float *ahead,
-        int pace) {
-    vec acc[TILE_ROWS][2];  /* row i's sums of set s: acc[s * rows + i], sets * rows <= 6 */
+        int rows, float *out, long out_stride, int accumulate, const float *ahead, int pace) {
+    vec acc[TILE_ROWS][2];
     memset(acc, 0, sizeof acc);
-    int k = 0, countdown = pace;
-    for (; k + sets <= k_size; k += sets)
-        for (int s = 0; s < sets; s++) {
-            if (ahead && --countdown == 0) {  /* a cache line of `ahead` every `pace` k */
-                __builtin_prefetch(ahead, 0, 2);
-                ahead += PANEL;
-                countdown = pace;
-            }
-            vec w0, w1;
-            memcpy(&w0, panel + (k + s) * panel_stride, sizeof w0);
-            memcpy(&w1, panel + (k + s) * panel_stride + LANES, sizeof w1);
-            for (int i = 0; i < rows; i++) {
-                float b = x[i * x_stride + k + s];
-                acc[s * rows + i][0] += b * w0;
-                acc[s * rows + i][1] += b * w1;
-            }
+    for (int i = 0; accumulate && i < rows; i++) {
+        memcpy(&acc[i][0], out + i * out_stride, sizeof acc[i][0]);
+        memcpy(&acc[i][1], out + i * out_stride + LANES, sizeof acc[i][1]);
+    }
+    for (int k = 0, countdown = pace; k < k_size; k++) {
+        if (ahead && --countdown == 0) {  /* a cache line of `ahead` every `pace` k */
+            __builtin_prefetch(ahead, 0, 2);
+            ahead += PANEL;
+            countdown = pace;
         }
-    for (; k < k_size; k++) {
         vec w0, w1;
         memcpy(&w0, panel + k * panel_stride, sizeof w0);
         memcpy(&w1, panel + k * panel_stride + LANES, sizeof w1);
@@ -658,19 +649,7 @@ static inline __attribute__((always_inline)) void panel_tile(
             acc[i][1] += b * w1;
         }
     }
-    for (int s = 1; s < sets; s++)
-        for (int i = 0; i < rows; i++) {
-            acc[i][0] += acc[s * rows + i][0];
-            acc[i][1] += acc[s * rows + i][1];
-        }
     for (int i = 0; i < rows; i++) {
-        if (accumulate) {
-            vec before0, before1;  /* two vectors, not an array: loads a store can forward */
-            memcpy(&before0, out + i * out_stride, sizeof before0);
-            memcpy(&before1, out + i * out_stride + LANES, sizeof before1);
-            acc[i][0] += before0;
-            acc[i][1] += before1;
-        }
         memcpy(out + i * out_stride, &acc[i][0], sizeof acc[i][0]);
         memcpy(out + i * out_stride + LANES, &acc[i][1], sizeof acc[i][1]);
     }
@@ -695,15 +674,15 @@ static inline __attribute__((always_inline)) void rows_times_panel(
         const float *ahead = next ? next + t * k_size / tiles * PANEL : NULL;
         const float *x_m = x + m * x_stride;
         float *out_m = out + m * out_stride;
-#define TILE(ROWS, SETS) panel_tile(x_m, x_stride, panel, panel_stride, k_size, ROWS, SETS, \
-                                    out_m, out_stride, accumulate, ahead, (int)tiles)
+#define TILE(ROWS) panel_tile(x_m, x_stride, panel, panel_stride, k_size, ROWS, out_m, \
+                              out_stride, accumulate, ahead, (int)tiles)
         switch (size) {
-        case 1: TILE(1, 6); break;
-        case 2: TILE(2, 3); break;
-        case 3: TILE(3, 2); break;
-        case 4: TILE(4, 1); break;
-        case 5: TILE(5, 1); break;
-        default: TILE(6, 1); break;
+        case 1: TILE(1); break;
+        case 2: TILE(2); break;
+        case 3: TILE(3); break;
+        case 4: TILE(4); break;
+        case 5: TILE(5); break;
+        default: TILE(6); break;
         }
 #undef TILE
         m += size;
@@ -755,6 +734,37 @@ void panel_matmul(const float *x, long x_stride, const float *panels, long rows,
     parallel(tasks, even_chunk(tasks, threads), threads, matmul_tasks, &args);
 }
 
+/* The scores of a block's `count` keys (rows `stride` apart) against a tile's queries (`qt`,
+   head_dim x PANEL, a query a column): st[t][r] = q_r . k_t, in `dot`'s order (LANES sums over
+   d, by d mod LANES, then added up in order), as the decode kernel computes it: a query's
+   scores, and so its attention, are the same bits whichever kernel runs it, and whatever runs
+   beside it (batch invariance). */
+static void key_scores(const float *keys, long stride, const float *qt, int head_dim, int count,
+                       float *st) {
+    for (int t = 0; t < count; t++) {
+        vec part[LANES][2];  /* part[j]: the d = j mod LANES, PANEL queries in two vectors */
+        memset(part, 0, sizeof part);
+        const float *k = keys + t * stride;
+        for (int d = 0; d < head_dim; d += LANES)
+            for (int j = 0; j < LANES; j++) {
+                vec q0, q1;
+                memcpy(&q0, qt + (d + j) * PANEL, sizeof q0);
+                memcpy(&q1, qt + (d + j) * PANEL + LANES, sizeof q1);
+                part[j][0] += k[d + j] * q0;
+                part[j][1] += k[d + j] * q1;
+            }
+        vec sum0, sum1;
+        memset(&sum0, 0, sizeof sum0);
+        memset(&sum1, 0, sizeof sum1);
+        for (int j = 0; j < LANES; j++) {
+            sum0 += part[j][0];
+            sum1 += part[j][1];
+        }
+        memcpy(st + t * PANEL, &sum0, sizeof sum0);
+        memcpy(st + t * PANEL + LANES, &sum1, sizeof sum1);
+    }
+}
+
 /* prefill_attention's tasks: task i is one tile of PANEL rows of one K/V head of a sequence. */
 static void attend_tiles(const void *args, long first_task, long end) {
     const struct attention_args *a = args;
@@ -787,7 +797,7 @@ static void attend_tiles(const void *args, long first_task, long end) {
             l[r] = 0.0f;
         }
         for (int d = 0; d < head_dim; d++)
-            for (int r = 0; r < PANEL; r++) qt[d * PANEL + r] = r < rows ? scale * q_row[r][d] : 0;
+            for (int r = 0; r < PANEL; r++) qt[d * PANEL + r] = r < rows ? q_row[r][d] : 0;
         int lowest = position[0], highest = position[rows - 1];
         memset(o, 0, sizeof(float) * PANEL * head_dim);
         int first = window > 0 && lowest + 1 > window ? lowest + 1 - window : 0;
@@ -810,8 +820,7 @@ static void attend_tiles(const void *args, long first_task, long end) {
                 values = v_buffer;
                 stride = head_dim;
             }
-            rows_times_panel(keys + t0 * stride, stride, qt, PANEL, head_dim, t1 - t0, st, PANEL,
-                             0, NULL);
+            key_scores(keys + t0 * stride, stride, qt, head_dim, t1 - t0, st);
             float m_new[PANEL], alpha[PANEL], sum[PANEL];
             for (int r = 0; r < PANEL; r++) {
                 m_new[r] = m[r];
@@ -826,7 +835,7 @@ static void attend_tiles(const void *args, long first_task, long end) {
                 float *s = st + (t - t0) * PANEL;
                 for (int r = 0; r < PANEL; r++) {
                     int hidden = key > position[r] || (window > 0 && key <= position[r] - window);
-                    s[r] = masked && hidden ? -INFINITY : s[r];
+                    s[r] = masked && hidden ? -INFINITY : s[r] * scale;
                     m_new[r] = s[r] > m_new[r] ? s[r] : m_new[r];
                 }
             }
@@ -863,8 +872,12 @@ static void attend_tiles(const void *args, long first_task, long end) {
    the Triton prefill kernel): a task takes PANEL rows, (query token, head) pairs of one K/V
    head's group, their queries transposed once into a panel, and walks the sequence's blocks:
    S^T = K Q^T (the block's keys as rows, read in place), the online softmax vectorized over the
-   rows, then O += P V (V's rows in place as a panel). Arguments as paged_attention's, with
-   cu_seqlens_q; head_dim a multiple of PANEL. Returns 0, or 1 for a shape over the limits. */
+   rows, then O += P V (V's rows in place as a panel). Every row's arithmetic is the decode
+   kernel's (`attend`), in its order: scores as `dot` sums them, then scaled; the weights'
+   sum in key order; O scaled, then each key's p v added in order. So a query's output is the
+   same bits from either kernel, in a prefill, a chunk or a decode step, beside any other
+   (batch invariance). Arguments as paged_attention's, with cu_seqlens_q; head_dim a multiple
+   of PANEL. Returns 0, or 1 for a shape over the limits. */
 int prefill_attention(const float *q, long q_stride, const void *k_cache, const void *v_cache,
                       int kv_kind, const float *fp8_table, const int32_t *block_tables,
                       long block_table_stride, const int32_t *cu_seqlens_q,

@@ -340,6 +340,7 @@ def make_config(path: str, core: dict):
             kv_cache_dtype=None if kv_dtype == "auto" else torch.float8_e4m3fn,
         ),
     )
+    check_batch_invariance(config.attention_backend)
     missing = BACKENDS[config.attention_backend].missing(
         config.device == "cuda", config.kv_cache_dtype
     )
@@ -386,6 +387,20 @@ def check_max_model_len(max_model_len: int | None, hf_config) -> None:
             f"there may be nonsense)"
         )
     hf_config.max_position_embeddings = max_model_len
+
+
+def check_batch_invariance(backend: str) -> None:
+    """vLLM's $VLLM_BATCH_INVARIANT (read, never set) asks that a request's tokens and
+    logprobs not depend on what runs beside it: the cpu backend's kernels are (always:
+    docs/rl.md); the others' are not yet, and a run that asks for them is refused."""
+    from nanopaged import envs
+
+    if envs.VLLM_BATCH_INVARIANT and backend != "cpu":
+        raise ValueError(
+            f"VLLM_BATCH_INVARIANT=1 asks for batch-invariant kernels, and the "
+            f"{backend!r} backend has none yet: nanopaged's are the cpu backend's "
+            f"(attention_backend='cpu', on a CPU with a C compiler), always on"
+        )
 
 
 def _normalize(options: dict) -> dict:
