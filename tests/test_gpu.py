@@ -490,3 +490,82 @@ def test_del_gives_the_gpu_memory_back_so_a_second_engine_fits(gpu_path):
         assert len(out.outputs[0].token_ids) == GREEDY.max_tokens
         del llm, out
         assert torch.cuda.memory_allocated() - before < 0.01 * total
+
+
+def perturbed_weights(path: str, tmp_path) -> tuple[str, list]:
+    """`path`'s weights moved by noise, saved as a checkpoint beside it (for
+    transformers' reference) and as a trainer's (name, tensor) pairs, on the GPU."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    torch.manual_seed(3)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(torch.randn_like(param) * 0.05)
+    new = str(tmp_path / "new")
+    model.save_pretrained(new)
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy(f"{path}/{name}", new)
+    return new, [(n, p.detach().cuda()) for n, p in model.named_parameters()]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_new_weights_under_graphs_give_transformers_tokens(
+    gpu_path, backend, tmp_path, no_tf32
+):
+    """RL's update (rl/weights.py) copies into the parameters in place: the captured
+    CUDA graphs read the new weights; no prefix cached under the old ones is served."""
+    new, weights = perturbed_weights(gpu_path, tmp_path)
+    block_size = 256 if backend == "flash" else 16
+    with LLM(
+        gpu_path,
+        dtype="float32",
+        attention_backend=backend,
+        kvcache_block_size=block_size,
+        max_model_len=1024,
+        gpu_memory_utilization=0.3,
+    ) as llm:
+        llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        model = llm.llm_engine.model_executor.driver_worker.model_runner.model
+        model.load_weights(weights)
+        outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outputs] == hf_greedy(
+            new, torch.float32, PROMPTS
+        )
+        assert all(o.num_cached_tokens == 0 for o in outputs)
+
+
+def test_sleep_gives_the_gpu_memory_back_and_wakes_with_the_same_tokens(gpu_path):
+    """Level 1: the KV cache's memory back to the device, the weights kept in host
+    memory; level 2: both; the graphs captured again on waking; the same tokens."""
+    with LLM(
+        gpu_path,
+        max_model_len=1024,
+        gpu_memory_utilization=0.5,
+        enable_sleep_mode=True,
+    ) as llm:
+        expected = [
+            o.outputs[0].token_ids
+            for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        ]
+        cache = llm.engine.runner.kv_cache
+        kv_bytes = cache.numel() * cache.element_size()
+        for level in (1, 2):
+            before = torch.cuda.memory_allocated()
+            free_before = torch.cuda.mem_get_info()[0]
+            llm.sleep(level=level)
+            assert before - torch.cuda.memory_allocated() >= 0.99 * kv_bytes
+            assert torch.cuda.mem_get_info()[0] - free_before >= 0.9 * kv_bytes
+            llm.wake_up()
+            if level == 2:  # the weights were discarded: the checkpoint's again
+                from transformers import AutoModelForCausalLM
+
+                from nanopaged.rl.weights import checkpoint_shapes  # noqa: F401
+
+                model = AutoModelForCausalLM.from_pretrained(gpu_path)
+                engine = llm.llm_engine.model_executor.driver_worker.model_runner
+                engine.model.load_weights(model.named_parameters())
+            outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+            assert [o.outputs[0].token_ids for o in outputs] == expected
