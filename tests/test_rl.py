@@ -110,14 +110,67 @@ def test_new_weights_give_transformers_tokens_of_the_new_weights(
 
 
 def test_two_tensor_parallel_ranks_take_their_shards(qwen3_path, new_path, hf_greedy):
-    with LLM(qwen3_path, max_model_len=256, tensor_parallel_size=2) as llm:
+    with LLM(
+        qwen3_path, max_model_len=256, tensor_parallel_size=2, enable_sleep_mode=True
+    ) as llm:
         generate(llm)
         driver_model(llm).load_weights(state(new_path))
-        after = generate(llm)
-        assert [o.outputs[0].token_ids for o in after] == hf_greedy(
+        expected = hf_greedy(new_path, PROMPTS, 16)
+        assert [o.outputs[0].token_ids for o in generate(llm)] == expected
+        assert llm.collective_rpc(rank_of) == [0, 1]
+        llm.sleep(level=1)  # every rank sleeps
+        assert llm.collective_rpc(asleep_of) == [{"kv_cache"}, {"kv_cache"}]
+        llm.wake_up()
+        assert [o.outputs[0].token_ids for o in generate(llm)] == expected
+        with pytest.raises(ValueError, match="travels pickled"):
+            llm.collective_rpc(lambda worker: worker.rank)
+
+
+def asleep_of(worker) -> set[str]:
+    return worker.asleep()
+
+
+def test_data_parallel_replicas_take_new_weights_sleep_and_join_a_transfer(
+    qwen3_path, new_path, hf_greedy
+):
+    """Each replica is an engine of its own: all take the weights, all sleep, and each
+    joins the trainer's group after the replicas before it."""
+    with LLM(
+        qwen3_path,
+        max_model_len=256,
+        data_parallel_size=2,
+        enable_sleep_mode=True,
+        weight_transfer_config={"backend": "gloo"},
+    ) as llm:
+        driver_model(llm).load_weights(state(new_path))
+        outputs = generate(llm)
+        assert [o.outputs[0].token_ids for o in outputs] == hf_greedy(
             new_path, PROMPTS, 16
         )
-        assert llm.collective_rpc(rank_of) == [0, 1]
+        assert {o.weight_version for o in outputs} == {1}
+        llm.sleep()
+        assert llm.is_sleeping()
+        llm.wake_up()
+        info, joined = dict(transfer_info(free_port()), world_size=3), {}
+        thread = in_thread(
+            lambda: joined.update(group=NCCLWeightTransferEngine.trainer_init(info))
+        )
+        llm.init_weight_transfer_engine({"init_info": dict(info, rank_offset=1)})
+        thread.join()
+        weights = state(qwen3_path)  # back to the first weights, sent
+        llm.start_weight_update()
+        sender = in_thread(
+            NCCLWeightTransferEngine.trainer_send_weights,
+            iter(weights),
+            {"group": joined["group"]},
+        )
+        llm.update_weights({"update_info": update_info(weights)})
+        sender.join()
+        llm.finish_weight_update()
+        assert [o.outputs[0].token_ids for o in generate(llm)] == hf_greedy(
+            qwen3_path, PROMPTS, 16
+        )
+        assert llm.get_weight_version() == "2"
 
 
 def rank_of(worker) -> int:  # top level: tensor-parallel workers unpickle it

@@ -11,11 +11,11 @@ from collections.abc import Callable, Iterable
 class Driver:
     """vLLM's path to rank 0's model, `llm.llm_engine.model_executor.driver_worker
     .model_runner.model`, which RL frameworks take to push weights: each step of it is
-    this object, and its `load_weights` loads them on every rank (checked first, the
-    version advanced, the prefix cache forgotten)."""
+    this object, and its `load_weights` is the engine's `load` (on every rank and
+    replica: checked first, the version advanced, the prefix cache forgotten)."""
 
-    def __init__(self, llm):
-        self._llm = llm
+    def __init__(self, load: Callable[[list], set[str]]):
+        self._load = load
 
     @property
     def driver_worker(self) -> "Driver":
@@ -26,7 +26,7 @@ class Driver:
     def load_weights(self, weights: Iterable) -> set[str]:
         """Writes `(name, tensor)` pairs, by the checkpoint's names, into the model;
         returns their names."""
-        return self._llm._rl().load_weights(self._llm, weights)
+        return self._load(list(weights))
 
 
 class TrainingAPI:
@@ -40,7 +40,7 @@ class TrainingAPI:
 
     @property
     def model_executor(self) -> Driver:
-        return Driver(self)
+        return Driver(lambda weights: self._rl().load_weights(self, weights))
 
     def _rl(self):
         self._check_closed()  # not _check_open: what refuses generation may be ours
@@ -69,7 +69,7 @@ class TrainingAPI:
         """Joins every rank to the trainer's weight-transfer group: `request` is
         `{"init_info": {...}}` or vLLM's `WeightTransferInitRequest`, `init_info` its
         `master_address`, `master_port`, `world_size` and `rank_offset`."""
-        self._rl().init_transfer(self, _field(request, "init_info"))
+        self._rl().init_transfer(self, field_of(request, "init_info"))
 
     def start_weight_update(self) -> None:
         """Opens an update: until `finish_weight_update`, generation is refused."""
@@ -78,7 +78,7 @@ class TrainingAPI:
     def update_weights(self, request) -> None:
         """Receives the weights `{"update_info": {"names", "dtype_names", "shapes"}}`
         announces from the trainer, on every rank, and writes them."""
-        self._rl().update(self, _field(request, "update_info"))
+        self._rl().update(self, field_of(request, "update_info"))
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         """Closes the update: the version advances (named `weight_version`, if
@@ -126,7 +126,7 @@ def transfer_backend(config: dict | None) -> str | None:
     return backend
 
 
-def _field(request, name: str) -> dict:
+def field_of(request, name: str) -> dict:
     """vLLM's request objects and their dicts alike: `request[name]` or
     `request.name`."""
     if isinstance(request, dict) and name in request:

@@ -21,6 +21,7 @@ import torch
 from nanopaged.checkpoint import resolve_model
 from nanopaged.engine.arg_utils import make_config, split_options
 from nanopaged.entrypoints.compat import VLLMEngineAPI
+from nanopaged.entrypoints.training import Driver, field_of
 from nanopaged.inputs import InputProcessor, as_batch, per_prompt
 from nanopaged.outputs import EngineStats, RequestMetrics, RequestOutput
 from nanopaged.parallel.tensor import ParallelConfig, start_method
@@ -229,6 +230,78 @@ class DataParallelLLM(VLLMEngineAPI):
 
     def list_loras(self) -> set[int]:
         return set().union(*[replica.call("list_loras") for replica in self.live()])
+
+    # ---- RL (entrypoints/training.py), on every replica ----
+
+    @property
+    def llm_engine(self):
+        return self
+
+    @property
+    def model_executor(self) -> Driver:
+        """vLLM's path to the model: its `load_weights` loads on every replica."""
+        return Driver(self._load_weights)
+
+    def _load_weights(self, weights: list) -> set[str]:
+        self._check_idle("load_weights")
+        answers = self._on_every_replica(
+            "collective_rpc", "load_weights", None, (weights,)
+        )
+        return answers[0][0]
+
+    def collective_rpc(self, method, timeout=None, args=(), kwargs=None) -> list:
+        """`method` on every rank of every replica (replica by replica, rank by
+        rank): a function travels pickled."""
+        answers = self._on_every_replica("collective_rpc", method, None, args, kwargs)
+        return [result for answer in answers for result in answer]
+
+    def sleep(self, level: int = 1, mode: str = "abort") -> list:
+        finished = self._on_every_replica("sleep", level, mode)
+        return [output for outputs in finished for output in outputs]
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        self._on_every_replica("wake_up", tags)
+
+    def is_sleeping(self) -> bool:
+        return any(self._on_every_replica("is_sleeping"))
+
+    def init_weight_transfer_engine(self, request) -> None:
+        """Every replica joins the trainer's group, replica i's ranks after those of
+        the replicas before it (`rank_offset` is the first replica's)."""
+        info = field_of(request, "init_info")
+        size = self.parallel.tensor_parallel_size
+        first = int(info.get("rank_offset", 1)) if isinstance(info, dict) else 1
+        self._on_every_replica(
+            "init_weight_transfer_engine",
+            each=lambda i: ({"init_info": dict(info, rank_offset=first + i * size)},),
+        )
+
+    def start_weight_update(self) -> None:
+        self._on_every_replica("start_weight_update")
+
+    def update_weights(self, request) -> None:
+        self._on_every_replica("update_weights", request)
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self._on_every_replica("finish_weight_update", weight_version)
+
+    def get_weight_version(self) -> str:
+        return self._on_every_replica("get_weight_version")[0]
+
+    def _on_every_replica(self, name: str, *args, each=None) -> list:
+        """`name` on every live replica at once (a weight transfer's broadcast reaches
+        them all together): sent to all, then their answers read, in order; `each(i)`
+        gives replica i's own arguments."""
+        live = self.live()
+        for replica in live:
+            replica.lock.acquire()
+        try:
+            for replica in live:
+                replica.send(name, *(each(replica.index) if each else args))
+            return [replica.receive() for replica in live]
+        finally:
+            for replica in live:
+                replica.lock.release()
 
     def _gpus(self, index: int) -> list[str] | None:
         """Replica `index`'s share of the visible GPUs: `tensor_parallel_size` of
