@@ -119,6 +119,7 @@ def read_checkpoint_config(path: str) -> PretrainedConfig:
             f"unsupported architecture {architectures}; nanopaged supports "
             f"{', '.join(ARCHITECTURES)}"
         )
+    flatten_text_config(config)
     architecture = checkpoint_architecture(config)
     found = UNSUPPORTED.get(architecture, unsupported_fields)(config)
     quant = getattr(config, "quantization_config", None)
@@ -130,6 +131,23 @@ def read_checkpoint_config(path: str) -> PretrainedConfig:
             f"the checkpoint's config has {shown}, which nanopaged does not implement"
         )
     return config
+
+
+def flatten_text_config(config: PretrainedConfig) -> None:
+    """A vision-language config keeps its language model's fields in `text_config`:
+    they are given to it as its own (where it has none of that name), as the engine
+    reads a decoder's config (its vocabulary, its layers, its positions)."""
+    text = config.get_text_config()
+    if text is config:
+        return
+    for name, value in text.to_dict().items():
+        if not hasattr(config, name):
+            setattr(config, name, value)
+
+
+def is_multimodal(config: PretrainedConfig) -> bool:
+    """Whether the checkpoint takes images (its config has a vision tower's)."""
+    return getattr(config, "vision_config", None) is not None
 
 
 def load_tokenizer(path: str) -> PreTrainedTokenizerBase:

@@ -30,6 +30,9 @@ imported only then, each a file or folder a forker may delete with its option:
   `set_dense_weight`); `BlockManager.reset_prefix_cache` after them; sleep through the
   runner's `model`, `kv_cache` and `graphs`, and `Scheduler.preempt_all`; every rank
   through `MultiprocRunner.call`; `LLM`'s refusals (`paused`).
+- vision-language models (`vision/`): their model classes in `ARCHITECTURES`; a
+  `RunnerExtension` (the step's images and positions, the encoder cache); images' pad
+  ids in `Sequence.token_ids` (the prefix cache's hashes); `Config.enforce_eager`.
 - the step trace (`trace/`): the runner `LLMEngine` is handed (`TracedRunner`).
 - tensor parallelism (`parallel/tensor.py`): a `ModelRunner` subclass on every rank.
 - data parallelism (`parallel/data.py`) and the OpenAI server (`serving/`): `LLM`.
@@ -101,6 +104,14 @@ def add_pooling_models() -> None:
     QKV_BIAS.update({"Qwen2Model", "Qwen2ForSequenceClassification"})
 
 
+def add_vision_models() -> None:
+    """The vision-language models (`vision/`): Qwen2.5-VL."""
+    from nanopaged.vision import FAMILIES
+
+    for architecture, (model, _) in FAMILIES.items():
+        ARCHITECTURES[architecture] = model
+
+
 def add_sampling_kernel() -> None:
     """The GPU backends' Triton sampling kernel (`sampling/triton_kernel.py`); without
     it (or without triton) they sample with `sampler.sample`."""
@@ -115,6 +126,7 @@ REGISTERED = {
     "nanopaged.models": add_model_families,
     "nanopaged.quantization": add_quantized_formats,
     "nanopaged.pooling": add_pooling_models,
+    "nanopaged.vision": add_vision_models,
     "nanopaged.sampling.triton_kernel": add_sampling_kernel,
 }
 

@@ -102,7 +102,7 @@ SHAPES = {
 }
 
 
-def build_tokenizer(vocab_size: int):
+def build_tokenizer(vocab_size: int, special_tokens: list[str] = SPECIAL_TOKENS):
     """A byte-level BPE tokenizer trained on a paragraph: encodes any text, offline."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -112,7 +112,7 @@ def build_tokenizer(vocab_size: int):
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS,
+        special_tokens=special_tokens,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
@@ -154,6 +154,103 @@ def write_random_checkpoint(
     )
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
+    return path
+
+
+# Tiny vision-language models, by family: their configs as their publishers write them
+VISION_SHAPES = {
+    "qwen2.5-vl": dict(
+        architectures=["Qwen2_5_VLForConditionalGeneration"],
+        model_type="qwen2_5_vl",
+        text_config=dict(
+            _DECODER,
+            model_type="qwen2_5_vl_text",
+            rope_parameters={
+                "rope_type": "default",
+                "type": "mrope",
+                "rope_theta": 10000.0,
+                "mrope_section": [2, 3, 3],
+            },
+        ),
+        vision_config=dict(
+            depth=2,
+            hidden_size=32,
+            intermediate_size=64,
+            num_heads=2,
+            out_hidden_size=64,
+            patch_size=14,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+            window_size=56,
+            fullatt_block_indexes=[1],
+        ),
+        tie_word_embeddings=True,
+    ),
+}
+QWEN_VL_TOKENS = [
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+]
+QWEN_VL_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    "{% if m['content'] is string %}{{ m['content'] }}{% else %}"
+    "{% for part in m['content'] %}{% if part['type'] == 'image' %}"
+    "<|vision_start|><|image_pad|><|vision_end|>{% elif part['type'] == 'text' %}"
+    "{{ part['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def write_random_vision_checkpoint(
+    path: str, family: str = "qwen2.5-vl", seed: int = 0, initializer_range=0.02
+) -> str:
+    """Writes a tiny vision-language checkpoint of `family` (VISION_SHAPES) with random
+    weights into `path`, as its publisher lays one out: config, safetensors, tokenizer
+    (with the family's image tokens) and image processor; returns it."""
+    import torch
+    from transformers import AutoConfig, AutoModelForImageTextToText, GenerationConfig
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+        Qwen2VLImageProcessorPil,
+    )
+
+    shape = VISION_SHAPES[family]
+    os.makedirs(path, exist_ok=True)
+    tokenizer = build_tokenizer(500, SPECIAL_TOKENS + QWEN_VL_TOKENS)
+    tokenizer.chat_template = QWEN_VL_TEMPLATE
+    ids = {token: tokenizer.convert_tokens_to_ids(token) for token in QWEN_VL_TOKENS}
+    text = dict(
+        shape["text_config"],
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,
+        pad_token_id=tokenizer.pad_token_id,
+        initializer_range=initializer_range,
+    )
+    config = AutoConfig.for_model(
+        **dict(shape, text_config=text),
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+        initializer_range=initializer_range,
+    )
+    torch.manual_seed(seed)
+    model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
+    model.generation_config = GenerationConfig(
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
+    )
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    vision = shape["vision_config"]
+    patch = vision["patch_size"] * vision["spatial_merge_size"]
+    Qwen2VLImageProcessorPil(
+        min_pixels=patch * patch * 4,
+        max_pixels=patch * patch * 64,
+        patch_size=vision["patch_size"],
+        merge_size=vision["spatial_merge_size"],
+        temporal_patch_size=vision["temporal_patch_size"],
+    ).save_pretrained(path)
     return path
 
 

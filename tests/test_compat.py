@@ -394,7 +394,7 @@ def test_chat_renders_tools_tool_calls_and_template_options(qwen3_path):
                 }
             ],
             {},
-            "content part of type 'image_url'; nanopaged runs text models",
+            "content part of type 'image_url'; this model takes only text parts",
         ),
         (
             [{"role": "user", "content": "hi"}],

@@ -61,6 +61,13 @@ LAYERS = [
     "pooling.pooler",
     "pooling.models",
     "pooling",
+    "vision.images",
+    "vision.mrope",
+    "vision.model",
+    "vision.qwen2_5_vl",
+    "vision.runner",
+    "vision.processing",
+    "vision",
     "features",
     "entrypoints.chat_utils",
     "checkpoint",
@@ -399,6 +406,7 @@ def test_speculation_reaches_the_core_through_one_seam(qwen3_path, hf_greedy):
         "pooling serving/pooling_api.py",
         "sampling/triton_kernel.py",
         "rl",
+        "vision",
     ],
 )
 def test_a_feature_deleted_leaves_a_plain_generate_working(

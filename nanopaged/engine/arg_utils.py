@@ -168,6 +168,26 @@ OPTIONS = {
         "processed_logprobs, the one sampled from (temperature, top-k, top-p, min-p: "
         "an RL trainer's)",
     ),
+    "limit_mm_per_prompt": (
+        dict | None,
+        None,
+        'images a prompt may hold, as JSON: {"image": 2} (default: 4)',
+    ),
+    "mm_processor_kwargs": (
+        dict | None,
+        None,
+        'the image processor\'s options, as JSON: {"max_pixels": 802816}',
+    ),
+    "allowed_local_media_path": (
+        str | None,
+        None,
+        "a directory whose image files (file:// URLs) prompts may name",
+    ),
+    "allow_remote_media": (
+        bool,
+        False,
+        "fetch images given by http(s) URLs (off: such a URL is refused)",
+    ),
     "enable_sleep_mode": (
         bool,
         False,
@@ -264,6 +284,10 @@ SURFACE = (
     "pooler_config",
     "async_scheduling",
     "logprobs_mode",
+    "limit_mm_per_prompt",
+    "mm_processor_kwargs",
+    "allowed_local_media_path",
+    "allow_remote_media",
     "enable_sleep_mode",
     "weight_transfer_config",
     "trace",

@@ -3,7 +3,10 @@ as vLLM renders them for `LLM.chat` and the chat completions endpoint.
 
 A message's content is a string, None (an assistant message that only calls tools), or a
 list of parts, whose text parts are joined with newlines (vLLM's "string" content
-format; a text model has no use for other parts). An assistant message's `tool_calls`
+format). A model that takes images also takes image parts (OpenAI's `image_url`, with a
+data URL or a file:// URL, and vLLM's `image_pil`): such a message keeps its parts, each
+image one `{"type": "image"}` for the template (which writes the model's placeholder
+there), and the images are returned in order. An assistant message's `tool_calls`
 reach the template with their JSON `arguments` parsed, as the templates of Qwen, Llama
 and Mistral expect; `tools` are handed to the template, which describes them to the
 model.
@@ -34,8 +37,11 @@ def render(
     continue_final_message: bool = False,
     tools: list[dict] | None = None,
     chat_template_kwargs: dict | None = None,
-) -> tuple[str, list[int]]:
-    """The text and token ids of a conversation through the chat template."""
+    takes_images: bool = False,
+) -> tuple[str, list[int], list]:
+    """The text and token ids of a conversation through the chat template, and its
+    images (their URLs or PIL images, in order; image parts only where
+    `takes_images`)."""
     if chat_template is None and not tokenizer.chat_template:
         raise ValueError(
             "the checkpoint's tokenizer has no chat template; pass chat_template "
@@ -50,7 +56,11 @@ def render(
         raise ValueError(
             f"messages must be a non-empty list of messages, got {messages!r}"
         )
-    conversation = [_message(i, message) for i, message in enumerate(messages)]
+    images: list = []
+    conversation = [
+        _message(i, message, images if takes_images else None)
+        for i, message in enumerate(messages)
+    ]
     if continue_final_message and conversation[-1]["role"] != "assistant":
         raise ValueError("continue_final_message=True needs an assistant message last")
     options = dict(chat_template_kwargs or {})
@@ -70,18 +80,22 @@ def render(
             f"{type(error).__name__}: {error}"
         ) from None
     # the template wrote the special tokens already
-    return text, tokenizer.encode(text, add_special_tokens=False)
+    return text, tokenizer.encode(text, add_special_tokens=False), images
 
 
-def _message(i: int, message) -> dict:
-    """Message `i` as chat templates take it."""
+def _message(i: int, message, images: list | None) -> dict:
+    """Message `i` as chat templates take it; its images appended to `images` (None:
+    the model takes none)."""
     if not isinstance(message, dict) or not isinstance(message.get("role"), str):
         raise ValueError(
             f"message {i} must be an object with a string role, got {message!r}"
         )
     message = dict(message)
     content = message.get("content")
-    if isinstance(content, list):
+    pictured = isinstance(content, list) and any(map(_image_of, content))
+    if pictured and images is not None:
+        message["content"] = [_part(i, part, images) for part in content]
+    elif isinstance(content, list):
         message["content"] = "\n".join(_text_part(i, part) for part in content)
     elif content is None and not message.get("tool_calls"):
         raise ValueError(f"message {i} has no content")
@@ -98,16 +112,43 @@ def _message(i: int, message) -> dict:
     return message
 
 
-def _text_part(i: int, part) -> str:
+def _image_of(part):
+    """The image a content part holds (a URL, a {"url": ...}, a PIL image), or
+    None."""
+    if not isinstance(part, dict):
+        return None
+    return (
+        part.get("image_url")
+        if part.get("type") == "image_url"
+        else (part.get("image_pil") if part.get("type") == "image_pil" else None)
+    )
+
+
+def _part(i: int, part, images: list) -> dict:
+    """A part of a message with images, as templates take them."""
+    image = _image_of(part)
+    if image is not None:
+        images.append(image)
+        return {"type": "image"}
+    return {"type": "text", "text": _text_part(i, part, images=True)}
+
+
+def _text_part(i: int, part, images: bool = False) -> str:
     if (
         not isinstance(part, dict)
         or part.get("type") != "text"
         or not isinstance(part.get("text"), str)
     ):
         kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+        takes = "image_url, image_pil and text" if images else "text"
         raise ValueError(
-            f"message {i} has a content part of type {kind!r}; nanopaged runs "
-            f"text models and takes only {{'type': 'text', 'text': ...}} parts"
+            f"message {i} has a content part of type {kind!r}; this model takes "
+            f"only {takes} parts"
+            + (
+                ""
+                if images or kind not in ("image_url", "image_pil")
+                else " (images need a vision-language model)"
+            )
         )
     return part["text"]
 

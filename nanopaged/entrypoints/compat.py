@@ -60,7 +60,7 @@ class VLLMEngineAPI:
         for conversation in (
             conversations if isinstance(conversations, list) else [None]
         ):
-            text, token_ids = chat.render(
+            text, token_ids, images = chat.render(
                 self.tokenizer,
                 conversation,
                 chat_template,
@@ -68,8 +68,12 @@ class VLLMEngineAPI:
                 continue_final_message,
                 tools,
                 chat_template_kwargs,
+                takes_images=getattr(self, "images", None) is not None,
             )
-            prompts.append({"prompt": text, "prompt_token_ids": token_ids})
+            prompt = {"prompt": text, "prompt_token_ids": token_ids}
+            if images:
+                prompt["multi_modal_data"] = {"image": images}
+            prompts.append(prompt)
         return self.generate(
             prompts, sampling_params, use_tqdm, lora_request=lora_request
         )

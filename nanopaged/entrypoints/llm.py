@@ -16,6 +16,7 @@ from tqdm.auto import tqdm
 from nanopaged.checkpoint import (
     checkpoint_architecture,
     choose_runner,
+    is_multimodal,
     pools,
     resolve_model,
 )
@@ -119,6 +120,16 @@ class LLM(VLLMEngineAPI, TrainingAPI):
                 )
             )
             self.lora = LoRAAdmission(lora, surface["max_loras"])
+        self.images = vision = None
+        if is_multimodal(config.hf_config):
+            if spec or lora or self.parallel.tensor_parallel_size > 1:
+                raise ValueError(
+                    "a vision-language model runs without speculative decoding, LoRA "
+                    "and tensor parallelism (each of them is off for images)"
+                )
+            from nanopaged.vision import vision_parts
+
+            vision, self.images = vision_parts(config, surface, self.inputs.tokenizer)
         extra_kv = proposer.kv_bytes_per_block() if spec else 0
         # speculation and the trace run each step synchronously
         overlap = surface["async_scheduling"] and not spec and not surface["trace"]
@@ -130,7 +141,10 @@ class LLM(VLLMEngineAPI, TrainingAPI):
                     "async_scheduling does not run with tensor_parallel_size > 1"
                 )
         single = async_scheduling.single_runner(config) if overlap else ModelRunner
-        runner = make_runner(config, self.parallel, extra_kv, lora, VLLMSampler, single)
+        runner = make_runner(
+            config, self.parallel, extra_kv, lora or vision, VLLMSampler, single
+        )
+        self.vision = vision
         self.requests: dict[str, Request] = {}  # the unfinished ones
         # a sequence's request, sample
         self.owners: dict[Sequence, tuple[Request, int]] = {}
@@ -191,7 +205,22 @@ class LLM(VLLMEngineAPI, TrainingAPI):
         lora_request=None,
     ) -> Request:
         """A checked request of `prompt` (a ValueError names what is wrong)."""
+        image_prompt = None
+        if isinstance(prompt, dict) and "multi_modal_data" in prompt:
+            if self.images is None:
+                raise ValueError(
+                    "this model takes no images: multi_modal_data needs a "
+                    "vision-language model"
+                )
+            prompt = dict(prompt)
+            images = self.images.images_of(prompt.pop("multi_modal_data"))
+            image_prompt = self.images.process(prompt, images)
+            prompt = image_prompt.prompt
         request = self.inputs.make_request(prompt, params, request_id, self.requests)
+        if image_prompt is not None:
+            self.images.attach(request, image_prompt, self.vision)
+        elif self.images is not None:
+            self.images.check_text_only(request.prompt_token_ids)
         if lora_request is not None:
             self._lora().prepare(request, lora_request)
         return request

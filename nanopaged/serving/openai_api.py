@@ -242,7 +242,8 @@ def chat_prompt(body: dict, llm) -> list[dict]:
             f"tools must be a list of {{'type': 'function', 'function': {{'name', "
             f"'parameters'}}}} objects, got {tools!r}"
         )
-    text, token_ids = chat.render(
+    images_of = getattr(llm, "images", None)  # a vision-language model's
+    text, token_ids, images = chat.render(
         llm.tokenizer,
         messages,
         body.get("chat_template"),
@@ -250,10 +251,14 @@ def chat_prompt(body: dict, llm) -> list[dict]:
         _flag(body, "continue_final_message", False),
         tools,
         kwargs,
+        takes_images=images_of is not None,
     )
     if body.get("add_special_tokens"):
         token_ids = llm.tokenizer.encode(text, add_special_tokens=True)
-    return [{"prompt": text, "prompt_token_ids": token_ids}]
+    prompt = {"prompt": text, "prompt_token_ids": token_ids}
+    if images:  # read here, off the engine's thread
+        prompt["multi_modal_data"] = {"image": images_of.images_of({"image": images})}
+    return [prompt]
 
 
 def sampling_params(body: dict, chat_request: bool, llm) -> tuple[SamplingParams, bool]:

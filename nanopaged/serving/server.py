@@ -396,7 +396,7 @@ async def respond(response: Response):
 def tokenize_body(llm: LLM, body: dict) -> dict:
     """vLLM's /tokenize: a prompt, or chat messages through the template."""
     if "messages" in body:
-        _, tokens = chat.render(
+        _, tokens, _ = chat.render(
             llm.tokenizer,
             body["messages"],
             body.get("chat_template"),

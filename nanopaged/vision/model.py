@@ -1,0 +1,100 @@
+"""What every vision-language model here shares: the core's decoder as its language
+model (built from the checkpoint's `text_config`), multimodal RoPE where the config asks
+for it, the checkpoint's names of both halves, and a forward that puts each image's
+tokens where its placeholders are.
+
+A step's images reach the model through `step_vision`, which the vision extension
+(`runner.py`) sets before each forward and the forward takes: the rows of the step
+whose tokens are an image's, those tokens, and every token's three positions. A
+placeholder's token id in the step is its image's pad id (past the vocabulary: see
+`processing.py`), whose embedding is never read.
+"""
+
+import copy
+from dataclasses import dataclass
+
+import torch
+from transformers import PretrainedConfig
+
+from nanopaged.core.layers import Kernels
+from nanopaged.core.model import CausalLM
+from nanopaged.vision.mrope import MRotaryEmbedding
+
+
+@dataclass
+class StepVision:
+    """One step's images, on the model's device: `rows` (R,) of the step take `embeds`
+    (R, hidden; None: no image in the step); `positions` (3, T) are the step's
+    multimodal positions (None: its 1-D ones)."""
+
+    rows: torch.Tensor
+    embeds: torch.Tensor | None
+    positions: torch.Tensor | None
+
+
+def text_config(config: PretrainedConfig, architecture: str) -> PretrainedConfig:
+    """The language model's config, as the core's decoder reads one."""
+    text = copy.copy(config.get_text_config())
+    text.architectures = [architecture]
+    text.tie_word_embeddings = getattr(config, "tie_word_embeddings", False)
+    return text
+
+
+class VisionLanguageModel(CausalLM):
+    """A family's model: a `text_architecture` the core decodes, and `encode` (its
+    vision tower) in the subclass."""
+
+    text_architecture = "Qwen2ForCausalLM"
+    image_placeholder_names = ("visual.", "model.visual.", "vision_tower.")
+
+    def __init__(self, config: PretrainedConfig, kernels: Kernels):
+        text = text_config(config, self.text_architecture)
+        super().__init__(text, kernels)
+        self.vocab_size = text.vocab_size
+        self.step_vision: StepVision | None = None
+        sections = (getattr(text, "rope_parameters", None) or {}).get("mrope_section")
+        self.mrope = sections is not None
+        for layer in self.model.layers if self.mrope else ():
+            attention = layer.self_attn
+            attention.rotary_emb = MRotaryEmbedding(
+                attention.head_dim,
+                text.max_position_embeddings,
+                text.rope_parameters,
+                kernels,
+                sections,
+            )
+
+    @property
+    def device(self) -> torch.device:
+        return self.lm_head.weight.device
+
+    def forward(self, input_ids, positions, meta) -> torch.Tensor:
+        vision, self.step_vision = self.step_vision, None
+        # an image's placeholders hold its pad id (past the vocabulary): any row will do
+        hidden = self.model.embed_tokens(input_ids.clamp(max=self.vocab_size - 1))
+        if vision is not None and vision.embeds is not None:
+            hidden[vision.rows] = vision.embeds.to(hidden.dtype)
+        if vision is not None and vision.positions is not None:
+            positions = vision.positions
+        residual = None
+        for layer in self.model.layers:
+            hidden, residual = layer(positions, hidden, residual, meta)
+        return self.model.norm(hidden, residual)[0]
+
+    def checkpoint_param(self, name: str):
+        if name.startswith(self.image_placeholder_names):
+            return self.vision_param(name), None
+        return super().checkpoint_param(name.replace("model.language_model.", "model."))
+
+    def vision_param(self, name: str) -> str:
+        """The vision tower's parameter a checkpoint tensor is (the family's names)."""
+        return name.removeprefix("model.")
+
+    def param_parts(self, name: str) -> list:
+        if name.startswith(("visual.", "vision_tower.", "multi_modal_projector.")):
+            return [None]
+        return super().param_parts(name)
+
+    def encode(self, images: list[dict]) -> list[torch.Tensor]:
+        """Each image's tokens for the language model (its processor's inputs)."""
+        raise NotImplementedError
