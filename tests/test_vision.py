@@ -288,3 +288,14 @@ def test_a_text_model_refuses_images(qwen3_path):
                 }
             ]
         )
+
+
+def test_penalties_count_the_prompts_text_beside_its_images(qwen25vl):
+    """An image's tokens hold its pad id, past the vocabulary: penalties count the
+    prompt's text tokens and pass over them."""
+    llm = LLM(qwen25vl, max_model_len=512)
+    params = SamplingParams(
+        temperature=0, max_tokens=12, ignore_eos=True, repetition_penalty=1.5
+    )
+    [output] = llm.generate(prompts_of(CASES[:1]), params, use_tqdm=False)
+    assert len(output.outputs[0].token_ids) == 12

@@ -136,7 +136,9 @@ def _token_counts(
     # padding counts in an extra column, dropped at the end
     padded = torch.full((len(token_lists), longest), vocab_size, dtype=torch.int64)
     for r, token_ids in enumerate(token_lists):
-        padded[r, : len(token_ids)] = torch.tensor(token_ids, dtype=torch.int64)
+        # an id past the vocabulary (an image's pad id) counts with the padding
+        ids = torch.tensor(token_ids, dtype=torch.int64).clamp(max=vocab_size)
+        padded[r, : len(token_ids)] = ids
     counts = torch.zeros(len(token_lists), vocab_size + 1, device=device)
     counts.scatter_add_(1, padded.to(device), torch.ones(padded.shape, device=device))
     return counts[:, :vocab_size]
