@@ -102,8 +102,13 @@ SHAPES = {
 }
 
 
-def build_tokenizer(vocab_size: int, special_tokens: list[str] = SPECIAL_TOKENS):
-    """A byte-level BPE tokenizer trained on a paragraph: encodes any text, offline."""
+def build_tokenizer(
+    vocab_size: int,
+    special_tokens: list[str] = SPECIAL_TOKENS,
+    named_tokens: dict[str, str] | None = None,
+):
+    """A byte-level BPE tokenizer trained on a paragraph: encodes any text, offline.
+    `named_tokens` are special tokens it names (Gemma 3's `boi_token`)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -122,6 +127,7 @@ def build_tokenizer(vocab_size: int, special_tokens: list[str] = SPECIAL_TOKENS)
         eos_token="<|im_end|>",
         pad_token="<|endoftext|>",
         chat_template=CHAT_TEMPLATE,
+        extra_special_tokens=named_tokens or {},
     )
 
 
@@ -187,20 +193,55 @@ VISION_SHAPES = {
         tie_word_embeddings=True,
     ),
 }
-QWEN_VL_TOKENS = [
-    "<|vision_start|>",
-    "<|vision_end|>",
-    "<|image_pad|>",
-    "<|video_pad|>",
-]
-QWEN_VL_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
-    "{% if m['content'] is string %}{{ m['content'] }}{% else %}"
-    "{% for part in m['content'] %}{% if part['type'] == 'image' %}"
-    "<|vision_start|><|image_pad|><|vision_end|>{% elif part['type'] == 'text' %}"
-    "{{ part['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+GEMMA3_TEXT = {k: v for k, v in SHAPES["gemma3"].items() if k not in ("architectures",)}
+VISION_SHAPES["gemma3"] = dict(
+    architectures=["Gemma3ForConditionalGeneration"],
+    model_type="gemma3",
+    text_config=GEMMA3_TEXT,
+    vision_config=dict(
+        model_type="siglip_vision_model",
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        image_size=112,
+        patch_size=14,
+        vision_use_head=False,
+    ),
+    mm_tokens_per_image=16,
+    tie_word_embeddings=True,
 )
+# each family's image tokens, and how its chat template writes an image's placeholder
+VISION_TOKENS = {
+    "qwen2.5-vl": (
+        ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"],
+        "<|vision_start|><|image_pad|><|vision_end|>",
+    ),
+    "gemma3": (
+        ["<start_of_image>", "<end_of_image>", "<image_soft_token>"],
+        "<start_of_image>",
+    ),
+}
+# the tokens Gemma 3's processor finds by name in its tokenizer
+GEMMA3_NAMED_TOKENS = {
+    "boi_token": "<start_of_image>",
+    "eoi_token": "<end_of_image>",
+    "image_token": "<image_soft_token>",
+}
+
+
+def vision_template(placeholder: str) -> str:
+    """The chat template of a tiny vision-language model: each image part becomes
+    `placeholder`."""
+    return (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+        "{% if m['content'] is string %}{{ m['content'] }}{% else %}"
+        "{% for part in m['content'] %}{% if part['type'] == 'image' %}"
+        f"{placeholder}"
+        "{% elif part['type'] == 'text' %}"
+        "{{ part['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
 
 
 def write_random_vision_checkpoint(
@@ -211,15 +252,14 @@ def write_random_vision_checkpoint(
     (with the family's image tokens) and image processor; returns it."""
     import torch
     from transformers import AutoConfig, AutoModelForImageTextToText, GenerationConfig
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
-        Qwen2VLImageProcessorPil,
-    )
 
     shape = VISION_SHAPES[family]
     os.makedirs(path, exist_ok=True)
-    tokenizer = build_tokenizer(500, SPECIAL_TOKENS + QWEN_VL_TOKENS)
-    tokenizer.chat_template = QWEN_VL_TEMPLATE
-    ids = {token: tokenizer.convert_tokens_to_ids(token) for token in QWEN_VL_TOKENS}
+    tokens, placeholder = VISION_TOKENS[family]
+    named = GEMMA3_NAMED_TOKENS if family == "gemma3" else None
+    tokenizer = build_tokenizer(500, SPECIAL_TOKENS + tokens, named)
+    tokenizer.chat_template = vision_template(placeholder)
+    ids = {token: tokenizer.convert_tokens_to_ids(token) for token in tokens}
     text = dict(
         shape["text_config"],
         eos_token_id=tokenizer.eos_token_id,
@@ -227,12 +267,22 @@ def write_random_vision_checkpoint(
         pad_token_id=tokenizer.pad_token_id,
         initializer_range=initializer_range,
     )
+    if family == "gemma3":
+        token_ids = dict(
+            boi_token_index=ids["<start_of_image>"],
+            eoi_token_index=ids["<end_of_image>"],
+            image_token_index=ids["<image_soft_token>"],
+        )
+    else:
+        token_ids = dict(
+            image_token_id=ids["<|image_pad|>"],
+            video_token_id=ids["<|video_pad|>"],
+            vision_start_token_id=ids["<|vision_start|>"],
+            vision_end_token_id=ids["<|vision_end|>"],
+        )
     config = AutoConfig.for_model(
         **dict(shape, text_config=text),
-        image_token_id=ids["<|image_pad|>"],
-        video_token_id=ids["<|video_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"],
-        vision_end_token_id=ids["<|vision_end|>"],
+        **token_ids,
         initializer_range=initializer_range,
     )
     torch.manual_seed(seed)
@@ -241,8 +291,38 @@ def write_random_vision_checkpoint(
         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
     )
     model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
+    write_image_processor(path, family, shape, tokenizer)
+    return path
+
+
+def write_image_processor(path: str, family: str, shape: dict, tokenizer) -> None:
+    """The family's image processor (and for Gemma 3, its processor with the
+    tokenizer), as its publisher saves it."""
     vision = shape["vision_config"]
+    if family == "gemma3":
+        from transformers import Gemma3Processor
+        from transformers.models.gemma3.image_processing_pil_gemma3 import (
+            Gemma3ImageProcessorPil,
+        )
+
+        side = vision["image_size"]
+        Gemma3Processor(
+            Gemma3ImageProcessorPil(
+                size={"height": side, "width": side},
+                do_pan_and_scan=False,
+                pan_and_scan_min_crop_size=256,
+                pan_and_scan_max_num_crops=4,
+                pan_and_scan_min_ratio_to_activate=1.2,
+            ),
+            tokenizer,
+            image_seq_length=shape["mm_tokens_per_image"],
+        ).save_pretrained(path)
+        return
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+        Qwen2VLImageProcessorPil,
+    )
+
+    tokenizer.save_pretrained(path)
     patch = vision["patch_size"] * vision["spatial_merge_size"]
     Qwen2VLImageProcessorPil(
         min_pixels=patch * patch * 4,
@@ -251,7 +331,6 @@ def write_random_vision_checkpoint(
         merge_size=vision["spatial_merge_size"],
         temporal_patch_size=vision["temporal_patch_size"],
     ).save_pretrained(path)
-    return path
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -64,6 +64,7 @@ LAYERS = [
     "vision.images",
     "vision.mrope",
     "vision.model",
+    "vision.gemma3",
     "vision.qwen2_5_vl",
     "vision.runner",
     "vision.processing",

@@ -267,6 +267,20 @@ def test_prefill_admits_in_order_and_chunks_only_the_last_prompt(engine):
     assert llm.engine.runner.steps[-1].samplers == seqs[:2]
 
 
+def test_a_chunk_never_cuts_one_of_the_prompts_spans(engine):
+    """A chunk that would end inside one of the sequence's `spans` ends at its start,
+    or runs on to its end (past the budget) when it would run none of the chunk
+    before it."""
+    llm = engine(max_num_batched_tokens=8)
+    seq = add(llm, list(range(1, 31)))
+    seq.spans = [(5, 17), (20, 22)]
+    chunks = []
+    while seq.num_computed_tokens < 30:
+        llm.step()
+        chunks.append(last_step(llm)[0][1])
+    assert chunks == [5, 12, 8, 5]
+
+
 def test_each_admitted_sequence_counts_once_against_max_num_seqs(engine):
     llm = engine(max_num_seqs=8)
     seqs = [add(llm, [1, 2, 3]) for _ in range(9)]

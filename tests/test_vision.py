@@ -252,6 +252,10 @@ def test_chat_takes_image_url_and_image_pil_parts(qwen25vl, tmp_path):
             },
             "max_model_len",
         ),
+        (
+            {"prompt": f"{IMAGE}", "multi_modal_data": {"image": picture(1, 300, 5)}},
+            "the image processor cannot take image 0",
+        ),
     ],
 )
 def test_bad_images_are_refused_by_name_and_the_engine_goes_on(
@@ -299,3 +303,38 @@ def test_penalties_count_the_prompts_text_beside_its_images(qwen25vl):
     )
     [output] = llm.generate(prompts_of(CASES[:1]), params, use_tqdm=False)
     assert len(output.outputs[0].token_ids) == 12
+
+
+def test_the_server_takes_images_in_chat_completions(qwen25vl):
+    """Base64 data URLs in image_url parts; a remote URL is a 400 that says why; the
+    model's card lists its modalities."""
+    from test_server import Server
+
+    server = Server(qwen25vl, "--max-model-len", "512")
+    try:
+        card = server.client.models.list().data[0]
+        assert card.modalities == ["text", "image"]
+        parts = [
+            {"type": "text", "text": "Compare"},
+            {"type": "image_url", "image_url": {"url": data_url(WIDE)}},
+        ]
+        answer = server.client.chat.completions.create(
+            model="tiny",
+            messages=[{"role": "user", "content": parts}],
+            max_tokens=12,
+            temperature=0,
+            extra_body={"ignore_eos": True},
+        )
+        offline = LLM(qwen25vl, max_model_len=512)
+        [expected] = offline.chat(
+            [{"role": "user", "content": parts}], GREEDY, use_tqdm=False
+        )
+        assert answer.choices[0].message.content == expected.outputs[0].text
+        remote = [{"type": "image_url", "image_url": {"url": "https://x.test/a.png"}}]
+        with pytest.raises(Exception) as refused:
+            server.client.chat.completions.create(
+                model="tiny", messages=[{"role": "user", "content": remote}]
+            )
+        assert refused.value.status_code == 400 and "is remote" in str(refused.value)
+    finally:
+        server.stop()

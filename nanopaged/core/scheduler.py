@@ -14,7 +14,8 @@ class Scheduler:
     Prefill admits waiting sequences in order while the token budget
     (`max_num_batched_tokens`), `max_num_seqs` and free blocks allow; only a step's last
     prompt can overflow the budget, and is then prefilled in chunks over several steps
-    (without `enable_chunked_prefill`, it waits for a step with room for all of it).
+    (without `enable_chunked_prefill`, it waits for a step with room for all of it); a
+    chunk never cuts one of the sequence's `spans` (`uncut`).
     Decode gives each running sequence one token, oldest first, up to the budget; when
     the pool has no block for one, the newest running sequence is preempted: its blocks
     are freed, to be recomputed later (its prefix often still cached), and it goes back
@@ -69,6 +70,8 @@ class Scheduler:
             if not seq.block_table and (full or not self.block_manager.allocate(seq)):
                 break
             num_tokens = min(len(seq) - seq.num_computed_tokens, budget)
+            if seq.spans:
+                num_tokens = uncut(seq, num_tokens)
             self.block_manager.cache_full_blocks(seq, num_tokens)
             step.add(seq, num_tokens)
             seq.num_computed_tokens += num_tokens
@@ -124,3 +127,15 @@ class Scheduler:
                 self.waiting.remove(seq)
             self.block_manager.deallocate(seq)
             seq.finish_reason = reason
+
+
+def uncut(seq: Sequence, num_tokens: int) -> int:
+    """A chunk of `num_tokens` from where `seq`'s prefill stands, moved off any of its
+    `spans` it would cut: back to the span's start, or on past its end (over the budget)
+    when it would run none of the chunk before it."""
+    start = seq.num_computed_tokens
+    end = start + num_tokens
+    for first, last in seq.spans:
+        if first < end < last:
+            return first - start if first > start else last - start
+    return num_tokens

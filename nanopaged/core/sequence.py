@@ -28,7 +28,9 @@ class Sequence:
     tokens `[i*block_size, (i+1)*block_size)`. `num_computed_tokens` counts the leading
     tokens whose K/V the scheduled steps have computed (or are computing).
     `num_cached_tokens` is how many prompt tokens the prefix cache served. Seams, all
-    off until the layer above sets them: `stop_token_ids` end the completion (EOS);
+    off until the layer above sets them: `spans` are [first, end) ranges of the prompt
+    that no chunk of a prefill may cut (an image whose tokens see each other, Gemma
+    3's); `stop_token_ids` end the completion (EOS);
     `logits_processors` and `seed` are for its sampler above the core (which changes its
     row's logits; which makes its samples independent of its batch); `prompt_logits`
     asks for the logits of the prompt tokens it runs (logprobs), `hidden_states` for the
@@ -43,6 +45,7 @@ class Sequence:
         self.token_ids = list(token_ids)
         self.num_prompt_tokens = len(token_ids)
         self.sampling_params = sampling_params
+        self.spans: list[tuple[int, int]] = []
         self.stop_token_ids: frozenset[int] = frozenset()
         self.logits_processors: list = []
         self.seed: int | None = None

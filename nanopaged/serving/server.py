@@ -244,6 +244,8 @@ def create_app(
         "root": llm.config.model,
         "parent": None,
         "max_model_len": llm.config.max_model_len,
+        # what a request may bring: text, and images for a vision-language model
+        "modalities": ["text", "image"] if getattr(llm, "images", None) else ["text"],
     }
     models = ServedModels(engine, model_card, lora_modules)
     pooling = getattr(llm, "runner_type", "generate") == "pooling"

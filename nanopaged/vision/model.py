@@ -5,7 +5,8 @@ tokens where its placeholders are.
 
 A step's images reach the model through `step_vision`, which the vision extension
 (`runner.py`) sets before each forward and the forward takes: the rows of the step
-whose tokens are an image's, those tokens, and every token's three positions. A
+whose tokens are an image's, those tokens, every token's three positions, and for a
+family whose images' tokens see each other, the span each row sees. A
 placeholder's token id in the step is its image's pad id (past the vocabulary: see
 `processing.py`), whose embedding is never read.
 """
@@ -25,11 +26,14 @@ from nanopaged.vision.mrope import MRotaryEmbedding
 class StepVision:
     """One step's images, on the model's device: `rows` (R,) of the step take `embeds`
     (R, hidden; None: no image in the step); `positions` (3, T) are the step's
-    multimodal positions (None: its 1-D ones)."""
+    multimodal positions (None: its 1-D ones); `spans` (T, 2), the first and last
+    position each row sees besides its past (first > last: none; None: no row has
+    one)."""
 
     rows: torch.Tensor
     embeds: torch.Tensor | None
     positions: torch.Tensor | None
+    spans: torch.Tensor | None = None
 
 
 def text_config(config: PretrainedConfig, architecture: str) -> PretrainedConfig:
@@ -42,10 +46,14 @@ def text_config(config: PretrainedConfig, architecture: str) -> PretrainedConfig
 
 class VisionLanguageModel(CausalLM):
     """A family's model: a `text_architecture` the core decodes, and `encode` (its
-    vision tower) in the subclass."""
+    vision tower) in the subclass. `bidirectional_images`: an image's tokens see each
+    other both ways (the runner then gives each step its `spans`)."""
 
     text_architecture = "Qwen2ForCausalLM"
-    image_placeholder_names = ("visual.", "model.visual.", "vision_tower.")
+    bidirectional_images = False
+    # checkpoint names of the vision tower and projector, the published and
+    # transformers' own
+    vision_prefixes = ("visual.", "vision_tower.", "multi_modal_projector.")
 
     def __init__(self, config: PretrainedConfig, kernels: Kernels):
         text = text_config(config, self.text_architecture)
@@ -71,27 +79,32 @@ class VisionLanguageModel(CausalLM):
     def forward(self, input_ids, positions, meta) -> torch.Tensor:
         vision, self.step_vision = self.step_vision, None
         # an image's placeholders hold its pad id (past the vocabulary): any row will do
-        hidden = self.model.embed_tokens(input_ids.clamp(max=self.vocab_size - 1))
-        if vision is not None and vision.embeds is not None:
-            hidden[vision.rows] = vision.embeds.to(hidden.dtype)
+        embeds = self.model.embed_tokens(input_ids.clamp(max=self.vocab_size - 1))
         if vision is not None and vision.positions is not None:
             positions = vision.positions
-        residual = None
+        hidden, residual = self.start(embeds, vision)
         for layer in self.model.layers:
             hidden, residual = layer(positions, hidden, residual, meta)
         return self.model.norm(hidden, residual)[0]
 
+    def start(self, embeds: torch.Tensor, vision: StepVision | None):
+        """The first layer's input and residual stream (None: the layer's own start):
+        the step's embeddings, its images' tokens in their rows."""
+        if vision is not None and vision.embeds is not None:
+            embeds[vision.rows] = vision.embeds.to(embeds.dtype)
+        return embeds, None
+
     def checkpoint_param(self, name: str):
-        if name.startswith(self.image_placeholder_names):
-            return self.vision_param(name), None
+        if name.removeprefix("model.").startswith(self.vision_prefixes):
+            return self.vision_param(name.removeprefix("model.")), None
         return super().checkpoint_param(name.replace("model.language_model.", "model."))
 
     def vision_param(self, name: str) -> str:
         """The vision tower's parameter a checkpoint tensor is (the family's names)."""
-        return name.removeprefix("model.")
+        return name
 
     def param_parts(self, name: str) -> list:
-        if name.startswith(("visual.", "vision_tower.", "multi_modal_projector.")):
+        if name.startswith(self.vision_prefixes):
             return [None]
         return super().param_parts(name)
 

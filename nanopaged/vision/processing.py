@@ -32,16 +32,19 @@ class Family:
     `expansion(n)`, what it becomes for an image of n tokens; `image_token`, the token
     whose places take the image's tokens; `num_tokens(inputs)`, an image's tokens from
     its processed inputs; `grid(inputs)`, its grid (t, h, w) of tokens for multimodal
-    RoPE (None: the family has none)."""
+    RoPE (None: the family has none); `bidirectional`, whether an image's tokens see
+    each other both ways (then no chunk of a prefill cuts an image: the sequence's
+    `spans`)."""
 
     placeholder: str
     expansion: Callable[[int], str]
     image_token: str
     num_tokens: Callable[[dict], int]
     grid: Callable[[dict], tuple[int, int, int]] | None = None
+    bidirectional: bool = False
 
 
-def qwen_vl(config) -> Family:
+def qwen_vl_family(config) -> Family:
     merge = config.vision_config.spatial_merge_size
 
     def grid(inputs: dict) -> tuple[int, int, int]:
@@ -54,6 +57,24 @@ def qwen_vl(config) -> Family:
         "<|image_pad|>",
         lambda inputs: int(np.prod(grid(inputs))),
         grid,
+    )
+
+
+def gemma3_family(config) -> Family:
+    def num_tokens(inputs: dict) -> int:
+        if len(inputs["pixel_values"]) != 1:
+            raise ValueError(
+                "an image cut into crops (do_pan_and_scan) is not supported: each "
+                "image is one square"
+            )
+        return config.mm_tokens_per_image
+
+    return Family(
+        "<start_of_image>",
+        lambda n: f"\n\n<start_of_image>{'<image_soft_token>' * n}<end_of_image>\n\n",
+        "<image_soft_token>",
+        num_tokens,
+        bidirectional=True,
     )
 
 
@@ -118,10 +139,7 @@ class ImageProcessor:
     def process(self, prompt: dict, images: list) -> ImagePrompt:
         """`prompt` (a text, or token ids) with its placeholders expanded for
         `images`."""
-        inputs = [
-            dict(self.processor(images=[image], return_tensors="pt"))
-            for image in images
-        ]
+        inputs = [self._pixels(i, image) for i, image in enumerate(images)]
         sizes = [self.family.num_tokens(i) for i in inputs]
         text, token_ids = prompt.get("prompt"), prompt.get("prompt_token_ids")
         placeholder = self.family.placeholder
@@ -161,6 +179,16 @@ class ImageProcessor:
             expanded["prompt"] = text
         return ImagePrompt(expanded, items)
 
+    def _pixels(self, index: int, image) -> dict:
+        """The processor's inputs for one image (a ValueError if it fails)."""
+        try:
+            return dict(self.processor(images=[image], return_tensors="pt"))
+        except Exception as error:
+            raise ValueError(
+                f"the image processor cannot take image {index} with "
+                f"mm_processor_kwargs={self.kwargs}: {error}"
+            ) from None
+
     def _check_count(self, found: int, images: int) -> None:
         if found != images:
             raise ValueError(
@@ -186,12 +214,15 @@ class ImageProcessor:
         if self.family.grid is not None:
             grids = [(item.start, self.family.grid(item.inputs)) for item in items]
             positions, delta = prompt_positions(length, grids)
+        spans = [(i.start, i.start + i.length) for i in items]
         for seq in request.seqs:
             for item in items:
                 pad = self.vocab_size + item.key % PAD_RANGE
                 seq.token_ids[item.start : item.start + item.length] = [
                     pad
                 ] * item.length
+            if self.family.bidirectional:
+                seq.spans = spans
             extension.images[seq] = SequenceImages(items, positions, delta)
 
 

@@ -52,11 +52,13 @@ class SequenceImages:
 class VisionInputs:
     """What a step tells the device about images: the step's rows of image tokens,
     for each a (key, image, first, end) slice of an image's tokens, in row order; and
-    the step's (3, T) positions (None: none needed)."""
+    the step's (3, T) positions (None: none needed); and its (T, 2) spans, the first
+    and last position each row sees besides its past (None: none needed)."""
 
     rows: np.ndarray
     pieces: list[tuple[int, ImageItem, int, int]]
     positions: np.ndarray | None
+    spans: np.ndarray | None = None
 
 
 class VisionExtension(RunnerExtension):
@@ -79,6 +81,7 @@ class VisionExtension(RunnerExtension):
         rows, pieces = [], []
         mrope = self.model.mrope
         positions = np.repeat(inputs.positions[None], 3, axis=0) if mrope else None
+        spans = np.tile([0, -1], (len(inputs.positions), 1))  # first > last: none
         offset = 0
         counts = np.diff(inputs.cu_seqlens_q) if inputs.ragged else [1] * len(step.seqs)
         for seq, start, count in zip(step.seqs, step.starts, counts):
@@ -95,14 +98,15 @@ class VisionExtension(RunnerExtension):
                     first = max(start, item.start)
                     last = min(end, item.start + item.length)
                     if first < last:
-                        rows.extend(
-                            range(offset + first - start, offset + last - start)
-                        )
+                        here = slice(offset + first - start, offset + last - start)
+                        rows.extend(range(here.start, here.stop))
+                        spans[here] = item.start, item.start + item.length - 1
                         pieces.append(
                             (item.key, item, first - item.start, last - item.start)
                         )
             offset += count
-        return VisionInputs(np.array(rows, dtype=np.int64), pieces, positions)
+        seen = spans if self.model.bidirectional_images and rows else None
+        return VisionInputs(np.array(rows, dtype=np.int64), pieces, positions, seen)
 
     def before_forward(self, inputs: StepInputs) -> None:
         vision = inputs.extension
@@ -120,11 +124,12 @@ class VisionExtension(RunnerExtension):
         for key in needed:
             self.cache.move_to_end(key)
         embeds = [self.cache[key][first:end] for key, _, first, end in vision.pieces]
-        positions = vision.positions
+        positions, spans = vision.positions, vision.spans
         self.model.step_vision = StepVision(
             to_device(device, vision.rows, torch.int64),
             torch.cat(embeds) if embeds else None,
             None if positions is None else to_device(device, positions, torch.int64),
+            None if spans is None else to_device(device, spans, torch.int64),
         )
         self.evict(keep=needed)
 
