@@ -105,8 +105,8 @@ def add_pooling_models() -> None:
 
 
 def add_vision_models() -> None:
-    """The vision-language models (`vision/`): Qwen2.5-VL, Gemma 3 (its language
-    model's config checked as Gemma 3's text model's)."""
+    """The vision-language models (`vision/`): Qwen2.5-VL, Qwen3-VL, Gemma 3 (its
+    language model's config checked as Gemma 3's text model's)."""
     from nanopaged.models.gemma3 import unsupported_gemma3_fields
     from nanopaged.vision import FAMILIES
 

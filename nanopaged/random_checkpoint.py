@@ -193,6 +193,34 @@ VISION_SHAPES = {
         tie_word_embeddings=True,
     ),
 }
+VISION_SHAPES["qwen3-vl"] = dict(
+    architectures=["Qwen3VLForConditionalGeneration"],
+    model_type="qwen3_vl",
+    text_config=dict(
+        _DECODER,
+        model_type="qwen3_vl_text",
+        num_hidden_layers=3,
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 10000.0,
+            "mrope_section": [2, 3, 3],
+            "mrope_interleaved": True,
+        },
+    ),
+    vision_config=dict(
+        depth=3,
+        hidden_size=32,
+        intermediate_size=64,
+        num_heads=2,
+        out_hidden_size=64,
+        patch_size=16,
+        spatial_merge_size=2,
+        temporal_patch_size=2,
+        num_position_embeddings=16,
+        deepstack_visual_indexes=[0, 1],
+    ),
+    tie_word_embeddings=True,
+)
 GEMMA3_TEXT = {k: v for k, v in SHAPES["gemma3"].items() if k not in ("architectures",)}
 VISION_SHAPES["gemma3"] = dict(
     architectures=["Gemma3ForConditionalGeneration"],
@@ -214,6 +242,10 @@ VISION_SHAPES["gemma3"] = dict(
 # each family's image tokens, and how its chat template writes an image's placeholder
 VISION_TOKENS = {
     "qwen2.5-vl": (
+        ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"],
+        "<|vision_start|><|image_pad|><|vision_end|>",
+    ),
+    "qwen3-vl": (
         ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"],
         "<|vision_start|><|image_pad|><|vision_end|>",
     ),
@@ -324,12 +356,17 @@ def write_image_processor(path: str, family: str, shape: dict, tokenizer) -> Non
 
     tokenizer.save_pretrained(path)
     patch = vision["patch_size"] * vision["spatial_merge_size"]
+    # Qwen3-VL's processor normalises to [-1, 1]; Qwen2.5-VL's by CLIP's statistics
+    half = (
+        dict(image_mean=[0.5] * 3, image_std=[0.5] * 3) if family == "qwen3-vl" else {}
+    )
     Qwen2VLImageProcessorPil(
         min_pixels=patch * patch * 4,
         max_pixels=patch * patch * 64,
         patch_size=vision["patch_size"],
         merge_size=vision["spatial_merge_size"],
         temporal_patch_size=vision["temporal_patch_size"],
+        **half,
     ).save_pretrained(path)
 
 

@@ -66,6 +66,7 @@ LAYERS = [
     "vision.model",
     "vision.gemma3",
     "vision.qwen2_5_vl",
+    "vision.qwen3_vl",
     "vision.runner",
     "vision.processing",
     "vision",

@@ -1,8 +1,9 @@
 """Vision-language models (nanopaged/vision/): greedy tokens equal transformers'
-`generate` on small random checkpoints written as their publishers lay them out, with
-one and two images of different sizes anywhere in a prompt, beside text-only requests,
-split by chunked prefill, preempted, with prefix hits, n > 1 and async scheduling;
-images in vLLM's prompts and chat parts; bad input refused by name."""
+`generate` on small random checkpoints written as their publishers lay them out
+(Qwen2.5-VL and Qwen3-VL here, Gemma 3 in test_vision_gemma3.py), with one and two
+images of different sizes anywhere in a prompt, beside text-only requests, split by
+chunked prefill, preempted, with prefix hits, n > 1 and async scheduling; images in
+vLLM's prompts and chat parts; bad input refused by name."""
 
 import base64
 import functools
@@ -34,6 +35,22 @@ def qwen25vl(tmp_path_factory) -> str:
     return write_random_vision_checkpoint(
         str(tmp_path_factory.mktemp("vision") / "qwen2.5-vl"), initializer_range=0.1
     )
+
+
+@pytest.fixture(scope="module")
+def qwen3vl(tmp_path_factory) -> str:
+    return write_random_vision_checkpoint(
+        str(tmp_path_factory.mktemp("vision") / "qwen3-vl"),
+        "qwen3-vl",
+        initializer_range=0.1,
+    )
+
+
+@pytest.fixture(params=["qwen2.5-vl", "qwen3-vl"])
+def qwen(request) -> str:
+    """Each Qwen vision-language family's checkpoint."""
+    fixture = {"qwen2.5-vl": "qwen25vl", "qwen3-vl": "qwen3vl"}[request.param]
+    return request.getfixturevalue(fixture)
 
 
 @functools.cache
@@ -122,10 +139,10 @@ def tokens(outputs) -> list[list[int]]:
     ],
     ids=["plain", "chunked", "preempted", "async", "torch", "mixed"],
 )
-def test_greedy_tokens_equal_transformers(qwen25vl, options):
-    llm = LLM(qwen25vl, max_model_len=512, kvcache_block_size=16, **options)
+def test_greedy_tokens_equal_transformers(qwen, options):
+    llm = LLM(qwen, max_model_len=512, kvcache_block_size=16, **options)
     outputs = llm.generate(prompts_of(CASES), GREEDY, use_tqdm=False)
-    assert tokens(outputs) == [hf_greedy(qwen25vl, t, n) for t, n in CASES]
+    assert tokens(outputs) == [hf_greedy(qwen, t, n) for t, n in CASES]
     if "num_kvcache_blocks" in options:
         assert llm.engine.scheduler.num_preemptions > 0
     # each of the 3 images encoded once (two come twice), however a prefill was split
@@ -133,10 +150,10 @@ def test_greedy_tokens_equal_transformers(qwen25vl, options):
         assert llm.vision.num_encoded == 3
 
 
-def test_the_same_image_is_served_from_the_prefix_cache_and_another_is_not(qwen25vl):
+def test_the_same_image_is_served_from_the_prefix_cache_and_another_is_not(qwen):
     """Blocks holding an image's tokens are named by the image: the same text and image
     again hit them, the same text and another image only the text before it."""
-    llm = LLM(qwen25vl, max_model_len=512, kvcache_block_size=16)
+    llm = LLM(qwen, max_model_len=512, kvcache_block_size=16)
     text = "A few words of text before the picture come first " + IMAGE + " after"
     first = llm.generate({"prompt": text, "multi_modal_data": {"image": WIDE}}, GREEDY)
     again = llm.generate({"prompt": text, "multi_modal_data": {"image": WIDE}}, GREEDY)
@@ -145,8 +162,8 @@ def test_the_same_image_is_served_from_the_prefix_cache_and_another_is_not(qwen2
     before_image = first[0].prompt_token_ids.index(llm.images.image_token_id)
     assert again[0].num_cached_tokens == (prompt_length - 1) // 16 * 16
     assert other[0].num_cached_tokens == before_image // 16 * 16
-    assert tokens(again) == tokens(first) == [hf_greedy(qwen25vl, text, ("wide",))]
-    assert tokens(other) == [hf_greedy(qwen25vl, text, ("tall",))]
+    assert tokens(again) == tokens(first) == [hf_greedy(qwen, text, ("wide",))]
+    assert tokens(other) == [hf_greedy(qwen, text, ("tall",))]
 
 
 def test_n_samples_and_token_id_prompts(qwen25vl):
@@ -161,13 +178,13 @@ def test_n_samples_and_token_id_prompts(qwen25vl):
     assert [c.token_ids for c in output.outputs] == [expected, expected]
 
 
-def test_logprobs_are_transformers_within_tolerance(qwen25vl):
-    llm = LLM(qwen25vl, max_model_len=512)
+def test_logprobs_are_transformers_within_tolerance(qwen):
+    llm = LLM(qwen, max_model_len=512)
     text, names = CASES[0]
     params = SamplingParams(temperature=0, max_tokens=6, logprobs=0, ignore_eos=True)
     [output] = llm.generate(prompts_of([CASES[0]]), params, use_tqdm=False)
-    model = _reference(qwen25vl)[0]
-    ids, inputs = expanded(qwen25vl, text, [WIDE])
+    model = _reference(qwen)[0]
+    ids, inputs = expanded(qwen, text, [WIDE])
     completion = output.outputs[0].token_ids
     full = torch.tensor([ids + completion])
     with torch.no_grad():

@@ -11,8 +11,9 @@ paged cache. How an image travels through the engine (docs/vision.md draws it):
 3. `runner.py`, the runner's extension: for each step, which rows are which image's
    tokens; on the device, the image encoded (once: an encoder cache keeps it), its
    tokens put in the step's rows, and every token's multimodal positions.
-4. The model (`model.py` and a family's file, `qwen2_5_vl.py`, `gemma3.py`): the
-   vision tower in plain PyTorch, the language model the core's decoder.
+4. The model (`model.py` and a family's file: `qwen2_5_vl.py`, `qwen3_vl.py`,
+   `gemma3.py`): the vision tower in plain PyTorch, the language model the core's
+   decoder.
 
 `FAMILIES` names each architecture's model class and how its prompts hold images.
 """
@@ -26,11 +27,13 @@ from nanopaged.vision.processing import (
     qwen_vl_family,
 )
 from nanopaged.vision.qwen2_5_vl import Qwen2_5_VL
+from nanopaged.vision.qwen3_vl import Qwen3VL
 from nanopaged.vision.runner import VisionExtension
 
 # architecture -> (its model class, its prompts' family given its config)
 FAMILIES = {
     "Qwen2_5_VLForConditionalGeneration": (Qwen2_5_VL, qwen_vl_family),
+    "Qwen3VLForConditionalGeneration": (Qwen3VL, qwen_vl_family),
     "Gemma3ForConditionalGeneration": (Gemma3VL, gemma3_family),
 }
 # images a prompt may hold without limit_mm_per_prompt

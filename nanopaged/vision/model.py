@@ -19,7 +19,7 @@ from transformers import PretrainedConfig
 
 from nanopaged.core.layers import Kernels
 from nanopaged.core.model import CausalLM
-from nanopaged.vision.mrope import MRotaryEmbedding
+from nanopaged.vision.mrope import MRotaryEmbedding, sources
 
 
 @dataclass
@@ -50,6 +50,8 @@ class VisionLanguageModel(CausalLM):
     other both ways (the runner then gives each step its `spans`)."""
 
     text_architecture = "Qwen2ForCausalLM"
+    # multimodal RoPE: None (1-D positions), "sections" or "interleaved" (`mrope.py`)
+    mrope_layout: str | None = None
     bidirectional_images = False
     # checkpoint names of the vision tower and projector, the published and
     # transformers' own
@@ -60,16 +62,18 @@ class VisionLanguageModel(CausalLM):
         super().__init__(text, kernels)
         self.vocab_size = text.vocab_size
         self.step_vision: StepVision | None = None
-        sections = (getattr(text, "rope_parameters", None) or {}).get("mrope_section")
-        self.mrope = sections is not None
+        self.mrope = self.mrope_layout is not None
+        parameters = getattr(text, "rope_parameters", None) or {}
+        # transformers' default where a config names no sections
+        sections = parameters.get("mrope_section", [24, 20, 20])
         for layer in self.model.layers if self.mrope else ():
             attention = layer.self_attn
             attention.rotary_emb = MRotaryEmbedding(
                 attention.head_dim,
                 text.max_position_embeddings,
-                text.rope_parameters,
+                parameters,
                 kernels,
-                sections,
+                sources(sections, self.mrope_layout == "interleaved"),
             )
 
     @property
@@ -83,16 +87,28 @@ class VisionLanguageModel(CausalLM):
         if vision is not None and vision.positions is not None:
             positions = vision.positions
         hidden, residual = self.start(embeds, vision)
-        for layer in self.model.layers:
+        deepstack = self.deepstack(vision, embeds.shape[1])
+        for i, layer in enumerate(self.model.layers):
             hidden, residual = layer(positions, hidden, residual, meta)
+            if i < len(deepstack):
+                hidden[vision.rows] += deepstack[i].to(hidden.dtype)
         return self.model.norm(hidden, residual)[0]
 
     def start(self, embeds: torch.Tensor, vision: StepVision | None):
         """The first layer's input and residual stream (None: the layer's own start):
         the step's embeddings, its images' tokens in their rows."""
         if vision is not None and vision.embeds is not None:
-            embeds[vision.rows] = vision.embeds.to(embeds.dtype)
+            embeds[vision.rows] = vision.embeds[:, : embeds.shape[1]].to(embeds.dtype)
         return embeds, None
+
+    @staticmethod
+    def deepstack(vision: StepVision | None, width: int) -> tuple:
+        """What the first layers add to the image's rows (Qwen3-VL's DeepStack): an
+        image's tokens wider than the model are its tokens, then one more of each
+        width for each layer."""
+        if vision is None or vision.embeds is None or vision.embeds.shape[1] == width:
+            return ()
+        return vision.embeds[:, width:].split(width, dim=-1)
 
     def checkpoint_param(self, name: str):
         if name.removeprefix("model.").startswith(self.vision_prefixes):

@@ -34,21 +34,15 @@ def prompt_positions(
 
 
 class MRotaryEmbedding(RotaryEmbedding):
-    """The core's rotary embedding, its frequencies in `sections` (the config's
-    `mrope_section`: so many of the temporal, then height, then width position): its
-    forward takes positions (3, T), or (T,) for text alone."""
+    """The core's rotary embedding, its frequencies turned by the position `sources`
+    names for each: its forward takes positions (3, T), or (T,) for text alone."""
 
     def __init__(
-        self, head_dim, max_position, parameters: dict, kernels: Kernels, sections
+        self, head_dim, max_position, parameters: dict, kernels: Kernels, sources
     ):
         plain = {k: v for k, v in parameters.items() if k in ("rope_theta",)}
         super().__init__(head_dim, max_position, plain, kernels)
-        # which of the three positions turns each frequency (of head_dim / 2)
-        self.register_buffer(
-            "sources",
-            torch.repeat_interleave(torch.arange(3), torch.tensor(list(sections))),
-            persistent=False,
-        )
+        self.register_buffer("sources", sources, persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         if positions.dim() == 1:
@@ -60,3 +54,16 @@ class MRotaryEmbedding(RotaryEmbedding):
         table = torch.cat((cos, sin), dim=-1)  # (T, head_dim): a row per token
         rows = torch.arange(len(table), device=table.device)
         return self.rotary(q, k, rows, table)
+
+
+def sources(sections: list[int], interleaved: bool) -> torch.Tensor:
+    """Which of the three positions turns each frequency (of head_dim / 2), given the
+    config's `mrope_section` (t, h, w): so many of the temporal, then height, then
+    width position (Qwen2.5-VL); or, interleaved (Qwen3-VL), t h w t h w ..., each
+    of h and w for its section's count, and t for the rest."""
+    if not interleaved:
+        return torch.repeat_interleave(torch.arange(3), torch.tensor(list(sections)))
+    found = torch.zeros(sum(sections), dtype=torch.long)
+    for axis in (1, 2):
+        found[axis : 3 * sections[axis] : 3] = axis
+    return found

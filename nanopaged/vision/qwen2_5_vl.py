@@ -190,6 +190,7 @@ class Qwen2_5_VL(VisionLanguageModel):
     (`visual`): `encode` makes the images' tokens."""
 
     text_architecture = "Qwen2ForCausalLM"
+    mrope_layout = "sections"
 
     def __init__(self, config, kernels: Kernels):
         super().__init__(config, kernels)
