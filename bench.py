@@ -17,6 +17,7 @@
     python bench.py --spec               # speculative decoding off and on
     python bench.py --lora 4             # LoRA off, on, and with 4 adapters
     python bench.py --pooling            # embeddings/s beside sentence-transformers
+    python bench.py --cpu --vision       # image requests beside transformers
     python bench.py --tiny               # a seconds-long run on CPU
     python bench.py --serve              # the server at several request rates,
                                          # prefill-first beside mixed scheduling
@@ -142,6 +143,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="embeddings a second, beside sentence-transformers on the same checkpoint",
     )
     modes.add_argument(
+        "--vision",
+        action="store_true",
+        help="image requests on the preset's vision-language model, beside "
+        "transformers' batched generate",
+    )
+    modes.add_argument(
         "--serve",
         action="store_true",
         help="time a server under requests that arrive over time",
@@ -215,7 +222,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.serve and importlib.util.find_spec("httpx") is None:
         p.error('--serve needs httpx: pip install -e ".[bench]"')
     other_modes = args.host, args.simulate, args.profile, args.spec, args.lora
-    if args.plot and any((*other_modes, args.pooling, args.kernels)):
+    if args.plot and any((*other_modes, args.pooling, args.kernels, args.vision)):
         p.error("--plot draws throughput, --steps or --serve results")
     if args.plot and importlib.util.find_spec("matplotlib") is None:
         p.error('--plot needs matplotlib: pip install -e ".[bench]"')
@@ -227,7 +234,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    model = None if args.simulate else resolve_model(args)  # it writes its own tiny one
+    # --simulate writes its own tiny model, --vision its vision-language one
+    model = None if args.simulate or args.vision else resolve_model(args)
     if args.simulate:
         from benchmarks.simulate import print_simulation, simulate
 
@@ -264,6 +272,11 @@ def main(argv=None) -> dict:
 
         result = dict(pooling=pooling_times(model, args))
         print_pooling(result["pooling"])
+    elif args.vision:
+        from benchmarks.vision import print_vision, vision_times
+
+        result = dict(vision=vision_times(args))
+        print_vision(result["vision"])
     elif args.serve:
         from benchmarks.serve import print_serving, serve_times
 

@@ -30,9 +30,11 @@ imported only then, each a file or folder a forker may delete with its option:
   `set_dense_weight`); `BlockManager.reset_prefix_cache` after them; sleep through the
   runner's `model`, `kv_cache` and `graphs`, and `Scheduler.preempt_all`; every rank
   through `MultiprocRunner.call`; `LLM`'s refusals (`paused`).
-- vision-language models (`vision/`): their model classes in `ARCHITECTURES`; a
-  `RunnerExtension` (the step's images and positions, the encoder cache); images' pad
-  ids in `Sequence.token_ids` (the prefix cache's hashes); `Config.enforce_eager`.
+- vision-language models (`vision/`): their model classes in `ARCHITECTURES` and
+  Gemma 3's check in `UNSUPPORTED`; a `RunnerExtension` (the step's images, the encoder
+  cache; multimodal positions, in `StepInputs.positions` where they agree); images' pad
+  ids in `Sequence.token_ids` (the prefix cache's hashes); `Sequence.spans` (an image
+  no chunk cuts); the core's `Attention`, `attend` and `gather_blocks` (Gemma 3's).
 - the step trace (`trace/`): the runner `LLMEngine` is handed (`TracedRunner`).
 - tensor parallelism (`parallel/tensor.py`): a `ModelRunner` subclass on every rank.
 - data parallelism (`parallel/data.py`) and the OpenAI server (`serving/`): `LLM`.

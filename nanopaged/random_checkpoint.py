@@ -277,15 +277,20 @@ def vision_template(placeholder: str) -> str:
 
 
 def write_random_vision_checkpoint(
-    path: str, family: str = "qwen2.5-vl", seed: int = 0, initializer_range=0.02
+    path: str,
+    family: str = "qwen2.5-vl",
+    seed: int = 0,
+    initializer_range=0.02,
+    shape: dict | None = None,
 ) -> str:
-    """Writes a tiny vision-language checkpoint of `family` (VISION_SHAPES) with random
-    weights into `path`, as its publisher lays one out: config, safetensors, tokenizer
-    (with the family's image tokens) and image processor; returns it."""
+    """Writes a vision-language checkpoint of `family` with random weights into
+    `path`, as its publisher lays one out: config, safetensors, tokenizer (with the
+    family's image tokens) and image processor; returns it. Its config is `shape`,
+    or the family's tiny one (VISION_SHAPES)."""
     import torch
     from transformers import AutoConfig, AutoModelForImageTextToText, GenerationConfig
 
-    shape = VISION_SHAPES[family]
+    shape = shape or VISION_SHAPES[family]
     os.makedirs(path, exist_ok=True)
     tokens, placeholder = VISION_TOKENS[family]
     named = GEMMA3_NAMED_TOKENS if family == "gemma3" else None

@@ -571,6 +571,20 @@ def test_pooling_beside_sentence_transformers(bench, qwen3_path):
     assert rows[1]["vs_sentence_transformers"] == 1
 
 
+def test_vision_beside_transformers(bench, tmp_path):
+    """Image requests: the same tokens from both engines; each distinct image encoded
+    once, and repeated images served in part by the prefix cache."""
+    from nanopaged.random_checkpoint import write_random_vision_checkpoint
+
+    model = write_random_vision_checkpoint(str(tmp_path / "vl"))
+    argv = ["--tiny", "--model", model, "--vision", "--max-model-len", "1024"]
+    rows = bench.main(argv)["vision"]
+    assert [r["engine"] for r in rows] == ["nanopaged", "hf"]
+    assert all(r["requests"] == 8 and r["same_tokens"] == 8 for r in rows)
+    assert rows[0]["images_encoded"] == 2 and rows[0]["prefix_hit_rate"] > 0.5
+    assert rows[1]["speedup_vs_hf"] == 1
+
+
 def test_serving_compares_both_policies(bench, qwen3_path, tmp_path, figures):
     result = bench.main(
         [

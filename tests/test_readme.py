@@ -34,6 +34,7 @@ PAGES = ["README.md"] + sorted(
     if name.endswith(".md")
 )
 MODEL_IDS = re.compile(r"Qwen/Qwen3-[0-9.]+B")
+VISION_IDS = re.compile(r"Qwen/Qwen2\.5-VL-[0-9]+B-Instruct")
 SERVER_COMMANDS = (
     "nanopaged serve",
     "python -m nanopaged.serving.server",
@@ -89,10 +90,11 @@ def test_every_block_is_python_shell_or_text_and_every_command_is_checked(page):
             ), command
 
 
-def run(code: str, namespace: dict, model: str, port: int) -> str:
-    """Runs a block with the model ids and the port replaced; returns what it
-    printed."""
-    code = MODEL_IDS.sub(model, code).replace("127.0.0.1:8000", f"127.0.0.1:{port}")
+def run(code: str, namespace: dict, model: str, port: int, vision: str = "") -> str:
+    """Runs a block with the model ids (a vision-language model's: `vision`) and the
+    port replaced; returns what it printed."""
+    code = VISION_IDS.sub(vision, MODEL_IDS.sub(model, code))
+    code = code.replace("127.0.0.1:8000", f"127.0.0.1:{port}")
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
         exec(compile(code, "README.md", "exec"), namespace)
@@ -107,12 +109,17 @@ def run(code: str, namespace: dict, model: str, port: int) -> str:
         if any(not talks_to_a_server(code) for code in blocks(p, "python"))
     ],
 )
-def test_the_offline_blocks_run_as_written(page, qwen3_path):
+def test_the_offline_blocks_run_as_written(page, qwen3_path, tmp_path):
+    from nanopaged.random_checkpoint import write_random_vision_checkpoint
+
     namespace: dict = {}
+    vision = ""
     for code in blocks(page, "python"):
+        if VISION_IDS.search(code) and not vision:
+            vision = write_random_vision_checkpoint(str(tmp_path / "vision"))
         if not talks_to_a_server(code):
             # each shows its result
-            assert run(code, namespace, qwen3_path, 0).strip(), code
+            assert run(code, namespace, qwen3_path, 0, vision).strip(), code
 
 
 @pytest.fixture(scope="module")

@@ -166,6 +166,35 @@ def test_the_same_image_is_served_from_the_prefix_cache_and_another_is_not(qwen)
     assert tokens(other) == [hf_greedy(qwen, text, ("tall",))]
 
 
+def test_decode_steps_run_on_one_position_and_replay_their_graphs(qwen):
+    """A step without an image's token runs on the text's one position per token (its
+    three agree): decode steps replay the backend's graphs, and the tokens hold."""
+    llm = LLM(qwen, max_model_len=512)
+    graphs = llm.engine.runner.graphs
+    replays, replay = [], graphs.replay
+    graphs.replay = lambda *args: replays.append(args[1].dim()) or replay(*args)
+    outputs = llm.generate(prompts_of(CASES), GREEDY, use_tqdm=False)
+    assert tokens(outputs) == [hf_greedy(qwen, t, n) for t, n in CASES]
+    assert len(replays) >= 10 and set(replays) == {1}
+
+
+def test_an_image_sent_again_is_processed_once_while_among_the_latest(
+    qwen25vl, monkeypatch
+):
+    from nanopaged.vision import processing
+
+    llm = LLM(qwen25vl, max_model_len=512)
+    calls, processor = [], llm.images.processor
+    llm.images.processor = lambda **kw: calls.append(1) or processor(**kw)
+    # wide, then wide and tall: wide is processed once
+    outputs = llm.generate(prompts_of([CASES[0], CASES[1]]), GREEDY, use_tqdm=False)
+    assert len(calls) == 2
+    assert tokens(outputs) == [hf_greedy(qwen25vl, *case) for case in CASES[:2]]
+    monkeypatch.setattr(processing, "PROCESSED_KEPT", 1)
+    llm.generate(prompts_of([CASES[2], CASES[0]]), GREEDY, use_tqdm=False)
+    assert len(calls) == 4  # small pushed wide out
+
+
 def test_n_samples_and_token_id_prompts(qwen25vl):
     llm = LLM(qwen25vl, max_model_len=512)
     text, names = CASES[1]

@@ -30,7 +30,8 @@ CPU_KV_CACHE_FRACTION = 0.25
 class RunnerExtension:
     """A feature's part in every rank's runner (LoRA's): `prepare_model(runner)` before
     the KV pool is sized (to add weights, wrap layers); `prepare_inputs(step, inputs)`
-    on rank 0, whose result goes with the inputs to every rank (`StepInputs.extension`);
+    on rank 0, whose result goes with the inputs to every rank (`StepInputs.extension`),
+    and which may change `inputs.positions` (the vision models' text after an image);
     `before_forward(inputs)` on every rank, before the model runs the step. Without a
     feature that needs one, a runner has none (`extension` is None)."""
 

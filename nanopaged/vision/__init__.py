@@ -45,8 +45,7 @@ def vision_parts(
 ) -> tuple[VisionExtension, ImageProcessor]:
     """The runner's extension and the request side of a vision-language engine, made
     of its options (`limit_mm_per_prompt`, `mm_processor_kwargs`,
-    `allowed_local_media_path`, `allow_remote_media`); the config made eager (a step's
-    images reach the model outside any graph)."""
+    `allowed_local_media_path`, `allow_remote_media`)."""
     architecture = next(a for a in config.hf_config.architectures if a in FAMILIES)
     _, family_of = FAMILIES[architecture]
     limits = surface["limit_mm_per_prompt"] or {}
@@ -56,7 +55,6 @@ def vision_parts(
         raise ValueError(
             f"limit_mm_per_prompt takes {{'image': N}} (N >= 0), got {limits!r}"
         )
-    config.enforce_eager = True
     budget = max(config.max_num_batched_tokens, 16384)
     processor = ImageProcessor(
         family_of(config.hf_config),

@@ -14,6 +14,7 @@ blocks by their token ids: two prompts with the same text and other images share
 block, and the same image twice does. (SGLang pads its input ids the same way.)
 """
 
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -24,6 +25,7 @@ from nanopaged.vision.mrope import prompt_positions
 from nanopaged.vision.runner import ImageItem, SequenceImages
 
 PAD_RANGE = 2**62  # pad ids are vocab_size + key % PAD_RANGE: within int64
+PROCESSED_KEPT = 16  # the latest images' processed inputs kept, for requests again
 
 
 @dataclass
@@ -116,6 +118,7 @@ class ImageProcessor:
                 f"cannot load the checkpoint's image processor with "
                 f"mm_processor_kwargs={processor_kwargs}: {error}"
             ) from None
+        self.processed: OrderedDict[int, dict] = OrderedDict()  # key -> inputs
         self.image_token_id = tokenizer.convert_tokens_to_ids(family.image_token)
         self.placeholder_id = tokenizer.convert_tokens_to_ids(family.placeholder)
 
@@ -139,7 +142,8 @@ class ImageProcessor:
     def process(self, prompt: dict, images: list) -> ImagePrompt:
         """`prompt` (a text, or token ids) with its placeholders expanded for
         `images`."""
-        inputs = [self._pixels(i, image) for i, image in enumerate(images)]
+        keys = [image_key(image, self.kwargs) for image in images]
+        inputs = [self._pixels(i, *pair) for i, pair in enumerate(zip(keys, images))]
         sizes = [self.family.num_tokens(i) for i in inputs]
         text, token_ids = prompt.get("prompt"), prompt.get("prompt_token_ids")
         placeholder = self.family.placeholder
@@ -171,23 +175,30 @@ class ImageProcessor:
                 f"its images ({sizes} tokens): an image token outside a placeholder?"
             )
         items = [
-            ImageItem(start, length, image_key(image, self.kwargs), image_inputs)
-            for (start, length), image, image_inputs in zip(starts, images, inputs)
+            ImageItem(start, length, key, image_inputs)
+            for (start, length), key, image_inputs in zip(starts, keys, inputs)
         ]
         expanded = {"prompt_token_ids": token_ids}
         if text is not None:
             expanded["prompt"] = text
         return ImagePrompt(expanded, items)
 
-    def _pixels(self, index: int, image) -> dict:
-        """The processor's inputs for one image (a ValueError if it fails)."""
-        try:
-            return dict(self.processor(images=[image], return_tensors="pt"))
-        except Exception as error:
-            raise ValueError(
-                f"the image processor cannot take image {index} with "
-                f"mm_processor_kwargs={self.kwargs}: {error}"
-            ) from None
+    def _pixels(self, index: int, key: int, image) -> dict:
+        """The processor's inputs for one image (a ValueError if it fails), kept for
+        the requests that bring it again while they are among the latest few."""
+        found = self.processed.pop(key, None)
+        if found is None:
+            try:
+                found = dict(self.processor(images=[image], return_tensors="pt"))
+            except Exception as error:
+                raise ValueError(
+                    f"the image processor cannot take image {index} with "
+                    f"mm_processor_kwargs={self.kwargs}: {error}"
+                ) from None
+        self.processed[key] = found
+        while len(self.processed) > PROCESSED_KEPT:
+            self.processed.popitem(last=False)
+        return found
 
     def _check_count(self, found: int, images: int) -> None:
         if found != images:

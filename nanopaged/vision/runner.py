@@ -105,12 +105,20 @@ class VisionExtension(RunnerExtension):
                             (item.key, item, first - item.start, last - item.start)
                         )
             offset += count
+        if positions is not None and not rows:
+            # no image's token: the three positions agree, and the step runs on one,
+            # as any model's (a decode step then replays its graph)
+            inputs.positions[:] = positions[0]
+            positions = None
         seen = spans if self.model.bidirectional_images and rows else None
         return VisionInputs(np.array(rows, dtype=np.int64), pieces, positions, seen)
 
     def before_forward(self, inputs: StepInputs) -> None:
         vision = inputs.extension
         if vision is None:  # a step no runner prepared (the profiling forward)
+            return
+        if not vision.pieces and vision.positions is None:
+            self.model.step_vision = None  # a plain step (maybe a graph's)
             return
         device = self.model.device
         needed = {key: item for key, item, _, _ in vision.pieces}
