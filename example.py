@@ -6,6 +6,9 @@
     python example.py --model PATH_OR_ID
     python example.py --stream          # print one answer as it is generated
     python example.py --trace run.jsonl # and a page (run.html) playing the steps back
+    python example.py --enforce-eager   # the reading mode: every step runs the model's
+                                        # Python, so a breakpoint in Attention.forward
+                                        # stops on every layer of every step
 
 The random-weight stand-in prints gibberish by design: it is there to show the engine at
 work (prefix-cache hits, chunked prefill, preemption, throughput) on a machine with no
@@ -31,16 +34,17 @@ QUESTIONS = [
 ]
 
 
-def load(model: str | None, trace: str | None):
+def load(model: str | None, trace: str | None, enforce_eager: bool = False):
     """The model asked for (an error if it cannot be loaded), else the default model,
     else the random-weight stand-in; and whether it is the stand-in."""
     from nanopaged import LLM
     from nanopaged.random_checkpoint import TINY_QWEN3, write_random_checkpoint
 
+    options = dict(trace=trace, enforce_eager=enforce_eager)
     if model is not None:
-        return LLM(model, trace=trace), False
+        return LLM(model, **options), False
     try:
-        return LLM(DEFAULT_MODEL, trace=trace), False
+        return LLM(DEFAULT_MODEL, **options), False
     except ValueError as error:
         path = os.path.join(CACHE_DIR, "random-tiny-qwen3")
         print(
@@ -60,7 +64,7 @@ def load(model: str | None, trace: str | None):
             num_kvcache_blocks=24,
             kvcache_block_size=16,
             max_num_batched_tokens=64,
-            trace=trace,
+            **options,
         ), True
 
 
@@ -82,9 +86,15 @@ def main() -> None:
         help="write a trace of every step to PATH "
         "(JSON lines), and the page that plays it back beside it (.html)",
     )
+    parser.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="no graphs: the reading mode, where breakpoints in the model stop on "
+        "every step",
+    )
     args = parser.parse_args()  # before nanopaged is imported: --help answers at once
     try:
-        llm, stand_in = load(args.model, args.trace)
+        llm, stand_in = load(args.model, args.trace, args.enforce_eager)
     except ValueError as error:
         sys.exit(f"error: {error}")
     try:
@@ -148,7 +158,8 @@ def ask(llm, args: argparse.Namespace, stand_in: bool) -> None:
         f"\n{len(outputs)} requests, {num_generated} tokens in {elapsed:.2f} s "
         f"({num_generated / elapsed:,.0f} tok/s); {stats.num_preemptions} preemptions; "
         f"{stats.num_blocks} KV blocks of {llm.config.kvcache_block_size} tokens "
-        f"on {llm.config.device} ({llm.config.attention_backend} attention)"
+        f"on {llm.config.device} ({llm.config.attention_backend} attention"
+        f"{', eager: no graphs' if llm.config.enforce_eager else ''})"
     )
     write_trace_page(llm, args.trace)
 

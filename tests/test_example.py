@@ -36,6 +36,14 @@ def test_without_the_default_model_it_runs_on_random_weights(tmp_path):
     assert "4 requests" in result.stdout and "from the prefix cache" in result.stdout
 
 
+def test_enforce_eager_is_the_reading_mode(tmp_path):
+    result = run_example(tmp_path, "--max-tokens", "16", "--enforce-eager")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "(cpu attention, eager: no graphs)" in result.stdout
+    plain = run_example(tmp_path, "--max-tokens", "16")
+    assert "(cpu attention)" in plain.stdout
+
+
 def test_a_model_that_cannot_be_loaded_is_an_error_not_random_text(tmp_path):
     result = run_example(tmp_path, "--model", "someone/missing-model")
     assert result.returncode != 0

@@ -2,10 +2,11 @@
 graph a decode batch replays, its padding rows, the eager fallback, and the KV budget's
 arithmetic."""
 
+import pytest
 import torch
 from conftest import random_prompts
 
-from nanopaged import LLM
+from nanopaged import LLM, SamplingParams
 from nanopaged.core.cuda_graphs import DecodeGraphs
 
 
@@ -183,3 +184,32 @@ def test_element_wise_kernels_vary_in_the_token_count_alone(monkeypatch):
         ([(4096, 128), (512,), (512, 16, 128), (512, 8, 128)], 1),  # 7, 300, 2 too
         ([(4096, 128), (1,), (1, 16, 128), (1, 8, 128)], 0),
     ]
+
+
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+def test_the_reading_mode_runs_every_layers_attention_on_every_step(
+    qwen3_path, monkeypatch, backend
+):
+    """`enforce_eager=True`: no graphs, so `Attention.forward` (a breakpoint in it) runs
+    for every layer on every step; by default a CPU's decode steps replay a graph."""
+    from nanopaged.core.attention import Attention
+
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    counts = {}
+    for eager in (True, False):
+        llm = LLM(qwen3_path, attention_backend=backend, enforce_eager=eager)
+        with monkeypatch.context() as patch:
+            calls = counted(patch, Attention, "forward")
+            llm.generate(["A block table maps blocks"], params, use_tqdm=False)
+        counts[eager] = len(calls)
+    layers = llm.config.hf_config.num_hidden_layers
+    assert counts[True] == 12 * layers  # one prefill step, eleven decode steps
+    # the torch backend has no graphs; the CPU's replay all decode steps but the first
+    assert counts[False] == (12 if backend == "torch" else 2) * layers
+
+
+def counted(patch, owner, name: str) -> list:
+    """A list that grows by one at each call of `owner.name` while `patch` holds."""
+    calls, original = [], getattr(owner, name)
+    patch.setattr(owner, name, lambda *args: calls.append(1) or original(*args))
+    return calls

@@ -46,16 +46,21 @@ class RunnerExtension:
 
 
 class ModelRunner:
-    """Turns a scheduled step into model inputs, runs the model, and samples. Prefill
-    steps run eagerly over a ragged batch; decode steps replay a CUDA graph captured for
-    the next larger batch size, or the backend's own `graphs` (the CPU's), when graphs
-    are on. A step is launched, then
-    collected: on a GPU, `launch` queues the device's work and `collect` waits for its
-    tokens. Seams: a subclass may run `execute` on several processes (tensor
-    parallelism), or `start` the device's part elsewhere (async scheduling's thread on a
-    CPU); an `extension` takes part in each step (LoRA); a `sampler` class samples
-    (vLLM's). `extra_kv_bytes_per_block` are left free
-    a block for another model's cache in the same blocks (a speculative draft's)."""
+    """Turns a scheduled step into model inputs, runs the model, and samples.
+
+    Prefill steps run eagerly over a ragged batch; decode steps replay a graph when
+    graphs are on: a CUDA graph captured for the next larger batch size, or the
+    backend's own `graphs` (the CPU's step graphs). `enforce_eager=True` turns them off:
+    the reading mode, in which every step runs the model's Python, so that a breakpoint
+    in `Attention.forward` stops on every layer of every step.
+
+    A step is launched, then collected: on a GPU, `launch` queues the device's work and
+    `collect` waits for its tokens. Seams: a subclass may run `execute` on several
+    processes (tensor parallelism), or `start` the device's part elsewhere (async
+    scheduling's thread on a CPU); an `extension` takes part in each step (LoRA,
+    images); a `sampler` class samples (vLLM's). `extra_kv_bytes_per_block` is the room
+    each block keeps for another model's cache in the same blocks (a speculative
+    draft's)."""
 
     def __init__(
         self,
