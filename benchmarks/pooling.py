@@ -7,7 +7,7 @@ import os
 import sys
 import tempfile
 
-from benchmarks.engines import _context
+from benchmarks.engines import process_context
 from benchmarks.floor import model_shape
 from benchmarks.workload import PRESETS, make_workload, timed
 
@@ -74,7 +74,7 @@ def _child(engine: str, path: str, inputs: list[str], args, queue) -> None:
 
 
 def run_engine(engine: str, path: str, inputs: list[str], args) -> dict:
-    ctx = _context()
+    ctx = process_context()
     queue = ctx.Queue()
     process = ctx.Process(target=_child, args=(engine, path, inputs, args, queue))
     process.start()

@@ -13,7 +13,7 @@ import os
 import sys
 import time
 
-from benchmarks.engines import _context
+from benchmarks.engines import process_context
 from benchmarks.workload import CACHE_DIR, PRESETS
 
 ENGINES = ("nanopaged", "hf")
@@ -188,7 +188,7 @@ def vision_times(args) -> list[dict]:
     path = args.model or vision_model(args.preset)
     work = requests(args)
     results = {}
-    ctx = _context()
+    ctx = process_context()
     for engine in ENGINES:
         print(f"running {engine} ...", file=sys.stderr)
         queue = ctx.Queue()

@@ -218,6 +218,15 @@ def test_the_core_is_at_most_1400_code_lines_and_its_triton_kernels_500():
     assert max([*sizes.values(), *kernels]) <= CORE_FILE_LIMIT, sizes
 
 
+def test_every_benchmark_file_is_at_most_300_lines():
+    """A benchmark is a file a reader can take in whole: a mode of bench.py each."""
+    folder = os.path.join(ROOT, "benchmarks")
+    for name in os.listdir(folder):
+        if name.endswith(".py"):
+            with open(os.path.join(folder, name)) as f:
+                assert len(f.read().splitlines()) <= 300, name
+
+
 def test_the_repository_is_as_ruff_formats_and_lints_it():
     """`ruff format` (its defaults) and `ruff check` (pyproject's rules) change
     nothing."""
