@@ -26,12 +26,12 @@ class HostOnlyRunner:
         from nanopaged.core.step import SamplerOutput
 
         self.runner.prepare_inputs(step)
-        tokens = [[0]] * len(step.samplers)
-        if any(seq.logits_processors for seq in step.samplers):
-            first = self.steps % (len(self.scores) - len(step.samplers))
+        tokens = [[0]] * len(step.sampling_seqs)
+        if any(seq.logits_processors for seq in step.sampling_seqs):
+            first = self.steps % (len(self.scores) - len(step.sampling_seqs))
             self.steps += 1
             logits = self.runner.sampler.apply_processors(
-                self.scores[first : first + len(step.samplers)], step.samplers
+                self.scores[first : first + len(step.sampling_seqs)], step.sampling_seqs
             )
             tokens = logits.argmax(dim=-1).view(-1, 1).tolist()
         return SamplerOutput(tokens)

@@ -54,7 +54,7 @@ class SimulatedDevice:
         from nanopaged.core.step import Launched
 
         inputs = self.runner.prepare_inputs(step)
-        rows = step.samplers
+        rows = step.sampling_seqs
         uniform = self.runner.sampler.draw(rows, [0] * len(rows)) if rows else None
         launched = Launched(step, inputs, rows, uniform)
         seconds = busy_seconds(step)
@@ -66,7 +66,7 @@ class SimulatedDevice:
         from nanopaged.core.step import SamplerOutput
 
         self.running.pop(launched).result()
-        return SamplerOutput([[0] for _ in launched.step.samplers])
+        return SamplerOutput([[0] for _ in launched.step.sampling_seqs])
 
     def run(self, step):
         return self.collect(self.launch(step))

@@ -72,7 +72,7 @@ class AsyncEngine(LLMEngine):
     def _step(self) -> tuple[ScheduledStep, SamplerOutput]:
         previous = self.in_flight[0] if self.in_flight else None
         self.pending_at = {}
-        for seq in previous.step.samplers if previous else ():
+        for seq in previous.step.sampling_seqs if previous else ():
             if seq.finish_reason is None:  # its sampled token, not known yet
                 self.pending_at[seq] = len(seq.token_ids)
                 seq.token_ids.append(PENDING)
@@ -117,14 +117,14 @@ class AsyncEngine(LLMEngine):
     def pending(self, step: ScheduledStep, previous: Launched) -> Pending | None:
         """The input ids of `step` that `previous` samples: a sequence's last token,
         when the step runs it."""
-        row_of = dict(zip(previous.step.samplers, previous.step.first_rows))
-        input_rows, rows, end = [], [], 0
+        first = dict(zip(previous.step.sampling_seqs, previous.step.first_logit_rows))
+        input_rows, token_indices, end = [], [], 0
         for seq, start, num_tokens in zip(step.seqs, step.starts, step.num_tokens):
             end += num_tokens
             if start + num_tokens == len(seq) and seq.token_ids[-1] == PENDING:
                 input_rows.append(end - 1)
-                rows.append(row_of[seq])
-        return Pending(previous, input_rows, rows) if rows else None
+                token_indices.append(first[seq])
+        return Pending(previous, input_rows, token_indices) if input_rows else None
 
     def read(self) -> tuple[ScheduledStep, SamplerOutput]:
         """Reads the oldest launched step's tokens, commits the hashes it entered and
@@ -140,7 +140,7 @@ class AsyncEngine(LLMEngine):
             del seq.token_ids[position:]
         tokens = [
             row if seq in pending_at else []
-            for seq, row in zip(step.samplers, sampled.token_ids)
+            for seq, row in zip(step.sampling_seqs, sampled.token_ids)
         ]
         sampled = SamplerOutput(tokens, sampled.logits, sampled.hidden_states)
         self.apply(step, sampled)
@@ -159,8 +159,8 @@ class AsyncEngine(LLMEngine):
 
 
 class DeviceThread(ModelRunner):
-    """The model runner with its device's part of each step (`start`: the model run and
-    the sampling) on a thread of its own, one step after another, as a GPU runs a
+    """The model runner with its device's part of each step (`compute`: the model run
+    and the sampling) on a thread of its own, one step after another, as a GPU runs a
     stream: on a CPU, where nothing else is asynchronous, what lets the host's work
     overlap the model's. The thread runs with the host's `torch.set_num_threads` as it
     was at each launch (torch keeps a count per thread). A forked child has none of its
@@ -176,15 +176,15 @@ class DeviceThread(ModelRunner):
         # after a failure)
         self.running = weakref.WeakKeyDictionary()
 
-    def start(self, launched: Launched, pending: Pending | None) -> None:
+    def compute(self, launched: Launched, pending: Pending | None) -> None:
         work = (launched, pending, torch.get_num_threads())
-        self.running[launched] = work, self.thread().submit(self._start, *work)
+        self.running[launched] = work, self.thread().submit(self._compute, *work)
 
-    def _start(self, launched: Launched, pending: Pending | None, threads: int):
+    def _compute(self, launched: Launched, pending: Pending | None, threads: int):
         if torch.get_num_threads() != threads:  # the program's choice, at launch
             torch.set_num_threads(threads)
         with torch.inference_mode():  # a thread's own setting
-            super().start(launched, pending)
+            super().compute(launched, pending)
 
     def thread(self) -> concurrent.futures.ThreadPoolExecutor:
         """This process's device thread (started anew in a forked child)."""
@@ -197,7 +197,7 @@ class DeviceThread(ModelRunner):
                 if not future.done():  # its parent's thread was running it
                     self.running[launched] = (
                         work,
-                        self.stream.submit(self._start, *work),
+                        self.stream.submit(self._compute, *work),
                     )
         return self.stream
 

@@ -19,7 +19,7 @@ imported only then, each a file or folder a forker may delete with its option:
 - structured outputs (`sampling/structured_outputs.py`): `Sequence.logits_processors`.
 - speculative decoding (`speculative.py`): `LLMEngine.schedule` and `apply`, extended
   by `SpeculativeEngine`; `ScheduledStep.proposals`; `BlockManager.reserve`, `trim`.
-- async scheduling (`async_scheduling.py`): `ModelRunner.launch`, `start`, `collect`;
+- async scheduling (`async_scheduling.py`): `ModelRunner.launch`, `compute`, `collect`;
   `Pending` input ids; `BlockManager.commit`.
 - LoRA adapters (`lora/`): a `RunnerExtension`; `Sequence.cache_salt`.
 - pooling's engine (`pooling/pooling_llm.py`, `entrypoints/llm.py`'s `RUNNERS`):

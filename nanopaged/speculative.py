@@ -313,7 +313,7 @@ class SpeculativeEngine(LLMEngine):
         blocks."""
         decoding = [
             i
-            for i in step.sample_rows
+            for i in step.sampling_indices
             if step.num_tokens[i] == 1 and step.seqs[i].num_completion_tokens > 0
         ]
         if len(decoding) > (self.spec.disable_by_batch_size or len(decoding)):
@@ -337,7 +337,7 @@ class SpeculativeEngine(LLMEngine):
         """Keeps each row's proposals while the model sampled them, and the token after;
         gives back the slots of the rest."""
         kept = []
-        for i, tokens in zip(step.sample_rows, sampled.token_ids):
+        for i, tokens in zip(step.sampling_indices, sampled.token_ids):
             proposals = step.proposals.get(i, ())
             accepted = 0
             while (

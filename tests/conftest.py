@@ -137,7 +137,7 @@ class ScriptedRunner:
     def run(self, step):
         self.steps.append(step)
         token = self.script.pop(0) if self.script else self.token
-        return SamplerOutput([[token] for _ in step.samplers])
+        return SamplerOutput([[token] for _ in step.sampling_seqs])
 
 
 @pytest.fixture(scope="session")

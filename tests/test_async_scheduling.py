@@ -98,20 +98,20 @@ def test_the_next_step_is_launched_before_the_previous_one_has_finished(qwen3_pa
     llm = fresh_engine(qwen3_path, async_scheduling=True)
     runner = llm.engine.runner
     launched_next = threading.Event()
-    start, launch = runner._start, runner.launch
+    compute, launch = runner._compute, runner.launch
     overlapped = []
 
-    def slow_start(*work):
+    def slow_compute(*work):
         overlapped.append(launched_next.wait(timeout=10))
         launched_next.clear()
-        start(*work)
+        compute(*work)
 
     def noting_launch(step, pending=None):
         result = launch(step, pending)
         launched_next.set()
         return result
 
-    runner._start, runner.launch = slow_start, noting_launch
+    runner._compute, runner.launch = slow_compute, noting_launch
     llm.generate(PROMPTS[:3], GREEDY, use_tqdm=False)
     # every step but the last found its successor launched before it ran
     assert overlapped[:-1] and all(overlapped[1:-1])

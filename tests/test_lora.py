@@ -648,13 +648,13 @@ def test_the_slot_plan_holds_however_late_the_device_runs_a_step(adapters, tmp_p
     for request in (first, second):  # first in slot 0 (the least recent), second in 1
         llm.generate(prompts[:1], GREEDY, use_tqdm=False, lora_request=request)
     runner = llm.engine.runner
-    start, launch = runner._start, runner.launch
+    compute, launch = runner._compute, runner.launch
     second_launched = threading.Event()
 
-    def late_start(launched, *rest):  # the first step waits for the next one's launch
+    def late_compute(launched, *rest):  # the first step waits for the next one's launch
         if not second_launched.is_set():
             assert second_launched.wait(timeout=30)
-        start(launched, *rest)
+        compute(launched, *rest)
 
     def noting_launch(step, pending=None):
         launched = launch(step, pending)
@@ -662,7 +662,7 @@ def test_the_slot_plan_holds_however_late_the_device_runs_a_step(adapters, tmp_p
             second_launched.set()
         return launched
 
-    runner._start, runner.launch = late_start, noting_launch
+    runner._compute, runner.launch = late_compute, noting_launch
     ids = [llm.add_request(prompts[0], GREEDY, lora_request=third)]
     llm.step()  # launches the third adapter's prefill, which loads it over slot 0
     ids.append(llm.add_request(prompts[1], GREEDY, lora_request=first))

@@ -445,7 +445,7 @@ def test_a_pooling_sequence_shares_steps_with_generation_in_the_core(
     rows, shared = [], 0
     while not engine.is_finished():
         step, sampled = engine.step()
-        assert pooled not in step.samplers
+        assert pooled not in step.sampling_seqs
         if pooled in step.seqs:
             i = step.seqs.index(pooled)
             first = sum(step.num_tokens[:i])
@@ -517,7 +517,7 @@ def test_a_one_token_prompt_never_sampled_makes_its_step_ragged(qwen3_path, hf_g
     engine.add(generating)
     step, _ = engine.step()
     assert step.seqs == [pooled, generating] and step.ragged
-    assert step.ended == [pooled] and step.samplers == [generating]
+    assert step.ended == [pooled] and step.sampling_seqs == [generating]
     while not engine.is_finished():
         engine.step()
     assert generating.token_ids[1:] == hf_greedy(qwen3_path, [[7]], 4)[0]

@@ -264,7 +264,7 @@ def test_prefill_admits_in_order_and_chunks_only_the_last_prompt(engine):
     scheduler = llm.engine.scheduler
     assert list(scheduler.waiting) == seqs[2:] and list(scheduler.running) == seqs[:2]
     # a cut prompt samples nothing yet
-    assert llm.engine.runner.steps[-1].samplers == seqs[:2]
+    assert llm.engine.runner.steps[-1].sampling_seqs == seqs[:2]
 
 
 def test_a_chunk_never_cuts_one_of_the_prompts_spans(engine):
@@ -316,7 +316,11 @@ def test_the_samples_of_a_prompt_share_its_full_blocks_through_the_prefix_cache(
     llm.step()
     step = llm.engine.runner.steps[-1]
     assert last_step(llm) == [(leader, 6), (others[0], 2), (others[1], 2)]
-    assert step.samplers == [leader, *others] and step.sample_rows == [0, 1, 2]
+    assert step.sampling_seqs == [leader, *others] and step.sampling_indices == [
+        0,
+        1,
+        2,
+    ]
     assert all(
         s.block_table[0] == leader.block_table[0] and s.num_cached_tokens == 4
         for s in others
@@ -432,7 +436,7 @@ def test_a_step_is_a_plain_decode_only_when_each_sequence_runs_its_last_token_on
     for _ in range(2):  # two decodes and one prompt token a step
         llm.step()
         step = llm.engine.runner.steps[-1]
-        kinds.append((last_step(llm)[-1], len(step.samplers), step.ragged))
+        kinds.append((last_step(llm)[-1], len(step.sampling_seqs), step.ragged))
     # a token inside the prompt (ragged), then its last token: every sequence runs its
     # last token once, a plain decode step
     assert kinds == [((prompt, 1), 2, True), ((prompt, 1), 3, False)]

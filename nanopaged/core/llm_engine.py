@@ -83,7 +83,7 @@ class LLMEngine:
         stops (the tokens after a stop are dropped); returns what it applied."""
         self.scheduler.finish(step.ended, "length")  # their prompt ran
         max_model_len = self.config.max_model_len
-        for seq, token_ids in zip(step.samplers, sampled.token_ids):
+        for seq, token_ids in zip(step.sampling_seqs, sampled.token_ids):
             max_tokens = seq.sampling_params.max_tokens
             for token_id in token_ids:
                 seq.token_ids.append(token_id)

@@ -56,7 +56,7 @@ class ModelRunner:
 
     A step is launched, then collected: on a GPU, `launch` queues the device's work and
     `collect` waits for its tokens. Seams: a subclass may run `execute` on several
-    processes (tensor parallelism), or `start` the device's part elsewhere (async
+    processes (tensor parallelism), or `compute` the device's part elsewhere (async
     scheduling's thread on a CPU); an `extension` takes part in each step (LoRA,
     images); a `sampler` class samples (vLLM's). `extra_kv_bytes_per_block` is the room
     each block keeps for another model's cache in the same blocks (a speculative
@@ -181,12 +181,12 @@ class ModelRunner:
         block_tables = self.block_tables(step.seqs)
         blocks = block_tables[seq_of_token, positions // block_size].astype(np.int64)
         context_lens = np.add(step.starts, num_tokens)
-        # the rows whose logits are computed: each sampling row's last token and its
-        # proposals, then the prompt tokens whose logits a sequence asks for
+        # the rows whose logits are computed: each sampling sequence's last token and
+        # its proposals, then the prompt tokens whose logits a sequence asks for
         counts = np.array(step.sample_counts, np.int64)
-        firsts = np.repeat(cu_seqlens_q[1:][step.sample_rows] - counts, counts)
+        firsts = np.repeat(cu_seqlens_q[1:][step.sampling_indices] - counts, counts)
         within = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
-        prompts = [np.arange(n) + cu_seqlens_q[i] for i, n in step.prompt_rows]
+        prompts = [np.arange(n) + cu_seqlens_q[i] for i, n in step.prompt_logit_counts]
         ragged = step.ragged or bool(proposals)
         inputs = StepInputs(
             ragged=ragged,
@@ -218,32 +218,32 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, step: ScheduledStep) -> SamplerOutput:
         """One step: runs the model over the step's tokens and samples every row of
-        `step.samplers` (and after each of its proposals)."""
+        `step.sampling_seqs` (and after each of its proposals)."""
         return self.collect(self.launch(step))
 
     @torch.inference_mode()
     def launch(self, step: ScheduledStep, pending: Pending | None = None) -> Launched:
         """Starts a step: its inputs are built and its random numbers drawn here, on
-        the host; `start` runs the model and samples, which on a GPU only queues the
+        the host; `compute` runs the model and samples, which on a GPU only queues the
         work. Seam: `pending` gives the input ids the host does not know yet (a
         sequence's `PENDING` tokens), taken from an earlier launched step's samples on
         the device (async scheduling)."""
         inputs = self.prepare_inputs(step)
         counts = step.sample_counts
-        rows = [seq for seq, n in zip(step.samplers, counts) for _ in range(n)]
+        token_seqs = [s for s, n in zip(step.sampling_seqs, counts) for _ in range(n)]
         offsets = [j for n in counts for j in range(n)]
-        uniform = self.sampler.draw(rows, offsets) if rows else None
-        launched = Launched(step, inputs, rows, uniform)
-        self.start(launched, pending)
+        uniform = self.sampler.draw(token_seqs, offsets) if token_seqs else None
+        launched = Launched(step, inputs, token_seqs, uniform)
+        self.compute(launched, pending)
         return launched
 
-    def start(self, launched: Launched, pending: Pending | None) -> None:
+    def compute(self, launched: Launched, pending: Pending | None) -> None:
         """The device's part of a launch: the model run and the sampling, whose tokens
-        (one per sampling row and proposal) stay on the device."""
+        (one per sampling sequence and proposal) stay on the device."""
         logits, hidden = self.execute(launched.inputs, pending)
-        if launched.rows:  # a token for each, at the position it would take
-            rows, uniform = launched.rows, launched.uniform
-            launched.tokens = self.sampler(logits[: len(rows)], rows, uniform)
+        if launched.token_seqs:  # a token for each, at the position it would take
+            seqs, uniform = launched.token_seqs, launched.uniform
+            launched.tokens = self.sampler(logits[: len(seqs)], seqs, uniform)
             launched.tokens_on_host = launched.tokens
             # read back by a copy queued now: reading the tensor itself would also
             # wait for the steps queued after this one (async scheduling's)
@@ -256,13 +256,13 @@ class ModelRunner:
         launched.hidden = hidden
 
     def collect(self, launched: Launched) -> SamplerOutput:
-        """Waits for a launched step and reads its tokens: a list per sampling row (one
-        token, and one after each of its proposals); the hidden states if the step asks
-        for them."""
+        """Waits for a launched step and reads its tokens: a list per sampling sequence
+        (one token, and one after each of its proposals); the hidden states if the step
+        asks for them."""
         if launched.copied is not None:
             launched.copied.synchronize()
         step, on_host = launched.step, launched.tokens_on_host
-        # in row order: each sampling row's token, then one after each of its proposals
+        # in row order: each sampling sequence's token, then one after each proposal
         flat = iter([] if on_host is None else on_host.tolist())
         tokens = [list(itertools.islice(flat, n)) for n in step.sample_counts]
         hidden = launched.hidden if step.hidden_states else None
@@ -306,7 +306,7 @@ class ModelRunner:
         )
         input_ids = to_device(device, inputs.input_ids, torch.int64)
         if pending is not None:  # on the device: no wait for the step that sampled them
-            earlier = pending.launched.tokens[to_device(device, pending.rows)]
+            earlier = pending.launched.tokens[to_device(device, pending.token_indices)]
             input_ids[to_device(device, pending.input_rows)] = earlier
         return input_ids, to_device(device, inputs.positions, torch.int64), meta
 

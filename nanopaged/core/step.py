@@ -14,11 +14,13 @@ from nanopaged.core.sequence import Sequence
 class ScheduledStep:
     """One step as the scheduler decided it. The model runs `num_tokens[i]` tokens of
     `seqs[i]`, from position `starts[i]`. A sequence whose tokens reach its last token
-    samples the next one: it is one of `samplers`, and `sample_rows` holds its index in
-    `seqs`. A step in which every sequence runs its last token and samples is a decode
-    step; any other is `ragged` (it holds prompt chunks), and attention takes another
-    path for it. `preempted` lists the sequences preempted to make room for this step
-    (they may run in it again, recomputed from their start).
+    samples the next one: it is one of `sampling_seqs`, and `sampling_indices` holds
+    its index in `seqs`. A row is one token's place in the step (in its inputs, its
+    hidden states; the logits hold the rows that sample, and the prompt rows whose
+    logits are asked for). A step in which every sequence runs its last token and
+    samples is a decode step; any other is `ragged` (it holds prompt chunks), and
+    attention takes another path for it. `preempted` lists the sequences preempted to
+    make room for this step (they may run in it again, recomputed from their start).
 
     The last four fields serve features above the core, and stay empty without them:
 
@@ -26,9 +28,9 @@ class ScheduledStep:
       (`max_tokens=0`: a pooling request, or prompt logprobs only); they end with it.
     - `hidden_states`: true when a sequence asks for the model's last hidden states
       (pooling).
-    - `prompt_rows`: for prompt logprobs, `(i, n)` for each sequence (by index) that
-      asks for its prompt's logits: it runs `n` tokens in this step whose next token is
-      a prompt token.
+    - `prompt_logit_counts`: for prompt logprobs, `(i, n)` for each sequence (by
+      index) that asks for its prompt's logits: it runs `n` tokens in this step whose
+      next token is a prompt token.
     - `proposals`: speculative decoding's proposed tokens, by the index of their
       sequence: they run after its last token, in slots reserved for them, and each of
       them is sampled too."""
@@ -36,13 +38,13 @@ class ScheduledStep:
     seqs: list[Sequence] = field(default_factory=list)
     starts: list[int] = field(default_factory=list)
     num_tokens: list[int] = field(default_factory=list)
-    samplers: list[Sequence] = field(default_factory=list)
-    sample_rows: list[int] = field(default_factory=list)
+    sampling_seqs: list[Sequence] = field(default_factory=list)
+    sampling_indices: list[int] = field(default_factory=list)
     ragged: bool = False
     preempted: list[Sequence] = field(default_factory=list)
     ended: list[Sequence] = field(default_factory=list)
     hidden_states: bool = False
-    prompt_rows: list[tuple[int, int]] = field(default_factory=list)
+    prompt_logit_counts: list[tuple[int, int]] = field(default_factory=list)
     proposals: dict[int, list[int]] = field(default_factory=dict)
 
     def add(self, seq: Sequence, num_tokens: int) -> None:
@@ -57,10 +59,10 @@ class ScheduledStep:
         self.hidden_states = self.hidden_states or seq.hidden_states
         if seq.prompt_logits and start + 1 < seq.num_prompt_tokens:
             n = min(start + num_tokens, seq.num_prompt_tokens - 1) - start
-            self.prompt_rows.append((len(self.seqs) - 1, n))
+            self.prompt_logit_counts.append((len(self.seqs) - 1, n))
         if sampled:
-            self.samplers.append(seq)
-            self.sample_rows.append(len(self.seqs) - 1)
+            self.sampling_seqs.append(seq)
+            self.sampling_indices.append(len(self.seqs) - 1)
         elif last:
             self.ended.append(seq)
 
@@ -70,8 +72,8 @@ class ScheduledStep:
         self.seqs += seqs
         self.starts += [len(seq.token_ids) - 1 for seq in seqs]
         self.num_tokens += [1] * len(seqs)
-        self.samplers += seqs
-        self.sample_rows += range(first, first + len(seqs))
+        self.sampling_seqs += seqs
+        self.sampling_indices += range(first, first + len(seqs))
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -80,13 +82,13 @@ class ScheduledStep:
 
     @property
     def sample_counts(self) -> list[int]:
-        """The tokens each sampling row samples: one, and one after each of its
+        """The tokens each sampling sequence samples: one, and one after each of its
         proposals (speculative decoding's; one each without it)."""
-        return [1 + len(self.proposals.get(i, ())) for i in self.sample_rows]
+        return [1 + len(self.proposals.get(i, ())) for i in self.sampling_indices]
 
     @property
-    def first_rows(self) -> list[int]:
-        """Each sampling row's first row of logits: its tokens take `sample_counts`
+    def first_logit_rows(self) -> list[int]:
+        """Each sampling sequence's first row of logits: its tokens take `sample_counts`
         rows (each row's own index without speculative decoding)."""
         return list(itertools.accumulate(self.sample_counts[:-1], initial=0))
 
@@ -95,9 +97,10 @@ class ScheduledStep:
 class StepInputs:
     """One step's model inputs as host arrays (what tensor parallelism sends to other
     ranks). `logits_indices` picks the rows whose logits are computed: the sampling
-    rows, then those of `ScheduledStep.prompt_rows`. Ragged steps (prompt chunks) fill
-    the `cu_seqlens`. `extension` is what the runner's extension adds (LoRA's adapter
-    slots): it travels to every rank with the rest."""
+    rows, then those of `ScheduledStep.prompt_logit_counts`. Ragged steps (prompt
+    chunks) fill the `cu_seqlens`. `extension` is what the runner's extension adds
+    (LoRA's adapter slots, a step's images): it travels to every rank with the
+    rest."""
 
     ragged: bool
     input_ids: np.ndarray
@@ -114,14 +117,15 @@ class StepInputs:
 
 @dataclass
 class SamplerOutput:
-    """What a step sampled, one entry per sampling row (the step's `samplers`, in
-    order): its new tokens (one, and one after each of its proposals; once applied, the
-    proposals the model agreed with and one more). `logits` holds the model's logits
-    (before any processor or temperature) that the tokens came from: row
-    `step.first_rows[i] + j` for token j of sampling row i; then those of the step's
-    `prompt_rows`, in order, row j of sequence i predicting its token after position
-    `step.starts[i] + j`. `hidden_states` (when the step's do): each token's last
-    hidden state, sequence by sequence, proposals last; valid until the next step."""
+    """What a step sampled, one entry per sampling sequence (the step's
+    `sampling_seqs`, in order): its new tokens (one, and one after each of its
+    proposals; once applied, the proposals the model agreed with and one more).
+    `logits` holds the model's logits (before any processor or temperature) that the
+    tokens came from: row `step.first_logit_rows[i] + j` for token j of sampling
+    sequence i; then those of the step's `prompt_logit_counts`, in order, row j of
+    sequence i predicting its token after position `step.starts[i] + j`.
+    `hidden_states` (when the step's do): each token's last hidden state, sequence by
+    sequence, proposals last; valid until the next step."""
 
     token_ids: list[list[int]]
     logits: torch.Tensor | None = None
@@ -131,14 +135,14 @@ class SamplerOutput:
 @dataclass(eq=False)  # each one itself: a key of its own
 class Launched:
     """A step the runner started (`ModelRunner.launch`) and has not yet read back: its
-    inputs, the sequence of each sampling row and the row's random number, and what the
-    device computes for it (on a GPU, tensors still being computed): one token per
-    sampling row (and their copy on the host, done once `copied` is), the logits, the
-    hidden states."""
+    inputs, the sequence each token it samples goes to (`token_seqs`) and the token's
+    random number, and what the device computes for it (on a GPU, tensors still being
+    computed): the sampled tokens (and their copy on the host, done once `copied` is),
+    the logits, the hidden states."""
 
     step: ScheduledStep
     inputs: StepInputs
-    rows: list[Sequence]
+    token_seqs: list[Sequence]
     uniform: torch.Tensor | None
     tokens: torch.Tensor | None = None
     tokens_on_host: torch.Tensor | None = None
@@ -150,8 +154,8 @@ class Launched:
 @dataclass
 class Pending:
     """Input ids a step takes from an earlier launched step's samples, on the device:
-    input row `input_rows[i]` gets the token of that step's sampling row `rows[i]`."""
+    input row `input_rows[i]` gets that step's sampled token `token_indices[i]`."""
 
     launched: Launched
     input_rows: list[int]
-    rows: list[int]
+    token_indices: list[int]

@@ -309,14 +309,14 @@ class LLM(VLLMEngineAPI, TrainingAPI):
         return step, requests
 
     def take(self, step: ScheduledStep, sampled: SamplerOutput) -> list[Request]:
-        """Takes note of each sampling row's tokens in its request (grammar, logprobs,
-        stop strings), and of the prompt logprobs asked for. Returns the requests that
-        got tokens, in the order of their first row; a request whose bookkeeping fails
-        ends alone."""
+        """Takes note of each sampling sequence's tokens in its request (grammar,
+        logprobs, stop strings), and of the prompt logprobs asked for. Returns the
+        requests that got tokens, in the order of their first row; a request whose
+        bookkeeping fails ends alone."""
         now, advanced = time.perf_counter(), {}
-        # the prompt rows' logits follow the sampling rows'
+        # the prompt rows' logits follow the sampling sequences'
         start = sum(step.sample_counts)
-        for i, count in step.prompt_rows:
+        for i, count in step.prompt_logit_counts:
             logits, start = sampled.logits[start : start + count], start + count
             if step.seqs[i] not in self.owners:  # aborted while its step ran
                 continue
@@ -332,7 +332,7 @@ class LLM(VLLMEngineAPI, TrainingAPI):
             except Exception as error:
                 self._fail(request, error)
         logprobs = self._logprobs(step, sampled)
-        for row, seq in enumerate(step.samplers):
+        for row, seq in enumerate(step.sampling_seqs):
             # aborted while its step ran, or ended the step before (async scheduling's
             # wasted row: no token)
             if seq not in self.owners or not sampled.token_ids[row]:
@@ -354,31 +354,33 @@ class LLM(VLLMEngineAPI, TrainingAPI):
         return list(advanced)
 
     def _logprobs(self, step: ScheduledStep, sampled: SamplerOutput) -> dict[int, list]:
-        """For the sampling rows whose request asks for logprobs and that got tokens,
-        those of their new tokens, each in the model's distribution at the row it came
-        from (with `logprobs_mode="processed_logprobs"`, the one it was sampled
+        """For the sampling sequences whose request asks for logprobs and that got
+        tokens, those of their new tokens, each in the model's distribution at the row
+        it came from (with `logprobs_mode="processed_logprobs"`, the one it was sampled
         from)."""
         asking = [
             row
-            for row, seq in enumerate(step.samplers)
+            for row, seq in enumerate(step.sampling_seqs)
             if seq.sampling_params.logprobs is not None and sampled.token_ids[row]
         ]
         if not asking:
             return {}
-        first_rows = step.first_rows
+        first_logit_rows = step.first_logit_rows
         rows = [
-            first_rows[r] + j for r in asking for j in range(len(sampled.token_ids[r]))
+            first_logit_rows[r] + j
+            for r in asking
+            for j in range(len(sampled.token_ids[r]))
         ]
         logits = sampled.logits[rows]
         if self.logprobs_mode == "processed_logprobs":  # as they were sampled
-            seqs = [step.samplers[r] for r in asking for _ in sampled.token_ids[r]]
+            seqs = [step.sampling_seqs[r] for r in asking for _ in sampled.token_ids[r]]
             logits = self.engine.runner.sampler.processed(logits, seqs)
         entries = iter(
             token_logprobs(
                 logits,
                 [t for r in asking for t in sampled.token_ids[r]],
                 [
-                    step.samplers[r].sampling_params.logprobs
+                    step.sampling_seqs[r].sampling_params.logprobs
                     for r in asking
                     for _ in sampled.token_ids[r]
                 ],

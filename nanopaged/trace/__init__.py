@@ -218,11 +218,13 @@ class Tracer:
         """Proposals kept, and the tokens added."""
         if step.proposals:
             by_seq = {entry[0]: entry for entry in self.record["ran"]}
-            for r, (i, seq) in enumerate(zip(step.sample_rows, step.samplers)):
+            for r, (i, seq) in enumerate(
+                zip(step.sampling_indices, step.sampling_seqs)
+            ):
                 proposed = len(step.proposals.get(i, ()))
                 by_seq[seq.seq_id][4:] = proposed, len(sampled.token_ids[r]) - 1
         num_tokens, added = self.num_tokens, self.record["sampled"]
-        for seq in step.samplers:
+        for seq in step.sampling_seqs:
             written = num_tokens.get(seq)
             if (
                 written is not None

@@ -159,7 +159,7 @@ class Gemma3VL(VisionLanguageModel):
                 attention.head_dim, kernels, inner.scale, inner.window
             )
 
-    def start(self, embeds: torch.Tensor, vision):
+    def first_layer_inputs(self, embeds: torch.Tensor, vision):
         """Gemma scales the text's embeddings, not the image's tokens that replace
         them: the stream starts as the first layer's residual (its input 0, as 0 + x
         is x), and every layer is told the step's spans."""

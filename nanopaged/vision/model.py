@@ -86,7 +86,7 @@ class VisionLanguageModel(CausalLM):
         embeds = self.model.embed_tokens(input_ids.clamp(max=self.vocab_size - 1))
         if vision is not None and vision.positions is not None:
             positions = vision.positions
-        hidden, residual = self.start(embeds, vision)
+        hidden, residual = self.first_layer_inputs(embeds, vision)
         deepstack = self.deepstack(vision, embeds.shape[1])
         for i, layer in enumerate(self.model.layers):
             hidden, residual = layer(positions, hidden, residual, meta)
@@ -94,7 +94,7 @@ class VisionLanguageModel(CausalLM):
                 hidden[vision.rows] += deepstack[i].to(hidden.dtype)
         return self.model.norm(hidden, residual)[0]
 
-    def start(self, embeds: torch.Tensor, vision: StepVision | None):
+    def first_layer_inputs(self, embeds: torch.Tensor, vision: StepVision | None):
         """The first layer's input and residual stream (None: the layer's own start):
         the step's embeddings, its images' tokens in their rows."""
         if vision is not None and vision.embeds is not None:
