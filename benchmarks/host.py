@@ -22,10 +22,13 @@ class HostOnlyRunner:
             1024, vocab_size, generator=torch.Generator().manual_seed(0)
         )
 
-    def run(self, step):
+    def launch(self, step, pending=None):
+        self.runner.prepare_inputs(step)
+        return step
+
+    def collect(self, step):
         from nanopaged.core.step import SamplerOutput
 
-        self.runner.prepare_inputs(step)
         tokens = [[0]] * len(step.sampling_seqs)
         if any(seq.logits_processors for seq in step.sampling_seqs):
             first = self.steps % (len(self.scores) - len(step.sampling_seqs))

@@ -68,9 +68,6 @@ class SimulatedDevice:
         self.running.pop(launched).result()
         return SamplerOutput([[0] for _ in launched.step.sampling_seqs])
 
-    def run(self, step):
-        return self.collect(self.launch(step))
-
     def close(self) -> None:
         self.stream.shutdown()
 

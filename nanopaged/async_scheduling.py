@@ -3,8 +3,23 @@ schedules and launches step n+1 while step n runs on the device, and reads n's t
 only then, so that the host's work between two steps (scheduling, inputs, outputs, text)
 hides behind the device's instead of leaving it idle.
 
-Read the core's loop first (`LLMEngine.step`: schedule a step, run it, apply what it
-sampled); this file is what overlap changes in it, and nothing else does:
+The core's loop and this one, side by side: the same calls, in another order.
+
+    LLMEngine.step (the core)             AsyncEngine._step (this file)
+    step = schedule()                     step = schedule()   # n's tokens PENDING
+    launched = runner.launch(step)        in_flight.append(runner.launch(step, pending))
+    sampled = runner.collect(launched)    sampled = runner.collect(in_flight.pop(0))
+    apply(step, sampled)                  apply(n's step, sampled)
+
+What the core keeps for this file alone: `sequence.PENDING` (a token not known yet,
+which no hashed block holds); `ModelRunner.launch`'s `pending` and `step.Pending`
+(input ids taken on the device from an earlier step's samples); `launch`, `compute`
+and `collect` as three calls with `step.Launched` between them (the sync loop makes
+them back to back); `BlockManager.commit(count)`, `cache_block` and `uncommitted`
+(hashes committed step by step). On a CPU the device's part runs on a thread
+(`cpu/device_thread.py`).
+
+What overlap changes:
 
 - Step n+1 is scheduled before n's tokens are known. While it is scheduled and
   launched, each sequence that n samples holds a `PENDING` token for it (so that
@@ -28,10 +43,6 @@ sampled); this file is what overlap changes in it, and nothing else does:
   sequence is unfinished, each step is the core's, applied before the next is scheduled.
   Speculative decoding runs its own (synchronous) engine.
 """
-
-import concurrent.futures
-import os
-import weakref
 
 import torch
 
@@ -158,62 +169,12 @@ class AsyncEngine(LLMEngine):
             self.block_manager.cache_block(seq, position // block_size)
 
 
-class DeviceThread(ModelRunner):
-    """The model runner with its device's part of each step (`compute`: the model run
-    and the sampling) on a thread of its own, one step after another, as a GPU runs a
-    stream: on a CPU, where nothing else is asynchronous, what lets the host's work
-    overlap the model's. The thread runs with the host's `torch.set_num_threads` as it
-    was at each launch (torch keeps a count per thread). A forked child has none of its
-    parent's threads: it starts its own, and runs there again the steps its parent had
-    launched and not finished (a step's inputs and random numbers are fixed at launch:
-    it computes the same)."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.pid: int | None = None  # the process whose thread `stream` runs
-        self.stream: concurrent.futures.ThreadPoolExecutor | None = None
-        # a launched step's work and its future, until it is collected (or dropped,
-        # after a failure)
-        self.running = weakref.WeakKeyDictionary()
-
-    def compute(self, launched: Launched, pending: Pending | None) -> None:
-        work = (launched, pending, torch.get_num_threads())
-        self.running[launched] = work, self.thread().submit(self._compute, *work)
-
-    def _compute(self, launched: Launched, pending: Pending | None, threads: int):
-        if torch.get_num_threads() != threads:  # the program's choice, at launch
-            torch.set_num_threads(threads)
-        with torch.inference_mode():  # a thread's own setting
-            super().compute(launched, pending)
-
-    def thread(self) -> concurrent.futures.ThreadPoolExecutor:
-        """This process's device thread (started anew in a forked child)."""
-        if self.pid != os.getpid():
-            self.pid = os.getpid()
-            self.stream = concurrent.futures.ThreadPoolExecutor(
-                1, thread_name_prefix="nanopaged-device"
-            )
-            for launched, (work, future) in list(self.running.items()):
-                if not future.done():  # its parent's thread was running it
-                    self.running[launched] = (
-                        work,
-                        self.stream.submit(self._compute, *work),
-                    )
-        return self.stream
-
-    def collect(self, launched: Launched) -> SamplerOutput:
-        self.thread()
-        _, future = self.running.pop(launched)
-        future.result()
-        return super().collect(launched)
-
-    def close(self) -> None:
-        if self.stream is not None and self.pid == os.getpid():
-            self.stream.shutdown(cancel_futures=True)
-        super().close()
-
-
 def single_runner(config) -> type[ModelRunner]:
     """The runner of a one-process engine with async scheduling: on a CPU, the one whose
-    device's part runs on a thread (nothing else there is asynchronous)."""
-    return DeviceThread if torch.device(config.device).type == "cpu" else ModelRunner
+    device's part runs on a thread (`cpu/device_thread.py`: nothing else there is
+    asynchronous)."""
+    if torch.device(config.device).type != "cpu":
+        return ModelRunner
+    from nanopaged.cpu.device_thread import DeviceThread
+
+    return DeviceThread

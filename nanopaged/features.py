@@ -19,11 +19,14 @@ imported only then, each a file or folder a forker may delete with its option:
 - structured outputs (`sampling/structured_outputs.py`): `Sequence.logits_processors`.
 - speculative decoding (`speculative.py`): `LLMEngine.schedule` and `apply`, extended
   by `SpeculativeEngine`; `ScheduledStep.proposals`; `BlockManager.reserve`, `trim`.
-- async scheduling (`async_scheduling.py`): `ModelRunner.launch`, `compute`, `collect`;
-  `Pending` input ids; `BlockManager.commit`.
+- async scheduling (`async_scheduling.py`, `cpu/device_thread.py`): the core's
+  `ModelRunner.launch`, `compute` and `collect` in another order (`Launched`);
+  `Pending` input ids and `sequence.PENDING`; `BlockManager.commit(count)`,
+  `cache_block`, `uncommitted`.
 - LoRA adapters (`lora/`): a `RunnerExtension`; `Sequence.cache_salt`.
 - pooling's engine (`pooling/pooling_llm.py`, `entrypoints/llm.py`'s `RUNNERS`):
-  `SamplingOptions.max_tokens=0`, `SamplerOutput.hidden_states`.
+  `SamplingOptions.max_tokens=0`, `SamplerOutput.hidden_states`; a classifier's score
+  head, from the runner's `model`.
 - RL rollouts (`rl/`, `entrypoints/training.py`, `serving/rl_api.py`): new weights
   where the loader puts them (the model's `checkpoint_param`, its layers'
   `weight_loader`, a packed weight's `LinearMethod.dense_weight` and
@@ -35,9 +38,11 @@ imported only then, each a file or folder a forker may delete with its option:
   cache; multimodal positions, in `StepInputs.positions` where they agree); images' pad
   ids in `Sequence.token_ids` (the prefix cache's hashes); `Sequence.spans` (an image
   no chunk cuts); the core's `Attention`, `attend` and `gather_blocks` (Gemma 3's).
-- the step trace (`trace/`): the runner `LLMEngine` is handed (`TracedRunner`).
+- the step trace (`trace/`): the runner `LLMEngine` is handed (`TracedRunner`, its
+  `launch`); after each step, the `BlockManager`'s and `Scheduler`'s state, read.
 - tensor parallelism (`parallel/tensor.py`): a `ModelRunner` subclass on every rank.
-- data parallelism (`parallel/data.py`) and the OpenAI server (`serving/`): `LLM`.
+- data parallelism (`parallel/data.py`) and the OpenAI server (`serving/`): `LLM`;
+  the server's router, `block_manager.hash_block` (chained as the prefix cache does).
 """
 
 import importlib.util

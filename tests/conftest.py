@@ -134,8 +134,11 @@ class ScriptedRunner:
     def __init__(self, token: int = 7, script: list[int] = ()):
         self.token, self.script, self.steps = token, list(script), []
 
-    def run(self, step):
+    def launch(self, step, pending=None):
         self.steps.append(step)
+        return step
+
+    def collect(self, step):
         token = self.script.pop(0) if self.script else self.token
         return SamplerOutput([[token] for _ in step.sampling_seqs])
 

@@ -25,9 +25,10 @@ from test_reliability import (
 )
 
 from nanopaged import LLM, SamplingParams
-from nanopaged.async_scheduling import AsyncEngine, DeviceThread
+from nanopaged.async_scheduling import AsyncEngine
 from nanopaged.core.llm_engine import LLMEngine
 from nanopaged.core.sequence import PENDING
+from nanopaged.cpu.device_thread import DeviceThread
 
 PROMPTS = random_prompts([40, 7, 70, 33, 90, 12], seed=60)
 # a shared prefix of two blocks: prefix hits

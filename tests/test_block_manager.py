@@ -3,8 +3,9 @@ and what a sliding-window sequence gives back."""
 
 import pytest
 
-from nanopaged.core.block_manager import BlockManager, hash_block, prefix_hashes
+from nanopaged.core.block_manager import BlockManager, hash_block
 from nanopaged.core.sequence import SamplingOptions, Sequence
+from nanopaged.serving.router import prefix_hashes
 
 BLOCK = 4
 

@@ -276,9 +276,9 @@ def test_without_chunked_prefill_a_prompt_runs_whole(qwen3_path):
         max_num_batched_tokens=64,
         enable_chunked_prefill=False,
     )
-    steps, run = [], llm.engine.runner.run
-    llm.engine.runner.run = lambda step: (
-        steps.append(list(step.num_tokens)) or run(step)
+    steps, launch = [], llm.engine.runner.launch
+    llm.engine.runner.launch = lambda step, pending=None: (
+        steps.append(list(step.num_tokens)) or launch(step, pending)
     )
     llm.generate(
         random_prompts([40, 40], seed=75), SamplingParams(max_tokens=1), use_tqdm=False

@@ -131,8 +131,10 @@ def test_max_num_seqs_limits_the_batch(qwen3_path, hf_greedy):
     """No step runs more than max_num_seqs sequences; the others wait their turn."""
     llm = LLM(qwen3_path, max_model_len=512, max_num_seqs=2)
     sizes = []
-    run = llm.engine.runner.run
-    llm.engine.runner.run = lambda step: sizes.append(len(step.seqs)) or run(step)
+    launch = llm.engine.runner.launch
+    llm.engine.runner.launch = lambda step, pending=None: (
+        sizes.append(len(step.seqs)) or launch(step, pending)
+    )
     outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert token_ids(outputs) == hf_greedy(qwen3_path, PROMPTS, GREEDY.max_tokens)
     assert max(sizes) == 2 and len(PROMPTS) > 2
@@ -198,17 +200,17 @@ def test_mixed_scheduling_gives_the_tokens_of_prefill_first(
         scheduling="mixed",
         max_num_batched_tokens=32,
     )
-    run, step_kinds = llm.engine.runner.run, set()
+    launch, step_kinds = llm.engine.runner.launch, set()
 
-    def recording_run(step):
+    def recording_launch(step, pending=None):
         decodes = any(
             n == 1 and s.num_completion_tokens
             for s, n in zip(step.seqs, step.num_tokens)
         )
         step_kinds.add((step.ragged, decodes))
-        return run(step)
+        return launch(step, pending)
 
-    llm.engine.runner.run = recording_run
+    llm.engine.runner.launch = recording_launch
     ids = [llm.add_request(p, params) for p in prompts[:2]]
     outputs = {}
     for step in range(40):

@@ -44,6 +44,7 @@ LAYERS = [
     "checks",
     "cpu.kernels",
     "cpu.step_graph",
+    "cpu.device_thread",
     "cpu",
     "sampling.triton_kernel",
     "quantization.int4_triton",

@@ -298,13 +298,13 @@ def test_n_samples_share_the_prompt_full_blocks_and_compute_them_once(qwen3_path
     params = SamplingParams(
         n=8, temperature=1.0, max_tokens=20, ignore_eos=True, seed=7
     )
-    prefill_tokens, run = [0], llm.engine.runner.run
+    prefill_tokens, launch = [0], llm.engine.runner.launch
 
-    def counting_run(step):
+    def counting_launch(step, pending=None):
         prefill_tokens[0] += step.num_scheduled_tokens if step.ragged else 0
-        return run(step)
+        return launch(step, pending)
 
-    llm.engine.runner.run = counting_run
+    llm.engine.runner.launch = counting_launch
     llm.add_request(prompt, params)
     peak, outputs = 0, []
     while not llm.is_finished():

@@ -386,7 +386,7 @@ def test_without_a_trace_no_tracing_code_runs(qwen3_path, monkeypatch):
 
 def test_a_traced_runner_is_its_runner_but_for_the_steps_it_notes(qwen3_path, tmp_path):
     """What a feature reads of a runner (any attribute, one added tomorrow too) is
-    the runner's own under a trace; only `run` notes the step first."""
+    the runner's own under a trace; only `launch` notes the step first."""
     from nanopaged.trace import TracedRunner
 
     llm = LLM(qwen3_path, max_model_len=256, trace=str(tmp_path / "run.jsonl"))

@@ -19,19 +19,6 @@ def hash_block(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
     return h.intdigest()
 
 
-def prefix_hashes(
-    token_ids: list[int], block_size: int, salt: int | None = None
-) -> list[int]:
-    """The hash of each full block of `token_ids`, each chained to the one before it
-    (the first to `salt`, a sequence's `cache_salt`): what the prefix cache calls these
-    blocks once they are computed."""
-    hashes, parent = [], salt
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent = hash_block(parent, tuple(token_ids[start : start + block_size]))
-        hashes.append(parent)
-    return hashes
-
-
 class BlockManager:
     """Hands out blocks to sequences and keeps the prefix cache.
 

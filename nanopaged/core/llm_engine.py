@@ -21,8 +21,8 @@ class LLMEngine:
     proposals to the scheduled step, in slots `BlockManager.reserve` makes, and applies
     only those the model agrees with, giving the rest back with `BlockManager.trim`.
     Async scheduling (`nanopaged/async_scheduling.py`) replaces `step()` with one that
-    launches the next step (`ModelRunner.launch`) before it reads the last
-    (`ModelRunner.collect`)."""
+    calls the same `ModelRunner.launch` and `collect` in another order: it launches the
+    next step before it collects the last."""
 
     def __init__(self, config: Config, runner: ModelRunner | None = None):
         self.config = config
@@ -66,7 +66,8 @@ class LLMEngine:
             if not step.seqs:
                 assert self.is_finished(), "sequences are queued but none can run"
                 return step, SamplerOutput([])
-            sampled = self.runner.run(step)
+            launched = self.runner.launch(step)
+            sampled = self.runner.collect(launched)
             # the step's K/V is written: its hashes may be served
             self.block_manager.commit()
             return step, self.apply(step, sampled)

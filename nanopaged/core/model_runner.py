@@ -216,12 +216,6 @@ class ModelRunner:
     # ---- running ----
 
     @torch.inference_mode()
-    def run(self, step: ScheduledStep) -> SamplerOutput:
-        """One step: runs the model over the step's tokens and samples every row of
-        `step.sampling_seqs` (and after each of its proposals)."""
-        return self.collect(self.launch(step))
-
-    @torch.inference_mode()
     def launch(self, step: ScheduledStep, pending: Pending | None = None) -> Launched:
         """Starts a step: its inputs are built and its random numbers drawn here, on
         the host; `compute` runs the model and samples, which on a GPU only queues the

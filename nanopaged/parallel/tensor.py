@@ -47,7 +47,13 @@ from nanopaged.checks import check_fields
 from nanopaged.core.config import Config
 from nanopaged.core.model_runner import ModelRunner, RunnerExtension
 from nanopaged.core.sampler import Sampler
-from nanopaged.core.step import Pending, SamplerOutput, ScheduledStep, StepInputs
+from nanopaged.core.step import (
+    Launched,
+    Pending,
+    SamplerOutput,
+    ScheduledStep,
+    StepInputs,
+)
 from nanopaged.features import add_features
 
 # Workers wait for rank 0's next message for as long as the caller leaves the engine
@@ -235,13 +241,15 @@ class MultiprocRunner(ModelRunner):
             raise
         self.workers = workers
 
-    @torch.inference_mode()
-    def run(self, step: ScheduledStep) -> SamplerOutput:
+    def launch(self, step: ScheduledStep, pending: Pending | None = None) -> Launched:
         with in_lockstep(self.workers):
-            sampled = super().run(step)
+            return super().launch(step, pending)
+
+    def collect(self, launched: Launched) -> SamplerOutput:
+        with in_lockstep(self.workers):
             if self.device.type == "cuda":
                 wait_for_gpu(self.workers)
-            return sampled
+            return super().collect(launched)
 
     def execute(
         self, inputs: StepInputs, pending: Pending | None = None

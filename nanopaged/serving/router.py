@@ -3,11 +3,24 @@ to."""
 
 from collections import OrderedDict
 
-from nanopaged.core.block_manager import prefix_hashes
+from nanopaged.core.block_manager import hash_block
 from nanopaged.lora.admission import cache_salt
 from nanopaged.parallel.data import DataParallelLLM
 
 MAX_REMEMBERED_BLOCKS = 100_000  # per replica
+
+
+def prefix_hashes(
+    token_ids: list[int], block_size: int, salt: int | None = None
+) -> list[int]:
+    """The hash of each full block of `token_ids`, each chained to the one before it
+    (the first to `salt`, a sequence's `cache_salt`): what the prefix cache calls these
+    blocks once they are computed."""
+    hashes, parent = [], salt
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        parent = hash_block(parent, tuple(token_ids[start : start + block_size]))
+        hashes.append(parent)
+    return hashes
 
 
 class Router:

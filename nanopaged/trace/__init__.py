@@ -52,7 +52,7 @@ import weakref
 from nanopaged.checkpoint import load_tokenizer
 from nanopaged.core.model_runner import ModelRunner
 from nanopaged.core.sequence import Sequence
-from nanopaged.core.step import SamplerOutput, ScheduledStep
+from nanopaged.core.step import Launched, SamplerOutput, ScheduledStep
 from nanopaged.outputs import Detokenizer
 from nanopaged.sampling_params import SamplingParams
 
@@ -73,9 +73,9 @@ class TracedRunner:
     def __getattr__(self, name: str):
         return getattr(self.runner, name)
 
-    def run(self, step: ScheduledStep) -> SamplerOutput:
+    def launch(self, step: ScheduledStep, pending=None) -> Launched:
         self.tracer.scheduled(step)
-        return self.runner.run(step)
+        return self.runner.launch(step, pending)
 
     def close(self) -> None:
         self.tracer.close()
