@@ -1,5 +1,6 @@
-"""Every feature, and the seam by which it enters the core: the one place that says what
-`LLM(model)` is assembled from. The core imports none of them.
+"""Every feature, and the seam by which it enters the core: the one place that names
+what `LLM(model)` may be made of (`assembly.py` puts an engine together from its
+options). The core imports none of them.
 
 The features below add entries to the core's registries, each in its own function here,
 which `add_features` calls: no feature module enters anything as it is imported, and

@@ -21,12 +21,17 @@ from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
 from nanopaged.core.attention import AttentionMetadata
 from nanopaged.core.step import SamplerOutput
+from nanopaged.features import add_features
 from nanopaged.random_checkpoint import (
     CORPUS,
     SHAPES,
     TINY_QWEN3,
     write_random_checkpoint,
 )
+
+# the tests read the registries the features fill (the CPU backend's kernels, the
+# families' classes) also without an engine: filled as an engine's assembly fills them
+add_features()
 
 TINY = {
     "qwen3": TINY_QWEN3,

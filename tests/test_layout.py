@@ -109,6 +109,7 @@ LAYERS = [
     "serving.router",
     "trace",
     "trace.__main__",
+    "assembly",
     "entrypoints.llm",
     "pooling.pooling_llm",
     "engine.llm_engine",
@@ -479,9 +480,9 @@ def test_a_feature_skipped_only_for_an_optional_package(missing):
 
 def test_features_enter_the_core_only_through_add_features_and_only_add():
     """Importing every module of the package enters nothing in the core's registries
-    (with `add_features` made a no-op: entrypoints/llm.py calls it); `add_features`
-    then adds the features' entries and leaves each entry the core defines the same
-    object."""
+    (none calls `add_features` as it is imported: `assembly.assemble` does, when an
+    engine is built); `add_features` then adds the features' entries and leaves each
+    entry the core defines the same object."""
     import subprocess
     import sys
 
@@ -499,7 +500,6 @@ registries = dict(
 )
 snapshot = lambda: {k: r.copy() for k, r in registries.items()}
 core = snapshot()
-add_features, features.add_features = features.add_features, lambda: None
 imported = 0
 for info in pkgutil.walk_packages(nanopaged.__path__, "nanopaged."):
     if info.name.endswith("__main__"):  # a command, run as it is imported
@@ -510,7 +510,7 @@ for info in pkgutil.walk_packages(nanopaged.__path__, "nanopaged."):
     except ModuleNotFoundError as error:  # a server's or a GPU's package
         assert not error.name.startswith("nanopaged"), error
 assert imported > 80 and snapshot() == core, "a module entered itself on import"
-add_features()
+features.add_features()
 after = snapshot()
 for name, entries in core.items():
     if isinstance(entries, dict):

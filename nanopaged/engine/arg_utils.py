@@ -300,7 +300,10 @@ def split_options(model: str, options: dict) -> tuple[dict, dict, dict]:
     own."""
     from nanopaged.core.attention import BACKENDS  # torch: not before it is needed
     from nanopaged.core.config import Config
+    from nanopaged.features import add_features
     from nanopaged.parallel.tensor import ParallelConfig
+
+    add_features()  # the backends an option may name
 
     for name in set(options) - set(OPTIONS):
         close = difflib.get_close_matches(name, OPTIONS, n=1)

@@ -13,31 +13,24 @@ import weakref
 
 from tqdm.auto import tqdm
 
+from nanopaged.assembly import assemble
 from nanopaged.checkpoint import (
     checkpoint_architecture,
     choose_runner,
-    is_multimodal,
     pools,
     resolve_model,
 )
 from nanopaged.core.config import Config
-from nanopaged.core.llm_engine import LLMEngine
-from nanopaged.core.model_runner import ModelRunner
 from nanopaged.core.sequence import Sequence
 from nanopaged.core.step import SamplerOutput, ScheduledStep
 from nanopaged.engine.arg_utils import make_config, split_options
 from nanopaged.entrypoints.compat import VLLMEngineAPI
 from nanopaged.entrypoints.training import TrainingAPI, transfer_backend
-from nanopaged.features import add_features
 from nanopaged.inputs import InputProcessor, Prompt, as_batch, per_prompt
 from nanopaged.outputs import EngineStats, Request, RequestOutput, token_logprobs
-from nanopaged.parallel.tensor import ParallelConfig, make_runner
-from nanopaged.sampling.vllm_sampler import VLLMSampler
+from nanopaged.parallel.tensor import ParallelConfig
 from nanopaged.sampling_params import SamplingParams
 
-# the backends, model families, quantized formats and kernels present enter the core's
-# registries (features.py names every feature)
-add_features()
 # a runner other than "generate" -> (the module, the name) of its engine, a subclass of
 # LLM above this module: imported when asked for, so that a forker may delete it
 RUNNERS = {"pooling": ("nanopaged.pooling.pooling_llm", "PoolingLLM")}
@@ -57,8 +50,10 @@ class LLM(VLLMEngineAPI, TrainingAPI):
     `LLM(...)` returns a `DataParallelLLM` instead (`parallel/data.py`): that many
     replicas of this engine, each in its own process, behind the same API.
 
-    The features an option asks for are imported when it does (speculative decoding, the
-    trace, data parallelism, pooling): without them, their files could be deleted. With
+    The features an option asks for are imported when it does, and put together in one
+    place, `assembly.assemble` (speculative decoding, LoRA, images, async scheduling,
+    tensor parallelism, the trace; data parallelism and pooling here): without them,
+    their files could be deleted. With
     `runner="pooling"` (or a checkpoint that pools, see `checkpoint.choose_runner`),
     `LLM(...)` returns a `PoolingLLM` (`pooling/pooling_llm.py`): a subclass that makes
     its own requests (`make_request`), takes its own note of each step (`take`) and
@@ -92,14 +87,6 @@ class LLM(VLLMEngineAPI, TrainingAPI):
         self.prepare(config, surface)
         self.parallel = ParallelConfig(**parallel)
         self.parallel.check(config)
-        spec = surface["speculative_config"]
-        if spec:
-            from nanopaged import speculative
-
-            spec = speculative.SpeculativeConfig.from_dict(
-                spec, config, self.parallel.tensor_parallel_size
-            )
-            proposer = speculative.make_proposer(spec, config)
         self.inputs = InputProcessor.for_checkpoint(config, surface)
         self.logprobs_mode = surface["logprobs_mode"]
         self.rl = None  # RL's state, made by the first RL method (training.py)
@@ -107,63 +94,15 @@ class LLM(VLLMEngineAPI, TrainingAPI):
             surface["enable_sleep_mode"],
             transfer_backend(surface["weight_transfer_config"]),
         )
-        self.lora = lora = None
-        if surface["enable_lora"]:
-            from nanopaged.lora.admission import LoRAAdmission
-            from nanopaged.lora.runner import LoRAConfig, LoRAExtension
-
-            lora = LoRAExtension(
-                LoRAConfig(
-                    surface["max_loras"],
-                    surface["max_lora_rank"],
-                    surface["max_cpu_loras"],
-                )
-            )
-            self.lora = LoRAAdmission(lora, surface["max_loras"])
-        self.images = vision = None
-        if is_multimodal(config.hf_config):
-            if spec or lora or self.parallel.tensor_parallel_size > 1:
-                raise ValueError(
-                    "a vision-language model runs without speculative decoding, LoRA "
-                    "and tensor parallelism (each of them is off for images)"
-                )
-            from nanopaged.vision import vision_parts
-
-            vision, self.images = vision_parts(config, surface, self.inputs.tokenizer)
-        extra_kv = proposer.kv_bytes_per_block() if spec else 0
-        # speculation and the trace run each step synchronously
-        overlap = surface["async_scheduling"] and not spec and not surface["trace"]
-        if overlap:
-            from nanopaged import async_scheduling
-
-            if self.parallel.tensor_parallel_size > 1:
-                raise ValueError(
-                    "async_scheduling does not run with tensor_parallel_size > 1"
-                )
-        single = async_scheduling.single_runner(config) if overlap else ModelRunner
-        runner = make_runner(
-            config, self.parallel, extra_kv, lora or vision, VLLMSampler, single
-        )
-        self.vision = vision
         self.requests: dict[str, Request] = {}  # the unfinished ones
         # a sequence's request, sample
         self.owners: dict[Sequence, tuple[Request, int]] = {}
-        self.tracer = None
-        if surface["trace"]:
-            from nanopaged.trace import TracedRunner, Tracer
-
-            self.tracer = Tracer(surface["trace"], self)
-            runner = TracedRunner(runner, self.tracer)
+        # every feature an option turns on, put together in one place (assembly.py)
+        parts = assemble(self, config, self.parallel, surface)
+        self.engine, self.lora, self.tracer = parts.engine, parts.lora, parts.tracer
+        self.images, self.vision = parts.images, parts.vision
         # tensor-parallel workers exit when the engine is closed or garbage-collected
-        self._finalizer = weakref.finalize(self, runner.close)
-        if spec:
-            self.engine = speculative.SpeculativeEngine(config, runner, spec, proposer)
-        elif overlap:
-            self.engine = async_scheduling.AsyncEngine(config, runner)
-        else:
-            self.engine = LLMEngine(config, runner)
-        if self.tracer:
-            self.tracer.attach(self.engine, config)
+        self._finalizer = weakref.finalize(self, self.engine.runner.close)
         self.inputs.num_blocks = self.engine.block_manager.num_blocks
 
     def prepare(self, config: Config, surface: dict) -> None:
