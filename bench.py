@@ -232,6 +232,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+# the modes that time (model, args): flag -> (module, its function, its printer, key)
+MODES = {
+    "spec": ("spec", "spec_times", "print_spec", "speculative"),
+    "lora": ("lora", "lora_times", "print_lora", "lora"),
+    "pooling": ("pooling", "pooling_times", "print_pooling", "pooling"),
+    "serve": ("serve", "serve_times", "print_serving", "serving"),
+    "kernels": ("kernels", "kernel_profiles", "print_kernels", "kernels"),
+    "steps": ("steps", "step_times", "print_steps", "steps"),
+}
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
     # --simulate writes its own tiny model, --vision its vision-language one
@@ -257,41 +268,16 @@ def main(argv=None) -> dict:
             )
         )
         print_profile(result["profile"])
-    elif args.spec:
-        from benchmarks.spec import print_spec, spec_times
-
-        result = dict(speculative=spec_times(model, args))
-        print_spec(result["speculative"])
-    elif args.lora:
-        from benchmarks.lora import lora_times, print_lora
-
-        result = dict(lora=lora_times(model, args))
-        print_lora(result["lora"])
-    elif args.pooling:
-        from benchmarks.pooling import pooling_times, print_pooling
-
-        result = dict(pooling=pooling_times(model, args))
-        print_pooling(result["pooling"])
     elif args.vision:
         from benchmarks.vision import print_vision, vision_times
 
         result = dict(vision=vision_times(args))
         print_vision(result["vision"])
-    elif args.serve:
-        from benchmarks.serve import print_serving, serve_times
-
-        result = dict(serving=serve_times(model, args))
-        print_serving(result["serving"])
-    elif args.kernels:
-        from benchmarks.kernels import kernel_profiles, print_kernels
-
-        result = dict(kernels=kernel_profiles(model, args))
-        print_kernels(result["kernels"])
-    elif args.steps:
-        from benchmarks.steps import print_steps, step_times
-
-        result = dict(steps=step_times(model, args))
-        print_steps(result["steps"])
+    elif mode := next((m for m in MODES if getattr(args, m)), None):
+        module, times, printer, key = MODES[mode]
+        module = importlib.import_module(f"benchmarks.{module}")
+        result = {key: getattr(module, times)(model, args)}
+        getattr(module, printer)(result[key])
     else:
         from benchmarks.throughput import run_throughput
 

@@ -8,7 +8,7 @@ import functools
 
 import pytest
 import torch
-from test_vision import TALL, WIDE, data_url, picture, tokens
+from test_vision import IMAGES, TALL, WIDE, data_url, picture, prompts_of, tokens
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
 from nanopaged import LLM, SamplingParams
@@ -16,7 +16,6 @@ from nanopaged.random_checkpoint import write_random_vision_checkpoint
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 IMAGE = "<start_of_image>"
-IMAGES = {"wide": WIDE, "tall": TALL}
 # one image, two, one at the start, none; 16 tokens an image, 20 with its markers
 CASES = [
     (f"Describe {IMAGE} in a few words.", ("wide",)),
@@ -53,15 +52,6 @@ def hf_greedy(path: str, text: str, names: tuple = ()) -> list[int]:
     with torch.no_grad():
         out = _reference(path)[0].generate(**inputs, max_new_tokens=12, do_sample=False)
     return out[0, inputs["input_ids"].shape[1] :].tolist()
-
-
-def prompts_of(cases) -> list:
-    return [
-        {"prompt": text, "multi_modal_data": {"image": [IMAGES[n] for n in names]}}
-        if names
-        else text
-        for text, names in cases
-    ]
 
 
 @pytest.mark.parametrize(

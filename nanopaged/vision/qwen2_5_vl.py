@@ -191,10 +191,11 @@ class Qwen2_5_VL(VisionLanguageModel):
 
     text_architecture = "Qwen2ForCausalLM"
     mrope_layout = "sections"
+    tower = VisionTower
 
     def __init__(self, config, kernels: Kernels):
         super().__init__(config, kernels)
-        self.visual = VisionTower(config.vision_config)
+        self.visual = self.tower(config.vision_config)
 
     def encode(self, images: list[dict]) -> list[torch.Tensor]:
         """Each image's tokens (its processor's `pixel_values` and `image_grid_thw`)."""

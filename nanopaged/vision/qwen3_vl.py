@@ -15,9 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanopaged.core.layers import Kernels
-from nanopaged.vision.model import VisionLanguageModel
-from nanopaged.vision.qwen2_5_vl import VisionAttention, patch_positions
+from nanopaged.vision.qwen2_5_vl import Qwen2_5_VL, VisionAttention, patch_positions
 
 
 class VisionMLP(nn.Module):
@@ -119,21 +117,11 @@ class VisionTower(nn.Module):
         return torch.cat(found)
 
 
-class Qwen3VL(VisionLanguageModel):
+class Qwen3VL(Qwen2_5_VL):
     """The language model (Qwen3's decoder with interleaved multimodal RoPE) and the
-    vision tower (`visual`)."""
+    vision tower (`visual`), whose images' tokens each carry their DeepStack ones beside
+    them (see `VisionLanguageModel.deepstack`); the rest as Qwen2.5-VL's."""
 
     text_architecture = "Qwen3ForCausalLM"
     mrope_layout = "interleaved"
-
-    def __init__(self, config, kernels: Kernels):
-        super().__init__(config, kernels)
-        self.visual = VisionTower(config.vision_config)
-
-    def encode(self, images: list[dict]) -> list[torch.Tensor]:
-        """Each image's tokens, its DeepStack ones beside them (see `deepstack`)."""
-        grids = [tuple(image["image_grid_thw"][0].tolist()) for image in images]
-        pixels = torch.cat([image["pixel_values"] for image in images])
-        tokens = self.visual(pixels.to(self.device), grids)
-        sizes = [t * h * w // self.visual.merge**2 for t, h, w in grids]
-        return list(tokens.split(sizes))
+    tower = VisionTower
