@@ -3,8 +3,9 @@ and how it is put together. `LLM(model, **options)` checks the options and reads
 checkpoint (`engine/arg_utils.py`), then calls `assemble`; `features.py` names the
 registries and the seams by which each feature enters the core.
 
-In order: the features' registry entries (`add_features`: backends, model families,
-quantized formats...); speculative decoding's proposer (`speculative_config`); LoRA's
+In order, once the options' check has entered the features' registry entries
+(`add_features`: backends, model families, quantized formats...): speculative decoding's
+proposer (`speculative_config`); LoRA's
 runner extension (`enable_lora`) or a vision-language model's (its checkpoint); the
 model runner, on one process or on every tensor-parallel rank (`tensor_parallel_size`),
 its device's part on a thread for async scheduling on a CPU; the trace around it
@@ -19,7 +20,6 @@ from nanopaged.checkpoint import is_multimodal
 from nanopaged.core.config import Config
 from nanopaged.core.llm_engine import LLMEngine
 from nanopaged.core.model_runner import ModelRunner
-from nanopaged.features import add_features
 from nanopaged.parallel.tensor import ParallelConfig, make_runner
 from nanopaged.sampling.vllm_sampler import VLLMSampler
 
@@ -39,8 +39,8 @@ class Assembly:
 
 def assemble(llm, config: Config, parallel: ParallelConfig, surface: dict) -> Assembly:
     """The engine `llm` (an `LLM`, whose requests the trace reads) steps, built as its
-    options say (`surface`: the options above the core)."""
-    add_features()
+    options say (`surface`: the options above the core; checked, and the features'
+    registries filled, by `engine/arg_utils.split_options`)."""
     spec = proposer = None
     if surface["speculative_config"]:
         from nanopaged import speculative

@@ -480,9 +480,9 @@ def test_a_feature_skipped_only_for_an_optional_package(missing):
 
 def test_features_enter_the_core_only_through_add_features_and_only_add():
     """Importing every module of the package enters nothing in the core's registries
-    (none calls `add_features` as it is imported: `assembly.assemble` does, when an
-    engine is built); `add_features` then adds the features' entries and leaves each
-    entry the core defines the same object."""
+    (none calls `add_features` as it is imported: checking an engine's options does);
+    `add_features` then adds the features' entries and leaves each entry the core
+    defines the same object."""
     import subprocess
     import sys
 

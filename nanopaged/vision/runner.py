@@ -81,7 +81,9 @@ class VisionExtension(RunnerExtension):
         rows, pieces = [], []
         mrope = self.model.mrope
         positions = np.repeat(inputs.positions[None], 3, axis=0) if mrope else None
-        spans = np.tile([0, -1], (len(inputs.positions), 1))  # first > last: none
+        bidirectional = self.model.bidirectional_images
+        # each row's span, first > last for none (Gemma 3's only)
+        spans = np.tile([0, -1], (len(inputs.positions), 1)) if bidirectional else None
         offset = 0
         counts = np.diff(inputs.cu_seqlens_q) if inputs.ragged else [1] * len(step.seqs)
         for seq, start, count in zip(step.seqs, step.starts, counts):
@@ -100,7 +102,8 @@ class VisionExtension(RunnerExtension):
                     if first < last:
                         here = slice(offset + first - start, offset + last - start)
                         rows.extend(range(here.start, here.stop))
-                        spans[here] = item.start, item.start + item.length - 1
+                        if bidirectional:
+                            spans[here] = item.start, item.start + item.length - 1
                         pieces.append(
                             (item.key, item, first - item.start, last - item.start)
                         )
@@ -110,7 +113,7 @@ class VisionExtension(RunnerExtension):
             # as any model's (a decode step then replays its graph)
             inputs.positions[:] = positions[0]
             positions = None
-        seen = spans if self.model.bidirectional_images and rows else None
+        seen = spans if rows else None
         return VisionInputs(np.array(rows, dtype=np.int64), pieces, positions, seen)
 
     def before_forward(self, inputs: StepInputs) -> None:
