@@ -224,7 +224,7 @@ def process_context() -> multiprocessing.context.BaseContext:
     if "forkserver" not in multiprocessing.get_all_start_methods():
         return multiprocessing.get_context("spawn")
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "transformers", "nanopaged.entrypoints.llm"])
+    ctx.set_forkserver_preload(["torch", "transformers", "nanopaged.engine.llm"])
     return ctx
 
 

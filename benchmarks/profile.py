@@ -14,7 +14,7 @@ from benchmarks.workload import Workload, warmup_prompts
 # (module, class, method) -> the stage its calls are charged to, outermost first
 STAGES = {
     (
-        "nanopaged.entrypoints.llm",
+        "nanopaged.engine.llm",
         "LLM",
         "run_step",
     ): "engine bookkeeping (requests, outputs)",

@@ -14,7 +14,7 @@ import importlib
 
 # public name -> the module that defines it
 NAMES = {
-    "LLM": "entrypoints.llm",
+    "LLM": "engine.llm",
     "LLMEngine": "engine.llm_engine",
     "EngineArgs": "engine.arg_utils",
     "SamplingParams": "sampling_params",

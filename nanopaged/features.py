@@ -12,8 +12,9 @@ The others enter through the seams the core documents, named beside each below. 
 API and its sampling settings make every `LLM`; the rest are turned on by an option and
 imported only then, each a file or folder a forker may delete with its option:
 
-- vLLM's API over the core (`entrypoints/`, `inputs.py`, `outputs.py`): the
-  engine's `add`, `step`, `finish` and `stop`; each step's `SamplerOutput`.
+- vLLM's API over the core (`engine/`, `inputs.py`, `outputs.py`, `chat.py`; vLLM's
+  other module paths, `entrypoints/` among them, name what these define): the engine's
+  `add`, `step`, `finish` and `stop`; each step's `SamplerOutput`.
 - vLLM's sampling settings (`sampling/vllm_sampler.py`,
   `sampling/logits_processors.py`): the `Sampler` class the runner is given (`adjust`,
   `uniform`), `Sequence.logits_processors`.
@@ -25,10 +26,10 @@ imported only then, each a file or folder a forker may delete with its option:
   `Pending` input ids and `sequence.PENDING`; `BlockManager.commit(count)`,
   `cache_block`, `uncommitted`.
 - LoRA adapters (`lora/`): a `RunnerExtension`; `Sequence.cache_salt`.
-- pooling's engine (`pooling/pooling_llm.py`, `entrypoints/llm.py`'s `RUNNERS`):
+- pooling's engine (`pooling/pooling_llm.py`, `engine/llm.py`'s `RUNNERS`):
   `SamplingOptions.max_tokens=0`, `SamplerOutput.hidden_states`; a classifier's score
   head, from the runner's `model`.
-- RL rollouts (`rl/`, `entrypoints/training.py`, `serving/rl_api.py`): new weights
+- RL rollouts (`rl/`, `engine/training.py`, `serving/rl_api.py`): new weights
   where the loader puts them (the model's `checkpoint_param`, its layers'
   `weight_loader`, a packed weight's `LinearMethod.dense_weight` and
   `set_dense_weight`); `BlockManager.reset_prefix_cache` after them; sleep through the
@@ -42,8 +43,9 @@ imported only then, each a file or folder a forker may delete with its option:
 - the step trace (`trace/`): the runner `LLMEngine` is handed (`TracedRunner`, its
   `launch`); after each step, the `BlockManager`'s and `Scheduler`'s state, read.
 - tensor parallelism (`parallel/tensor.py`): a `ModelRunner` subclass on every rank.
-- data parallelism (`parallel/data.py`) and the OpenAI server (`serving/`): `LLM`;
-  the server's router, `block_manager.hash_block` (chained as the prefix cache does).
+- data parallelism (`engine/data_parallel.py`) and the OpenAI server (`serving/`):
+  `LLM`; the server's router, `block_manager.hash_block` (chained as the prefix cache
+  does).
 """
 
 import importlib.util
@@ -101,9 +103,9 @@ def add_quantized_formats() -> None:
 
 
 def add_pooling_models() -> None:
-    """The pooling architectures (`pooling/models.py`): each family's bare decoder
+    """The pooling architectures (`models/pooling.py`): each family's bare decoder
     (`Qwen3Model`) and its classifier (`Qwen3ForSequenceClassification`)."""
-    from nanopaged.pooling.models import FAMILIES, PoolingBody, SequenceClassifier
+    from nanopaged.models.pooling import FAMILIES, PoolingBody, SequenceClassifier
 
     for family in FAMILIES:
         ARCHITECTURES[f"{family}Model"] = PoolingBody

@@ -10,6 +10,7 @@ from typing import TypedDict
 import numpy as np
 from transformers import PreTrainedTokenizerBase
 
+from nanopaged.chat import check_text
 from nanopaged.checkpoint import (
     eos_token_ids,
     generation_defaults,
@@ -18,7 +19,6 @@ from nanopaged.checkpoint import (
 )
 from nanopaged.core.config import Config
 from nanopaged.core.sequence import Sequence, cdiv
-from nanopaged.entrypoints.chat_utils import check_text
 from nanopaged.outputs import Request
 from nanopaged.sampling.logits_processors import SamplingAdjustments
 from nanopaged.sampling_params import SamplingParams

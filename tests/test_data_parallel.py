@@ -2,6 +2,8 @@
 outputs, in order; the server's router sends a prompt where its prefix went, within a
 balance."""
 
+import gc
+import os
 import types
 
 import psutil
@@ -9,7 +11,7 @@ import pytest
 from conftest import random_prompts
 
 from nanopaged import LLM, LoRARequest, SamplingParams
-from nanopaged.parallel.data import DataParallelLLM, Replica
+from nanopaged.engine.data_parallel import DataParallelLLM, Replica
 from nanopaged.serving.router import Router
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12)
@@ -277,3 +279,44 @@ def test_ctrl_c_while_a_replica_takes_a_request_withdraws_it(
         assert output.outputs[0].token_ids == single([prompt])[0]
         # the id is free again
         assert llm.add_request(prompt, GREEDY, request_id="r") == "r"
+
+
+class Finalized:
+    """An object in a reference cycle (only the collector frees it) whose finalizer
+    notes, in `path`, the process that ran it."""
+
+    def __init__(self, path: str):
+        self.path, self.cycle = path, self
+
+    def __del__(self):
+        with open(self.path, "a") as notes:
+            notes.write(f"{os.getpid()}\n")
+
+
+def collect(worker) -> int:
+    gc.collect()
+    return os.getpid()
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{"data_parallel_size": 2}, {"tensor_parallel_size": 2}],
+    ids=["replicas", "ranks"],
+)
+def test_a_forked_child_never_finalizes_what_it_inherited(
+    qwen3_path, tmp_path, options
+):
+    """A replica or a rank forked from this process inherits its unreachable objects:
+    their finalizers must run here alone (a torch.distributed group's, collected in a
+    child, waits forever for threads that only this process has)."""
+    notes = tmp_path / "finalized"
+    gc.disable()  # the garbage lives until the children have been forked
+    try:
+        Finalized(str(notes))
+        with LLM(qwen3_path, max_model_len=256, **options) as llm:
+            children = set(llm.collective_rpc(collect)) - {os.getpid()}
+    finally:
+        gc.enable()
+    gc.collect()
+    assert len(children) == (2 if "data_parallel_size" in options else 1)
+    assert notes.read_text() == f"{os.getpid()}\n"

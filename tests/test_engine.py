@@ -258,13 +258,11 @@ def test_the_progress_bar_shows_the_prefill_and_decode_rates(
     that ticks one second a reading: each step reads it twice more, then ends)."""
     import itertools
 
-    import nanopaged.entrypoints.llm
+    import nanopaged.engine.llm
 
     llm = LLM(qwen3_path, max_model_len=512)
     clock = itertools.count()
-    monkeypatch.setattr(
-        nanopaged.entrypoints.llm.time, "perf_counter", lambda: next(clock)
-    )
+    monkeypatch.setattr(nanopaged.engine.llm.time, "perf_counter", lambda: next(clock))
     last, run_step = {}, llm.run_step
 
     def recording():

@@ -1,6 +1,6 @@
 """The shape of the package: a core of at most 1,400 code lines that imports no feature,
-every module importing only modules below it (no circles), and an engine that `del`
-frees at once."""
+every module importing only modules below it (no circles), every folder one floor of
+that order, and an engine that `del` frees at once."""
 
 import ast
 import gc
@@ -58,9 +58,9 @@ LAYERS = [
     "models.moe",
     "models.gemma3",
     "models.rope",
+    "models.pooling",
     "models",
     "pooling.pooler",
-    "pooling.models",
     "pooling",
     "vision.images",
     "vision.mrope",
@@ -72,7 +72,7 @@ LAYERS = [
     "vision.processing",
     "vision",
     "features",
-    "entrypoints.chat_utils",
+    "chat",
     "checkpoint",
     "random_checkpoint",
     "sampling_params",
@@ -100,20 +100,21 @@ LAYERS = [
     "engine.arg_utils",
     "utils",
     "inputs",
-    "entrypoints.compat",
-    "entrypoints.training",
+    "engine.compat",
+    "engine.training",
     "speculative",
     "async_scheduling",
-    "parallel.data",
+    "engine.data_parallel",
     "parallel",
     "serving.router",
     "trace",
     "trace.__main__",
     "assembly",
-    "entrypoints.llm",
+    "engine.llm",
     "pooling.pooling_llm",
     "engine.llm_engine",
     "engine",
+    "entrypoints.llm",
     "entrypoints",
     "distributed",
     "distributed.parallel_state",
@@ -258,6 +259,51 @@ def test_every_module_imports_only_modules_below_it():
             m for m in imports(path, known) if LAYERS.index(m) >= LAYERS.index(module)
         ]
         assert not above, f"{module} imports {above}, which are not below it"
+
+
+def floor(module: str) -> str:
+    """A module's node in the folders' graph: its folder under nanopaged (a folder's
+    subfolders with it), or the module itself at the top of the package."""
+    folder = module.partition(".")[0]
+    return folder + "/" if os.path.isdir(os.path.join(PACKAGE, folder)) else module
+
+
+def circle(arrows: dict[str, set[str]]) -> list[str]:
+    """A circle in a graph (node -> the nodes it imports), or [] if it has none."""
+    done, path = set(), []
+
+    def visit(node: str) -> list[str]:
+        if node in path:
+            return path[path.index(node) :] + [node]
+        if node in done:
+            return []
+        path.append(node)
+        for target in sorted(arrows.get(node, ())):
+            if found := visit(target):
+                return found
+        path.pop()
+        done.add(node)
+        return []
+
+    for node in sorted(arrows):
+        if found := visit(node):
+            return found
+    return []
+
+
+def test_every_folder_is_one_floor():
+    """Taking each folder, and each module at the top of the package, as one node: no
+    import runs back up, so a folder's files stand on one floor of the layering (vLLM's
+    paths, such as `entrypoints/`, name what the floors below define)."""
+    known = modules()
+    arrows: dict[str, set[str]] = {}
+    for module, path in known.items():
+        targets = {floor(m) for m in imports(path, known)} - {floor(module)}
+        arrows.setdefault(floor(module), set()).update(targets)
+    assert circle(arrows) == []
+    # the check itself: one arrow back up (the server's path imported by the engine)
+    arrows["engine/"].add("entrypoints/")
+    assert circle(arrows) == ["engine/", "entrypoints/", "engine/"]
 
 
 def test_a_layer_that_imports_upwards_is_caught(tmp_path):
@@ -410,7 +456,7 @@ def test_speculation_reaches_the_core_through_one_seam(qwen3_path, hf_greedy):
     [
         "speculative",
         "trace",
-        "parallel/data.py",
+        "engine/data_parallel.py",
         "sampling/structured_outputs.py",
         "lora",
         "quantization",

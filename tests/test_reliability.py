@@ -301,7 +301,7 @@ def test_an_interrupt_after_the_core_step_aborts_every_request(
     """Ctrl-C in the layer above the core (logprobs, stop strings, the outputs' text)
     after its step ran: every request ends, and the engine gives the right tokens and
     logprobs on."""
-    from nanopaged.entrypoints import llm as llm_module
+    from nanopaged.engine import llm as llm_module
 
     targets = {
         "logprobs": (llm_module, "token_logprobs"),

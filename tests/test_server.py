@@ -531,7 +531,7 @@ def test_a_request_sent_to_a_replica_whose_loop_just_died_is_answered():
     forever."""
     import asyncio
 
-    from nanopaged.parallel.data import ReplicaDied
+    from nanopaged.engine.data_parallel import ReplicaDied
     from nanopaged.serving.server import EngineLoop
 
     class DeadReplica:

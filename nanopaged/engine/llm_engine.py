@@ -2,7 +2,7 @@
 (`add_request`, `step`), which in nanopaged is the `LLM` class itself."""
 
 from nanopaged.engine.arg_utils import lacks
-from nanopaged.entrypoints.llm import LLM
+from nanopaged.engine.llm import LLM
 
 LLMEngine = LLM
 

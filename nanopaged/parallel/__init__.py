@@ -1,4 +1,4 @@
-"""More than one device or process per engine: tensor parallelism (`tensor.py`: a
-`ModelRunner` subclass that runs each step on every rank, spawned or under torchrun) and
-data parallelism (`data.py`: replicas of the whole engine, each in its own process,
-behind `LLM`'s API). vLLM's `vllm.distributed` names are `nanopaged/distributed/`."""
+"""Tensor parallelism (`tensor.py`): a `ModelRunner` subclass that runs each step on
+every rank, spawned or under torchrun. Data parallelism, replicas of the whole engine
+behind `LLM`'s API, stands above the engine, in `engine/data_parallel.py`; vLLM's
+`vllm.distributed` names are `nanopaged/distributed/`."""

@@ -91,7 +91,7 @@ class ParallelConfig:
     engine starts, meeting on `distributed_port` of 127.0.0.1 (a free port when None);
     with `distributed_executor_backend` "external_launcher" they are the processes
     torchrun started, on any machines. `data_parallel_size` replicas of the engine each
-    serve a share of the requests (see `parallel/data.py`)."""
+    serve a share of the requests (see `engine/data_parallel.py`)."""
 
     tensor_parallel_size: int = 1
     distributed_port: int | None = None
@@ -345,7 +345,7 @@ def start_workers(
             daemon=True,
             name=f"nanopaged-tp{rank}",
         )
-        worker.start()
+        start_child(worker)
         sender.close()  # the worker holds the only sending end now
         worker.errors = receiver
         workers.append(worker)
@@ -360,6 +360,29 @@ def start_method() -> str:
     )
 
 
+def start_child(process: mp.Process) -> None:
+    """Starts `process` with the collector held off until it has: a forked child
+    inherits this process's unreachable objects, whose finalizers must never run there
+    (a torch.distributed group's waits forever for threads that only this process has;
+    an engine's would close this process's workers), so the child first sets them
+    aside (`keep_inherited`), and only then collects."""
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        process.start()
+    finally:
+        if collecting:
+            gc.enable()
+
+
+def keep_inherited(forked: bool) -> None:
+    """The first thing a child started by `start_child` does: what a fork copied from
+    its parent is never collected here."""
+    if forked:
+        gc.freeze()
+        gc.enable()
+
+
 def _worker_main(
     config: Config,
     parallel: ParallelConfig,
@@ -368,10 +391,7 @@ def _worker_main(
     errors: mp.connection.Connection,
     forked: bool,
 ) -> None:
-    if forked:
-        # the parent's unreachable objects stay uncollected here: their finalizers (an
-        # engine's close) would act on the parent's processes and groups
-        gc.freeze()
+    keep_inherited(forked)
     # Ctrl-C is rank 0's to handle: it stops the workers
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     # share the cores with the other ranks; in a forked child the parent's OpenMP

@@ -21,10 +21,10 @@ from nanopaged.checkpoint import checkpoint_architecture
 from nanopaged.core.config import Config
 from nanopaged.core.sequence import SamplingOptions, Sequence, cdiv
 from nanopaged.core.step import SamplerOutput, ScheduledStep
-from nanopaged.entrypoints.llm import LLM
+from nanopaged.engine.llm import LLM
 from nanopaged.inputs import Prompt, as_batch
+from nanopaged.models.pooling import FAMILIES
 from nanopaged.outputs import RequestMetrics
-from nanopaged.pooling.models import FAMILIES
 from nanopaged.pooling.params import (
     ClassificationOutput,
     ClassificationRequestOutput,

@@ -1,5 +1,5 @@
 """The engine's side of an RL loop, above the ranks: what `LLM`'s RL methods do
-(`entrypoints/training.py` names them, as vLLM's). It keeps what belongs to the whole
+(`engine/training.py` names them, as vLLM's). It keeps what belongs to the whole
 engine, not to a rank:
 
 - the weight version, a counter that every change of weights advances (and a name for

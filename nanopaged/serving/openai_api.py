@@ -10,7 +10,7 @@ is the only field taken and unused.
 
 from dataclasses import dataclass
 
-from nanopaged.entrypoints import chat_utils as chat
+from nanopaged import chat
 from nanopaged.sampling_params import SamplingParams, StructuredOutputsParams
 from nanopaged.serving import tool_calls
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 from fastapi import FastAPI, Request
 
-from nanopaged.entrypoints.compat import EnginePaused
+from nanopaged.engine.compat import EnginePaused
 from nanopaged.pooling.params import PoolingParams
 from nanopaged.pooling.pooling_llm import paired
 from nanopaged.serving.openai_responses import (

@@ -2,7 +2,7 @@
 (as vLLM's): sleep mode (`/sleep`, `/wake_up`, `/is_sleeping`) and the weight transfer
 from a trainer (`/init_weight_transfer_engine`, `/start_weight_update`,
 `/update_weights`, `/finish_weight_update`, `/get_world_size`). Each runs the engine's
-method of that name on its loop (`nanopaged/entrypoints/training.py`); a wrong argument
+method of that name on its loop (`nanopaged/engine/training.py`); a wrong argument
 is a 400 naming it.
 """
 

@@ -4,8 +4,8 @@ to."""
 from collections import OrderedDict
 
 from nanopaged.core.block_manager import hash_block
+from nanopaged.engine.data_parallel import DataParallelLLM
 from nanopaged.lora.admission import cache_salt
-from nanopaged.parallel.data import DataParallelLLM
 
 MAX_REMEMBERED_BLOCKS = 100_000  # per replica
 

@@ -27,13 +27,12 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from nanopaged import LLM, envs
+from nanopaged import LLM, chat, envs
 from nanopaged.engine.arg_utils import EngineArgs
-from nanopaged.entrypoints import chat_utils as chat
-from nanopaged.entrypoints.compat import EnginePaused
+from nanopaged.engine.compat import EnginePaused
+from nanopaged.engine.data_parallel import ReplicaDied, sum_stats
 from nanopaged.lora.request import LoRARequest
 from nanopaged.outputs import EngineStats
-from nanopaged.parallel.data import ReplicaDied, sum_stats
 from nanopaged.serving import openai_api
 from nanopaged.serving.args import parse_args
 from nanopaged.serving.openai_responses import (

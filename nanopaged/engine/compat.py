@@ -1,6 +1,6 @@
 """The methods of vLLM's `LLM` and `LLMEngine` that vLLM's examples call beyond
 `generate`, `add_request` and `step`, written on those alone, so that one engine and its
-data-parallel replicas (`parallel/data.py`) share them: `chat`, `stream`,
+data-parallel replicas (`engine/data_parallel.py`) share them: `chat`, `stream`,
 `from_engine_args`, and vLLM's other names. Nothing here changes what the engine
 does."""
 
@@ -11,8 +11,8 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
+from nanopaged import chat
 from nanopaged.engine.arg_utils import EngineArgs
-from nanopaged.entrypoints import chat_utils as chat
 from nanopaged.inputs import Prompt
 from nanopaged.sampling_params import SamplingParams
 

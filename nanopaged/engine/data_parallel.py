@@ -7,7 +7,7 @@ Offline, `generate` checks every request here, deals the prompts out in turn (pr
 to replica i mod N), runs the replicas at once and returns every output in order. A step
 at a time, `add_request` sends a request to the replica with the fewest unfinished ones
 and `step` steps every busy replica at once. The server routes each request itself
-(`router.py`).
+(`serving/router.py`).
 """
 
 import multiprocessing as mp
@@ -20,11 +20,16 @@ import torch
 
 from nanopaged.checkpoint import resolve_model
 from nanopaged.engine.arg_utils import make_config, split_options
-from nanopaged.entrypoints.compat import VLLMEngineAPI
-from nanopaged.entrypoints.training import Driver, field_of
+from nanopaged.engine.compat import VLLMEngineAPI
+from nanopaged.engine.training import Driver, field_of
 from nanopaged.inputs import InputProcessor, as_batch, per_prompt
 from nanopaged.outputs import EngineStats, RequestMetrics, RequestOutput
-from nanopaged.parallel.tensor import ParallelConfig, start_method
+from nanopaged.parallel.tensor import (
+    ParallelConfig,
+    keep_inherited,
+    start_child,
+    start_method,
+)
 from nanopaged.sampling_params import SamplingParams
 
 
@@ -67,7 +72,7 @@ class Replica:
                 method == "fork",
             ),
         )
-        self.process.start()
+        start_child(self.process)
         child.close()
 
     def send(self, name: str, *args, **kwargs) -> None:
@@ -142,6 +147,7 @@ def _serve(
 ) -> None:
     """The life of a replica's process: build the engine (on its own `gpus`), then run
     each call until told to close or the caller is gone."""
+    keep_inherited(forked)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the caller's to handle
     if gpus:  # before CUDA starts in this process
         os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
@@ -231,7 +237,7 @@ class DataParallelLLM(VLLMEngineAPI):
     def list_loras(self) -> set[int]:
         return set().union(*[replica.call("list_loras") for replica in self.live()])
 
-    # ---- RL (entrypoints/training.py), on every replica ----
+    # ---- RL (engine/training.py), on every replica ----
 
     @property
     def llm_engine(self):
