@@ -2,10 +2,10 @@
 
 The engine every request passes through is `nanopaged/core/`; vLLM's API stands above
 it. Names are imported on first use, so that a command's `--help` loads neither torch
-nor a model. Inside nanopaged, `LLMEngine` names the core's engine
-(`nanopaged.core.llm_engine`); `nanopaged.LLMEngine` is only vLLM's public name, kept
-for scripts written for vLLM, of its engine driven a step at a time (`add_request`,
-`step`): nanopaged's `LLM` has both APIs, so it is `LLM`. vLLM's other module paths are
+nor a model. The core's engine is `LLMEngineCore` (`nanopaged.core.llm_engine`, vLLM's
+`EngineCore`); `nanopaged.LLMEngine` is vLLM's public name, kept for scripts written for
+vLLM, of its engine driven a step at a time (`add_request`, `step`): nanopaged's `LLM`
+has both APIs, so it is `LLM`. vLLM's other module paths are
 modules of this package (`nanopaged.engine.arg_utils`, `nanopaged.distributed`,
 `nanopaged.envs`, ...).
 """

@@ -9,7 +9,7 @@ proposer (`speculative_config`); LoRA's
 runner extension (`enable_lora`) or a vision-language model's (its checkpoint); the
 model runner, on one process or on every tensor-parallel rank (`tensor_parallel_size`),
 its device's part on a thread for async scheduling on a CPU; the trace around it
-(`trace`); and the engine that steps it: the core's `LLMEngine`, or speculative
+(`trace`); and the engine that steps it: the core's `LLMEngineCore`, or speculative
 decoding's or async scheduling's subclass of it. A feature no option asks for is
 never imported.
 """
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from nanopaged.checkpoint import is_multimodal
 from nanopaged.core.config import Config
-from nanopaged.core.llm_engine import LLMEngine
+from nanopaged.core.llm_engine import LLMEngineCore
 from nanopaged.core.model_runner import ModelRunner
 from nanopaged.parallel.tensor import ParallelConfig, make_runner
 from nanopaged.sampling.vllm_sampler import VLLMSampler
@@ -30,7 +30,7 @@ class Assembly:
     admission of adapters, a vision-language model's image processor and runner
     extension, the tracer (each None when off)."""
 
-    engine: LLMEngine
+    engine: LLMEngineCore
     lora: object | None = None
     images: object | None = None
     vision: object | None = None
@@ -97,7 +97,7 @@ def assemble(llm, config: Config, parallel: ParallelConfig, surface: dict) -> As
         elif overlap:
             engine = async_scheduling.AsyncEngine(config, runner)
         else:
-            engine = LLMEngine(config, runner)
+            engine = LLMEngineCore(config, runner)
     except BaseException:  # tensor-parallel workers exit with the runner
         runner.close()
         raise

@@ -5,7 +5,7 @@ hides behind the device's instead of leaving it idle.
 
 The core's loop and this one, side by side: the same calls, in another order.
 
-    LLMEngine.step (the core)             AsyncEngine._step (this file)
+    LLMEngineCore.step (the core)         AsyncEngine._step (this file)
     step = schedule()                     step = schedule()   # n's tokens PENDING
     launched = runner.launch(step)        in_flight.append(runner.launch(step, pending))
     sampled = runner.collect(launched)    sampled = runner.collect(in_flight.pop(0))
@@ -46,13 +46,13 @@ What overlap changes:
 
 import torch
 
-from nanopaged.core.llm_engine import LLMEngine
+from nanopaged.core.llm_engine import LLMEngineCore
 from nanopaged.core.model_runner import ModelRunner
 from nanopaged.core.sequence import PENDING, Sequence
 from nanopaged.core.step import Launched, Pending, SamplerOutput, ScheduledStep
 
 
-class AsyncEngine(LLMEngine):
+class AsyncEngine(LLMEngineCore):
     """The core engine with each step launched before the previous one's tokens are
     read. `step()` returns the step it read (the one launched before), or an empty step
     when it only launched one. Between two calls no sequence holds a pending token:

@@ -19,8 +19,9 @@ imported only then, each a file or folder a forker may delete with its option:
   `sampling/logits_processors.py`): the `Sampler` class the runner is given (`adjust`,
   `uniform`), `Sequence.logits_processors`.
 - structured outputs (`sampling/structured_outputs.py`): `Sequence.logits_processors`.
-- speculative decoding (`speculative.py`): `LLMEngine.schedule` and `apply`, extended
-  by `SpeculativeEngine`; `ScheduledStep.proposals`; `BlockManager.reserve`, `trim`.
+- speculative decoding (`speculative.py`): `LLMEngineCore.schedule` and `apply`,
+  extended by `SpeculativeEngine`; `ScheduledStep.proposals`; `BlockManager.reserve`,
+  `trim`.
 - async scheduling (`async_scheduling.py`, `cpu/device_thread.py`): the core's
   `ModelRunner.launch`, `compute` and `collect` in another order (`Launched`);
   `Pending` input ids and `sequence.PENDING`; `BlockManager.commit(count)`,
@@ -40,7 +41,7 @@ imported only then, each a file or folder a forker may delete with its option:
   cache; multimodal positions, in `StepInputs.positions` where they agree); images' pad
   ids in `Sequence.token_ids` (the prefix cache's hashes); `Sequence.spans` (an image
   no chunk cuts); the core's `Attention`, `attend` and `gather_blocks` (Gemma 3's).
-- the step trace (`trace/`): the runner `LLMEngine` is handed (`TracedRunner`, its
+- the step trace (`trace/`): the runner `LLMEngineCore` is handed (`TracedRunner`, its
   `launch`); after each step, the `BlockManager`'s and `Scheduler`'s state, read.
 - tensor parallelism (`parallel/tensor.py`): a `ModelRunner` subclass on every rank.
 - data parallelism (`engine/data_parallel.py`) and the OpenAI server (`serving/`):

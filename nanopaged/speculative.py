@@ -4,10 +4,10 @@ the model, and keep the run the model agrees with, plus one token of its own.
 Proposals come from n-grams of the sequence itself (vLLM's "ngram" method: the tokens
 that followed the latest earlier occurrence of the sequence's last n tokens) or from a
 small draft model with the same tokenizer (vLLM's "draft_model"), proposing its most
-likely tokens. This file reaches the core through the seam of `LLMEngine`, the two ends
-of a step, which `SpeculativeEngine` extends: once a step is scheduled, each decoding
-sequence gets cache slots past its last token (as many as the token budget and the free
-blocks allow: a proposal never preempts) and proposals for them
+likely tokens. This file reaches the core through the seam of `LLMEngineCore`, the two
+ends of a step, which `SpeculativeEngine` extends: once a step is scheduled, each
+decoding sequence gets cache slots past its last token (as many as the token budget and
+the free blocks allow: a proposal never preempts) and proposals for them
 (`ScheduledStep.proposals`); the runner runs a sequence's token and its proposals as one
 query of k+1 tokens through the paged attention of any backend, and samples after each;
 applying the step keeps the proposals while the model's own samples equal them. Both
@@ -32,7 +32,7 @@ from nanopaged.checkpoint import read_checkpoint_config, resolve_model
 from nanopaged.checks import check_fields
 from nanopaged.core.attention import BACKENDS, AttentionMetadata
 from nanopaged.core.config import Config
-from nanopaged.core.llm_engine import LLMEngine
+from nanopaged.core.llm_engine import LLMEngineCore
 from nanopaged.core.loader import load_model
 from nanopaged.core.model import sliding_window
 from nanopaged.core.model_runner import ModelRunner, kv_block_bytes, new_kv_cache
@@ -269,7 +269,7 @@ class DraftProposer(NgramProposer):
         return torch.as_tensor(values, dtype=dtype, device=self.device)
 
 
-class SpeculativeEngine(LLMEngine):
+class SpeculativeEngine(LLMEngineCore):
     """The core engine with proposals verified each step (see the module's docstring).
     Each decoding sequence (oldest first) gets slots for up to `num_speculative_tokens`
     proposals: as many as its max_tokens and max_model_len leave room for, the step's

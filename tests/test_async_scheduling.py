@@ -26,7 +26,7 @@ from test_reliability import (
 
 from nanopaged import LLM, SamplingParams
 from nanopaged.async_scheduling import AsyncEngine
-from nanopaged.core.llm_engine import LLMEngine
+from nanopaged.core.llm_engine import LLMEngineCore
 from nanopaged.core.sequence import PENDING
 from nanopaged.cpu.device_thread import DeviceThread
 
@@ -205,7 +205,7 @@ def test_speculation_and_the_trace_run_their_own_synchronous_engines(
     )
     assert not isinstance(speculative.engine, AsyncEngine)
     traced = LLM(qwen3_path, async_scheduling=True, trace=str(tmp_path / "t.jsonl"))
-    assert type(traced.engine) is LLMEngine
+    assert type(traced.engine) is LLMEngineCore
     with pytest.raises(ValueError, match="tensor_parallel_size > 1"):
         LLM(qwen3_path, async_scheduling=True, tensor_parallel_size=2)
 

@@ -407,12 +407,12 @@ def test_speculation_reaches_the_core_through_one_seam(qwen3_path, hf_greedy):
     import inspect
 
     from nanopaged.core.config import Config
-    from nanopaged.core.llm_engine import LLMEngine
+    from nanopaged.core.llm_engine import LLMEngineCore
     from nanopaged.core.model_runner import ModelRunner
     from nanopaged.core.scheduler import Scheduler
     from nanopaged.core.sequence import SamplingOptions, Sequence
 
-    for cls in (Scheduler, ModelRunner, LLMEngine):
+    for cls in (Scheduler, ModelRunner, LLMEngineCore):
         # its code, past the docstring
         assert not re.search(
             r"propos(er|e\()|lookahead|speculat",
@@ -421,7 +421,7 @@ def test_speculation_reaches_the_core_through_one_seam(qwen3_path, hf_greedy):
     prompt = [5, 6, 7]
     want = hf_greedy(qwen3_path, [prompt], 12)[0]
 
-    class Oracle(LLMEngine):
+    class Oracle(LLMEngineCore):
         def schedule(self):
             step = super().schedule()
             for i, seq in enumerate(step.seqs):

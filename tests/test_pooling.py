@@ -18,7 +18,7 @@ from transformers import (
 )
 
 from nanopaged import LLM, PoolingParams, SamplingParams
-from nanopaged.core.llm_engine import LLMEngine
+from nanopaged.core.llm_engine import LLMEngineCore
 from nanopaged.core.sequence import SamplingOptions, Sequence
 from nanopaged.pooling.pooler import Pooling
 from nanopaged.pooling.pooling_llm import PoolingLLM
@@ -435,7 +435,7 @@ def test_a_pooling_sequence_shares_steps_with_generation_in_the_core(
     its prompt ran; the step's hidden states hold its rows."""
     from nanopaged.core.config import Config
 
-    engine = LLMEngine(Config(qwen3_path, max_num_batched_tokens=16))
+    engine = LLMEngineCore(Config(qwen3_path, max_num_batched_tokens=16))
     prompts = random_prompts([20, 6])
     pooled = Sequence(prompts[0], SamplingOptions(max_tokens=0))
     pooled.hidden_states = True
@@ -476,7 +476,7 @@ def test_a_pooled_prompt_beside_preempted_generation_is_pooled_once(
         num_kvcache_blocks=8,
         scheduling=scheduling,
     )
-    engine = LLMEngine(config)
+    engine = LLMEngineCore(config)
     prompts = random_prompts([20, 20, 20, 45], seed=5)
     generating = [
         Sequence(p, SamplingOptions(temperature=0, max_tokens=40)) for p in prompts[:3]
@@ -510,7 +510,7 @@ def test_a_one_token_prompt_never_sampled_makes_its_step_ragged(qwen3_path, hf_g
     logits of a sampled prompt would be taken from the row of one that is not."""
     from nanopaged.core.config import Config
 
-    engine = LLMEngine(Config(qwen3_path))
+    engine = LLMEngineCore(Config(qwen3_path))
     pooled = Sequence([11], SamplingOptions(max_tokens=0))
     generating = Sequence([7], SamplingOptions(temperature=0, max_tokens=4))
     engine.add(pooled)

@@ -1,4 +1,4 @@
-"""The core's options: what `LLMEngine` needs to know, resolved for this machine and
+"""The core's options: what `LLMEngineCore` needs to know, resolved for this machine and
 this checkpoint. What a user gives is checked above the core before it gets here
 (`nanopaged/engine/arg_utils.py`: names, types, ranges, what this machine can do)."""
 

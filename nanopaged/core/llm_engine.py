@@ -8,8 +8,9 @@ from nanopaged.core.sequence import Sequence
 from nanopaged.core.step import SamplerOutput, ScheduledStep
 
 
-class LLMEngine:
-    """The engine every request passes through: `add(seq)`, then `step()` until
+class LLMEngineCore:
+    """The engine every request passes through (vLLM's `EngineCore`; vLLM's `LLMEngine`,
+    the API above it, is nanopaged's `LLM`): `add(seq)`, then `step()` until
     `is_finished()`. Each step appends to each sampling sequence the tokens it sampled;
     a sequence ends ("stop") at one of its stop tokens, or ("length") at its max_tokens
     or the model's max_model_len, and its blocks are freed. A step that raises (an

@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import xxhash
 
-from nanopaged.core.llm_engine import LLMEngine
+from nanopaged.core.llm_engine import LLMEngineCore
 from nanopaged.lora.request import LoRARequest
 from nanopaged.lora.runner import LoRAExtension, adapter_key
 from nanopaged.outputs import Request
@@ -73,7 +73,7 @@ class LoRAAdmission:
             )
             self.extension.adapters[seq] = lora_request
 
-    def admits(self, request: Request, engine: LLMEngine) -> bool:
+    def admits(self, request: Request, engine: LLMEngineCore) -> bool:
         """Whether the engine may take `request` now (without exceeding `max_loras`)."""
         adapter = request.lora_request
         if adapter is None:
@@ -81,14 +81,14 @@ class LoRAAdmission:
         present = self._adapters_in(engine)
         return adapter_key(adapter) in present or len(present) < self.max_loras
 
-    def release(self, engine: LLMEngine, add: Callable[[Request], None]) -> None:
+    def release(self, engine: LLMEngineCore, add: Callable[[Request], None]) -> None:
         """Hands the held requests the engine may take now to `add`, in order."""
         for request in list(self.held):
             if self.admits(request, engine):
                 self.held.remove(request)
                 add(request)
 
-    def _adapters_in(self, engine: LLMEngine) -> set:
+    def _adapters_in(self, engine: LLMEngineCore) -> set:
         adapters = self.extension.adapters
         return {
             adapter_key(adapters[seq]) for seq in engine.unfinished() if seq in adapters
