@@ -462,7 +462,7 @@ def test_speculation_reaches_the_core_through_one_seam(qwen3_path, hf_greedy):
         "quantization",
         "models",
         "cpu",
-        "pooling serving/pooling_api.py",
+        "pooling models/pooling.py serving/pooling_api.py",
         "sampling/triton_kernel.py",
         "rl",
         "vision",
