@@ -33,7 +33,8 @@ imported only then, each a file or folder a forker may delete with its option:
 - RL rollouts (`rl/`, `engine/training.py`, `serving/rl_api.py`): new weights
   where the loader puts them (the model's `checkpoint_param`, its layers'
   `weight_loader`, a packed weight's `LinearMethod.dense_weight` and
-  `set_dense_weight`); `BlockManager.reset_prefix_cache` after them; sleep through the
+  `set_dense_weight`); `BlockManager.reset_prefix_cache` and the runner extension's
+  `weights_changed` after them (and after a sleep); sleep through the
   runner's `model`, `kv_cache` and `graphs`, and `Scheduler.preempt_all`; every rank
   through `MultiprocRunner.call`; `LLM`'s refusals (`paused`).
 - vision-language models (`vision/`): their model classes in `ARCHITECTURES` and

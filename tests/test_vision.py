@@ -195,6 +195,41 @@ def test_an_image_sent_again_is_processed_once_while_among_the_latest(
     assert len(calls) == 4  # small pushed wide out
 
 
+@pytest.mark.parametrize("family", ["qwen2.5-vl", "qwen3-vl"])
+def test_new_weights_and_a_sleep_leave_no_image_encoded_by_the_old_tower(
+    family, tmp_path
+):
+    """The encoder cache holds what the tower computed: new weights (RL's updates)
+    and a sleep empty it, so the same image is encoded again by the new tower and the
+    tokens are transformers' on the new weights. The weights go by transformers'
+    names (`model.visual.`, `model.language_model.`), as a trainer sends them, though
+    the checkpoint was published with others."""
+    old, new = (
+        write_random_vision_checkpoint(
+            str(tmp_path / name), family, seed=seed, initializer_range=0.1
+        )
+        for name, seed in (("old", 0), ("new", 1))
+    )
+    llm = LLM(old, max_model_len=512, enable_sleep_mode=True)
+    [case] = CASES[:1]
+    assert tokens(llm.generate(prompts_of([case]), GREEDY)) == [hf_greedy(old, *case)]
+    trained = AutoModelForImageTextToText.from_pretrained(new, dtype=torch.float32)
+    model = llm.llm_engine.model_executor.driver_worker.model_runner.model
+    model.load_weights(trained.named_parameters())
+    assert tokens(llm.generate(prompts_of([case]), GREEDY)) == [hf_greedy(new, *case)]
+    assert llm.vision.num_encoded == 2
+    llm.sleep(level=1)
+    assert not llm.vision.cache
+    llm.wake_up()
+    assert tokens(llm.generate(prompts_of([case]), GREEDY)) == [hf_greedy(new, *case)]
+    assert llm.vision.num_encoded == 3
+    # sleep(2) dropped the weights: transformers' names fill all of them again
+    llm.sleep(level=2)
+    llm.wake_up()
+    model.load_weights(trained.named_parameters())
+    assert tokens(llm.generate(prompts_of([case]), GREEDY)) == [hf_greedy(new, *case)]
+
+
 def test_n_samples_and_token_id_prompts(qwen25vl):
     llm = LLM(qwen25vl, max_model_len=512)
     text, names = CASES[1]

@@ -32,8 +32,11 @@ class RunnerExtension:
     the KV pool is sized (to add weights, wrap layers); `prepare_inputs(step, inputs)`
     on rank 0, whose result goes with the inputs to every rank (`StepInputs.extension`),
     and which may change `inputs.positions` (the vision models' text after an image);
-    `before_forward(inputs)` on every rank, before the model runs the step. Without a
-    feature that needs one, a runner has none (`extension` is None)."""
+    `before_forward(inputs)` on every rank, before the model runs the step;
+    `weights_changed()` on every rank once the model's weights were written again or
+    put to sleep (RL's updates), to drop whatever it computed from the old ones (the
+    vision models' encoder cache). Without a feature that needs one, a runner has none
+    (`extension` is None)."""
 
     def prepare_model(self, runner: "ModelRunner") -> None:
         pass
@@ -42,6 +45,9 @@ class RunnerExtension:
         return None
 
     def before_forward(self, inputs: StepInputs) -> None:
+        pass
+
+    def weights_changed(self) -> None:
         pass
 
 

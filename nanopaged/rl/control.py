@@ -48,7 +48,7 @@ class RLControl:
         self.rank0: dict = {}  # rank 0's state for `rank_call`
         self.asleep: set[str] = set()
         self.discarded = False  # sleep(2) dropped the weights
-        self.refilled: set[str] = set()  # names updated since
+        self.refilled: set[str] = set()  # the checkpoint's names written since
 
     # ---- on every rank ----
 
@@ -127,8 +127,9 @@ class RLControl:
         outside an update the version advances."""
         llm.engine.block_manager.reset_prefix_cache()
         if self.discarded:
-            self.refilled |= names
-            expected = self.worker(llm).weights.expected_names()
+            writer = self.worker(llm).weights
+            self.refilled |= {writer.checkpoint_name(name) for name in names}
+            expected = writer.expected_names()
             self.discarded = not expected <= self.refilled
         if not self.updating:
             self.version += 1

@@ -5,7 +5,11 @@ copy finishing it first: the model holds the old weights or the new ones, never 
 Names and shapes are the checkpoint's, which are transformers': a pair named
 `model.layers.0.self_attn.q_proj.weight` lands in its part of the fused q/k/v
 projection, as the loader puts it there (`core/loader.py`, through the layer's
-`weight_loader`), and each tensor-parallel rank takes its own shard. An LM head tied to
+`weight_loader`), and each tensor-parallel rank takes its own shard. A name is known
+by the parameter it fills (the model's `checkpoint_param`), so a vision-language model
+takes both the names its checkpoint was published with (`visual.`, `model.layers.`) and
+those of transformers' model, which a trainer sends (`model.visual.`,
+`model.language_model.layers.`). An LM head tied to
 the embedding is the embedding: its pair, if sent, is the embedding's and is skipped.
 
 A layer whose method packed its weight at load time (the CPU backend's panels, oneDNN's
@@ -60,7 +64,19 @@ class WeightWriter:
         self.tied = getattr(model, "tie_word_embeddings", False)
         self.path = path
         self.shapes: dict[str, tuple[int, ...]] | None = None  # read at first need
+        self.names: dict[tuple, str] = {}  # the parameter (and part) -> its name there
         self.writes = 0
+
+    def read_shapes(self) -> dict[str, tuple[int, ...]]:
+        if self.shapes is None:
+            self.shapes = checkpoint_shapes(self.path)
+            self.names = {self.model.checkpoint_param(n): n for n in self.shapes}
+        return self.shapes
+
+    def checkpoint_name(self, name: str) -> str | None:
+        """The checkpoint's name of the tensor a pair named `name` is, or None."""
+        self.read_shapes()
+        return self.names.get(self.model.checkpoint_param(name))
 
     def check(self, weights: Iterable) -> list[tuple[str, torch.Tensor]]:
         """The pairs of `weights`, as a list, once every one is known to fit; else a
@@ -72,8 +88,7 @@ class WeightWriter:
                 f"its weights cannot be replaced in place; load the new checkpoint in "
                 f"a new engine"
             )
-        if self.shapes is None:
-            self.shapes = checkpoint_shapes(self.path)
+        self.read_shapes()
         problems = [p for pair in weights if (p := self._problem(pair)) is not None]
         if problems:
             more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
@@ -83,10 +98,10 @@ class WeightWriter:
         return weights
 
     def expected_names(self) -> set[str]:
-        """The names of every weight the model takes (a tied LM head's apart)."""
-        if self.shapes is None:
-            self.shapes = checkpoint_shapes(self.path)
-        names = {name for name in self.shapes if not name.endswith(IGNORED_SUFFIXES)}
+        """The checkpoint's names of every weight the model takes (a tied LM head's
+        apart)."""
+        shapes = self.read_shapes()
+        names = {name for name in shapes if not name.endswith(IGNORED_SUFFIXES)}
         return names - ({"lm_head.weight"} if self.tied else set())
 
     def _problem(self, pair) -> str | None:
@@ -103,15 +118,16 @@ class WeightWriter:
             )
         if self.tied and name == "lm_head.weight":
             return None  # the embedding's
-        if name not in self.shapes:
+        known = self.checkpoint_name(name)
+        if known is None:
             return (
                 f"{name!r} is no weight of this checkpoint (its names are "
                 f"transformers', such as {next(iter(self.shapes))!r})"
             )
-        if tuple(tensor.shape) != self.shapes[name]:
+        if tuple(tensor.shape) != self.shapes[known]:
             return (
                 f"{name!r} has shape {tuple(tensor.shape)}, the checkpoint's "
-                f"{self.shapes[name]}"
+                f"{self.shapes[known]}"
             )
         if not tensor.is_floating_point() or tensor.dtype.itemsize == 1:
             return f"{name!r} is {tensor.dtype}: a float16, bfloat16 or float32 tensor"

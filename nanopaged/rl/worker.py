@@ -54,7 +54,10 @@ class Worker:
     def load_weights(self, weights: Iterable) -> set[str]:
         """Writes new weights into this rank's model (see `rl/weights.py`); returns
         their names."""
-        return self.weights.write(weights)
+        try:
+            return self.weights.write(weights)
+        finally:
+            self.weights_changed()
 
     def init_weight_transfer_engine(
         self, init_info: dict, backend: str = "nccl"
@@ -81,10 +84,20 @@ class Worker:
                 "update_weights before init_weight_transfer_engine: join the trainer's "
                 "group first"
             )
-        return self.weights.write(receive(self.transfer, update_info, self.device))
+        try:
+            return self.weights.write(receive(self.transfer, update_info, self.device))
+        finally:
+            self.weights_changed()
 
     def sleep(self, level: int) -> None:
         self.sleeper.sleep(level)
+        self.weights_changed()
+
+    def weights_changed(self) -> None:
+        """Whatever the runner's extension computed from the weights (a vision model's
+        encoder cache) is not served after new ones, nor kept through a sleep."""
+        if self.runner.extension is not None:
+            self.runner.extension.weights_changed()
 
     def wake_up(self, tags: list[str]) -> None:
         self.sleeper.wake_up(tags)

@@ -7,7 +7,8 @@ there; and every token's multimodal positions. On the device (`before_forward`),
 image the step needs is encoded unless the encoder cache holds it: an image is encoded
 once for all its chunks, however a chunked prefill splits it, and for every request
 that brings it while it stays cached. The cache holds images' tokens up to a budget,
-least recently used first out, never one the step needs. Whatever the device finds
+least recently used first out, never one the step needs, and nothing once the weights
+change (RL's updates, sleep). Whatever the device finds
 missing it encodes, so a step is right however late it runs (async scheduling) and
 after a failure.
 """
@@ -76,6 +77,9 @@ class VisionExtension(RunnerExtension):
 
     def prepare_model(self, runner: ModelRunner) -> None:
         self.model = runner.model
+
+    def weights_changed(self) -> None:
+        self.cache.clear()  # encoded by the old tower
 
     def prepare_inputs(self, step: ScheduledStep, inputs: StepInputs) -> VisionInputs:
         rows, pieces = [], []
