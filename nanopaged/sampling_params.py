@@ -1,6 +1,7 @@
 """How one request samples and when it stops, with vLLM's names and meanings, at vLLM's
 module path: the core's sampling options, and vLLM's own fields, every one checked."""
 
+import math
 from dataclasses import dataclass
 
 from nanopaged.core.sequence import SamplingOptions
@@ -223,3 +224,34 @@ def _check_int(name: str, value, low: int, high: int | None = None) -> None:
     if value < low or (high is not None and value > high):
         bounds = f"in [{low}, {high}]" if high is not None else f">= {low}"
         raise ValueError(f"{name} must be {bounds}, got {value}")
+
+
+@dataclass
+class BeamSearchParams:
+    """vLLM's settings of `LLM.beam_search` (`nanopaged/beam_search.py`): the
+    `beam_width` best sequences of up to `max_tokens` tokens, each round's candidates
+    the `2 * beam_width` most likely next tokens of each beam (so `beam_width` is at
+    most half of vLLM's default `max_logprobs`, 20); ranked by cumulative logprob over
+    length to the power `length_penalty`; EOS ends a beam unless `ignore_eos`."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        _check_int("beam_width", self.beam_width, 1, MAX_LOGPROBS // 2)
+        _check_int("max_tokens", self.max_tokens, 1)
+        if not _is_number(self.temperature) or not 0 <= self.temperature <= FLOAT32_MAX:
+            raise ValueError(
+                f"temperature must be a number in [0, {FLOAT32_MAX:g}], got "
+                f"{self.temperature!r}"
+            )
+        if not _is_number(self.length_penalty) or not math.isfinite(
+            self.length_penalty
+        ):
+            raise ValueError(
+                f"length_penalty must be a finite number, got {self.length_penalty!r}"
+            )

@@ -100,6 +100,7 @@ LAYERS = [
     "engine.arg_utils",
     "utils",
     "inputs",
+    "beam_search",
     "engine.compat",
     "engine.training",
     "speculative",

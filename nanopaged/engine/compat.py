@@ -104,6 +104,38 @@ class VLLMEngineAPI:
         finally:
             self.abort(request_id)  # left early, or interrupted: ignored once finished
 
+    def beam_search(
+        self,
+        prompts: Prompt | list[Prompt],
+        params,
+        lora_request=None,
+        use_tqdm: bool = False,
+        concurrency_limit: int | None = None,
+    ) -> list:
+        """vLLM's beam search (`nanopaged/beam_search.py`): for each prompt a
+        `BeamSearchOutput`, its `params.beam_width` best sequences (`params`: a
+        `BeamSearchParams`); `concurrency_limit` prompts searched at a time (None:
+        all)."""
+        from nanopaged.beam_search import beam_search
+        from nanopaged.inputs import as_batch, per_prompt
+
+        prompts, _ = as_batch(prompts, None)
+        adapters = per_prompt(lora_request, len(prompts))
+        size = concurrency_limit or max(len(prompts), 1)
+        if not isinstance(size, int) or size < 1:
+            raise ValueError(f"concurrency_limit must be >= 1, got {size!r}")
+        return [
+            output
+            for start in range(0, len(prompts), size)
+            for output in beam_search(
+                self,
+                prompts[start : start + size],
+                params,
+                adapters[start : start + size],
+                use_tqdm,
+            )
+        ]
+
     def has_unfinished_requests(self) -> bool:
         return not self.is_finished()
 

@@ -5,7 +5,9 @@ Each image goes through the checkpoint's own image processor (transformers'
 `AutoImageProcessor`, with `mm_processor_kwargs`), which gives its pixels and so how
 many tokens the image is. The prompt holds one placeholder per image (the family's:
 `<|image_pad|>` for Qwen2.5-VL), which becomes as many image tokens, as the family's
-processor expands it: in the text, which is then tokenized, or in the token ids.
+processor expands it: in the text, which is then tokenized, or in the token ids (unless
+they hold every image's tokens already, as an output's `prompt_token_ids` do: a beam of
+beam search, a conversation sent back).
 
 Then, in each of the request's sequences, the image's tokens take its **pad id**: the
 vocabulary's size plus a hash of the image (`images.image_key`). The engine never
@@ -141,7 +143,8 @@ class ImageProcessor:
 
     def process(self, prompt: dict, images: list) -> ImagePrompt:
         """`prompt` (a text, or token ids) with its placeholders expanded for
-        `images`."""
+        `images`. Token ids that hold each image's tokens already, as an output's
+        `prompt_token_ids` do, stay as they are."""
         keys = [image_key(image, self.kwargs) for image in images]
         inputs = [self._pixels(i, *pair) for i, pair in enumerate(zip(keys, images))]
         sizes = [self.family.num_tokens(i) for i in inputs]
@@ -155,6 +158,8 @@ class ImageProcessor:
                 self.family.expansion(n) + piece for n, piece in zip(sizes, pieces[1:])
             )
             token_ids = self.tokenizer.encode(text)
+        elif [n for _, n in runs(list(token_ids), self.image_token_id)] == sizes:
+            token_ids = list(token_ids)  # expanded already: an output's prompt ids
         else:
             token_ids = list(token_ids)
             found = token_ids.count(self.placeholder_id)

@@ -1,0 +1,180 @@
+"""vLLM's beam search, `LLM.beam_search(prompts, BeamSearchParams(...))`, above the
+engine: it speaks to `LLM.generate` alone.
+
+Each prompt keeps `beam_width` beams, sequences of tokens scored by their cumulative
+log-probability. One round is one `generate` call that asks every live beam of every
+prompt for a single token with the `2 * beam_width` most likely next tokens and their
+logprobs; each such token extends its beam into a candidate, and a prompt keeps its
+`beam_width` best candidates. A candidate that ends with EOS (an id that ends
+`generate`'s completions: the generation config's, else the model config's, else the
+tokenizer's; vLLM takes the tokenizer's), unless `ignore_eos`, is
+complete and extends no further; so is a beam that fills `max_model_len`. After
+`max_tokens` rounds, or once no beam is live, the complete and the live are ranked
+together and the best `beam_width` returned, best first.
+
+A beam's score is its cumulative logprob divided by its length to the power
+`length_penalty`, its length counting the prompt and not a final EOS, as in vLLM (and in
+transformers, whose beam search keeps the same beams: `tests/test_beam_search.py`).
+Each round sends every beam whole, and the prefix cache serves all but its last block:
+the cost is a prefill of at most a block per beam per token. The logprobs are the
+model's own, before temperature; `temperature` only changes which token each request
+samples, and a sampled token outside the top `2 * beam_width` is a candidate too.
+
+As vLLM's offline beam search: a sequence's `tokens` hold the prompt's and the
+generated, and its `text` decodes them all.
+"""
+
+from dataclasses import dataclass, field
+
+from nanopaged.inputs import as_batch, per_prompt
+from nanopaged.outputs import Logprob
+from nanopaged.sampling_params import BeamSearchParams, SamplingParams
+
+
+@dataclass
+class BeamSearchSequence:
+    """One beam: the prompt's tokens and the generated ones, each generated token's
+    logprobs (the candidates it was chosen among), their sum, and once returned its
+    text and why it ended ("stop" at EOS, "length" otherwise)."""
+
+    tokens: list[int]
+    logprobs: list[dict[int, Logprob]] = field(default_factory=list)
+    lora_request: object = None
+    cum_logprob: float = 0.0
+    text: str | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    multi_modal_data: dict | None = None
+    mm_processor_kwargs: dict | None = None
+
+
+@dataclass
+class BeamSearchOutput:
+    """A prompt's best sequences, best first (at most `beam_width` of them)."""
+
+    sequences: list[BeamSearchSequence]
+
+
+def score(
+    beam: BeamSearchSequence, eos_token_ids: frozenset, length_penalty: float
+) -> float:
+    """The beam's cumulative logprob over its length (a final EOS not counted) to the
+    power `length_penalty`."""
+    length = len(beam.tokens) - (beam.tokens[-1] in eos_token_ids)
+    return beam.cum_logprob / length**length_penalty
+
+
+def beam_search(
+    llm,
+    prompts: list,
+    params: BeamSearchParams,
+    lora_request=None,
+    use_tqdm: bool = False,
+) -> list[BeamSearchOutput]:
+    """The `params.beam_width` best sequences of each prompt of `prompts` (texts, token
+    ids or vLLM's prompt dicts, images among them), found by `llm` (an `LLM` or its
+    data-parallel replicas)."""
+    if not isinstance(params, BeamSearchParams):
+        raise ValueError(
+            f"params must be a BeamSearchParams, got {type(params).__name__}"
+        )
+    prompts, _ = as_batch(prompts, None)
+    adapters = per_prompt(lora_request, len(prompts))
+    eos = frozenset() if params.ignore_eos else llm.inputs.eos_token_ids
+    limit = llm.inputs.config.max_model_len
+    one_token = SamplingParams(
+        max_tokens=1,
+        temperature=params.temperature,
+        logprobs=2 * params.beam_width,
+        ignore_eos=True,
+        detokenize=False,
+    )
+    first = llm.generate(prompts, one_token, use_tqdm=use_tqdm, lora_request=adapters)
+    searches = []
+    for prompt, adapter, output in zip(prompts, adapters, first):
+        start = BeamSearchSequence(list(output.prompt_token_ids), lora_request=adapter)
+        if isinstance(prompt, dict):
+            start.multi_modal_data = prompt.get("multi_modal_data")
+            start.mm_processor_kwargs = prompt.get("mm_processor_kwargs")
+        searches.append(Search(start, params, eos))
+        searches[-1].extend([start], [output], limit)
+    for _ in range(params.max_tokens - 1):
+        beams = [beam for search in searches for beam in search.beams]
+        if not beams:
+            break
+        outputs = llm.generate(
+            [token_prompt(beam) for beam in beams],
+            one_token,
+            use_tqdm=False,
+            lora_request=[beam.lora_request for beam in beams],
+        )
+        for search in searches:
+            count = len(search.beams)
+            search.extend(search.beams, outputs[:count], limit)
+            outputs = outputs[count:]
+    tokenizer = llm.get_tokenizer()
+    results = []
+    for search in searches:
+        best = search.best()
+        for beam in best:
+            beam.text = tokenizer.decode(beam.tokens)
+        results.append(BeamSearchOutput(best))
+    return results
+
+
+def token_prompt(beam: BeamSearchSequence) -> dict:
+    """A beam as the prompt of its next round: its tokens, and its prompt's images."""
+    prompt = {"prompt_token_ids": beam.tokens}
+    if beam.multi_modal_data is not None:
+        prompt["multi_modal_data"] = beam.multi_modal_data
+    if beam.mm_processor_kwargs is not None:
+        prompt["mm_processor_kwargs"] = beam.mm_processor_kwargs
+    return prompt
+
+
+class Search:
+    """One prompt's search: its live `beams` and its `complete` ones."""
+
+    def __init__(self, start: BeamSearchSequence, params: BeamSearchParams, eos):
+        self.beams: list[BeamSearchSequence] = []
+        self.complete: list[BeamSearchSequence] = []
+        self.width, self.eos = params.beam_width, eos
+        self.key = lambda beam: score(beam, eos, params.length_penalty)
+
+    def extend(self, beams: list, outputs: list, limit: int) -> None:
+        """The candidates of one round (each beam of `beams` extended by each token of
+        its output's logprobs); the best `width` stay live."""
+        candidates = []
+        for beam, output in zip(beams, outputs):
+            if output.error is not None:  # failed alone (generate warned): it ends
+                continue
+            logprobs = output.outputs[0].logprobs[0]
+            for token, logprob in logprobs.items():
+                new = BeamSearchSequence(
+                    beam.tokens + [token],
+                    beam.logprobs + [logprobs],
+                    beam.lora_request,
+                    beam.cum_logprob + logprob.logprob,
+                    multi_modal_data=beam.multi_modal_data,
+                    mm_processor_kwargs=beam.mm_processor_kwargs,
+                )
+                if token in self.eos:
+                    new.finish_reason, new.stop_reason = "stop", token
+                    self.complete.append(new)
+                else:
+                    candidates.append(new)
+        candidates.sort(key=self.key, reverse=True)
+        self.beams = []
+        for beam in candidates[: self.width]:
+            if len(beam.tokens) >= limit:  # it fills the context: complete
+                beam.finish_reason = "length"
+                self.complete.append(beam)
+            else:
+                self.beams.append(beam)
+
+    def best(self) -> list[BeamSearchSequence]:
+        """The best `width` of the complete and the live beams, best first."""
+        for beam in self.beams:
+            beam.finish_reason = "length"
+        ranked = sorted(self.complete + self.beams, key=self.key, reverse=True)
+        return ranked[: self.width]
