@@ -230,6 +230,25 @@ def test_new_weights_and_a_sleep_leave_no_image_encoded_by_the_old_tower(
     assert tokens(llm.generate(prompts_of([case]), GREEDY)) == [hf_greedy(new, *case)]
 
 
+def test_an_array_or_a_tensor_of_pixels_is_the_same_image(qwen25vl):
+    """vLLM takes images as arrays too: a numpy (H, W, C) array and a torch (C, H, W)
+    tensor of uint8 pixels are the PIL image of the same pixels, down to its name in
+    the prefix cache (the third request finds the first's blocks)."""
+    llm = LLM(qwen25vl, max_model_len=512, kvcache_block_size=16)
+    pixels = np.asarray(WIDE)
+    text, names = CASES[0]
+    outputs = [
+        llm.generate(
+            {"prompt": text, "multi_modal_data": {"image": image}},
+            GREEDY,
+            use_tqdm=False,
+        )[0]
+        for image in (pixels, torch.from_numpy(pixels).permute(2, 0, 1), WIDE)
+    ]
+    assert tokens(outputs) == [hf_greedy(qwen25vl, text, names)] * 3
+    assert outputs[2].num_cached_tokens > 0 and llm.vision.num_encoded == 1
+
+
 def test_n_samples_and_token_id_prompts(qwen25vl):
     llm = LLM(qwen25vl, max_model_len=512)
     text, names = CASES[1]
@@ -317,6 +336,14 @@ def test_chat_takes_image_url_and_image_pil_parts(qwen25vl, tmp_path):
             "0 image placeholders",
         ),
         (f"a placeholder without its image {IMAGE}", "but no images"),
+        (
+            {"prompt": IMAGE, "multi_modal_data": {"image": np.zeros((8, 8, 3))}},
+            "must hold uint8 pixels",
+        ),
+        (
+            {"prompt": IMAGE, "multi_modal_data": {"image": np.zeros((8, 8, 5), "u1")}},
+            r"must be \(H, W\), \(H, W, C\) or \(C, H, W\)",
+        ),
         ({"prompt": f"{IMAGE}", "multi_modal_data": {"video": WIDE}}, "takes 'image'"),
         (
             {"prompt": f"{IMAGE}", "multi_modal_data": {"image": "https://x/a.png"}},

@@ -1,5 +1,6 @@
-"""An image as a request brings it: a PIL image, a data URL, or a local file (only under
-`allowed_local_media_path`, as vLLM's); read into a PIL image, and named by its
+"""An image as a request brings it: a PIL image, a numpy array or torch tensor of uint8
+pixels, a data URL, or a local file (only under `allowed_local_media_path`, as vLLM's);
+read into a PIL image, and named by its
 content (`image_key`): the same pixels under the same processing are the same image
 wherever they come from.
 """
@@ -22,6 +23,8 @@ def load_image(
 
     if isinstance(source, Image.Image):
         return source.convert("RGB")
+    if hasattr(source, "__array__") and hasattr(source, "dtype"):
+        return _from_array(source)
     if isinstance(source, dict):  # a chat part's {"url": ...}
         source = source.get("url")
     if isinstance(source, (bytes, bytearray)):
@@ -51,7 +54,8 @@ def load_image(
         data = _read_local(source.removeprefix("file://"), allowed_local_media_path)
     else:
         raise ValueError(
-            f"an image must be a PIL image, a data URL, or a file:// URL, got "
+            f"an image must be a PIL image, an array of pixels, a data URL, or a "
+            f"file:// URL, got "
             f"{type(source).__name__} {str(source)[:60]!r}"
         )
     try:
@@ -62,6 +66,36 @@ def load_image(
             f"the image's bytes are no image PIL can read ({error})"
         ) from None
     return image.convert("RGB")
+
+
+def _from_array(pixels):
+    """A numpy array or torch tensor of uint8 pixels, (H, W), (H, W, C) or (C, H, W)
+    with C of 1, 3 or 4, as an RGB PIL image: the same image as the PIL image of the
+    same pixels."""
+    import numpy as np
+    from PIL import Image
+
+    array = np.asarray(pixels.cpu() if hasattr(pixels, "cpu") else pixels)
+    if array.dtype != np.uint8:
+        raise ValueError(
+            f"an image array must hold uint8 pixels (0-255), got {array.dtype}: "
+            f"e.g. (pixels * 255).round() as uint8 for values in [0, 1]"
+        )
+    channels = (1, 3, 4)
+    if (
+        array.ndim == 3
+        and array.shape[0] in channels
+        and array.shape[2] not in channels
+    ):
+        array = array.transpose(1, 2, 0)  # channels first, as torch keeps them
+    if array.ndim == 3 and array.shape[2] == 1:
+        array = array[:, :, 0]
+    if array.ndim != 2 and not (array.ndim == 3 and array.shape[2] in channels[1:]):
+        raise ValueError(
+            f"an image array must be (H, W), (H, W, C) or (C, H, W) with C of 1, 3 "
+            f"or 4, got shape {tuple(array.shape)}"
+        )
+    return Image.fromarray(np.ascontiguousarray(array)).convert("RGB")
 
 
 def _read_local(path: str, allowed: str | None) -> bytes:
