@@ -199,6 +199,11 @@ class InputProcessor:
     def tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         """A prompt's text (None for token ids alone) and its checked token ids."""
         if isinstance(prompt, dict):
+            if "multi_modal_data" in prompt:  # a vision-language model's LLM takes it
+                raise ValueError(
+                    "this engine takes no images: multi_modal_data needs a "
+                    "vision-language model, generating (runner='generate')"
+                )
             if not prompt or not set(prompt) <= {"prompt", "prompt_token_ids"}:
                 raise ValueError(
                     f"a prompt dict takes the key 'prompt' (a text) or "

@@ -386,6 +386,12 @@ def test_bad_input_is_a_clear_error_and_leaves_the_engine_as_it_was(
         (llm.encode, ["a"], PoolingParams(task="score"), "task='score' needs a"),
         (llm.embed, [{"prompt": [1, 2]}], None, "'prompt' takes a text"),
         (llm.embed, [{"prompt_token_ids": "ab"}], None, "'prompt_token_ids' takes"),
+        (
+            llm.embed,
+            [{"prompt": "a", "multi_modal_data": {"image": b""}}],
+            None,
+            "this engine takes no images",
+        ),
     ]
     for method, prompts, params, message in cases:
         with pytest.raises(ValueError, match=message):

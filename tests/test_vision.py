@@ -249,6 +249,20 @@ def test_an_array_or_a_tensor_of_pixels_is_the_same_image(qwen25vl):
     assert outputs[2].num_cached_tokens > 0 and llm.vision.num_encoded == 1
 
 
+def test_data_parallel_replicas_take_images(qwen25vl):
+    """Each replica reads and checks its own prompts' images: the tokens of one
+    engine, a bad image refused by name, and the replicas go on."""
+    llm = LLM(qwen25vl, max_model_len=512, data_parallel_size=2)
+    outputs = llm.generate(prompts_of(CASES), GREEDY, use_tqdm=False)
+    assert tokens(outputs) == [hf_greedy(qwen25vl, t, n) for t, n in CASES]
+    bad = {"prompt": "no placeholder", "multi_modal_data": {"image": WIDE}}
+    with pytest.raises(ValueError, match="0 image placeholders"):
+        llm.generate([prompts_of(CASES[:1])[0], bad], GREEDY, use_tqdm=False)
+    again = llm.generate(prompts_of(CASES[:2]), GREEDY, use_tqdm=False)
+    assert tokens(again) == tokens(outputs[:2])
+    llm.close()
+
+
 def test_n_samples_and_token_id_prompts(qwen25vl):
     llm = LLM(qwen25vl, max_model_len=512)
     text, names = CASES[1]

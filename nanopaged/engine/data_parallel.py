@@ -333,12 +333,15 @@ class DataParallelLLM(VLLMEngineAPI):
     def generate(
         self, prompts, sampling_params=None, use_tqdm: bool = True, lora_request=None
     ) -> list:
-        """Every request checked here first; the i-th live replica runs prompts i, i +
-        N, i + 2N, ...; the outputs come back in the prompts' order."""
+        """Every request checked here first (one with images by its replica, which
+        reads them); the i-th live replica runs prompts i, i + N, i + 2N, ...; the
+        outputs come back in the prompts' order."""
         self._check_idle("generate")
         prompts, sampling_params = as_batch(prompts, sampling_params)
         for prompt, params in zip(prompts, sampling_params):
-            self.inputs.make_request(prompt, params, None, ())
+            if not (isinstance(prompt, dict) and "multi_modal_data" in prompt):
+                self.inputs.make_request(prompt, params, None, ())
+            # a prompt with images is read and checked by its replica alone
         adapters = per_prompt(lora_request, len(prompts))
         live = self.live()
         count = len(live)
