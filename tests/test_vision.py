@@ -249,6 +249,29 @@ def test_an_array_or_a_tensor_of_pixels_is_the_same_image(qwen25vl):
     assert outputs[2].num_cached_tokens > 0 and llm.vision.num_encoded == 1
 
 
+def test_a_prompts_own_mm_processor_kwargs_are_the_engines_for_its_images(qwen25vl):
+    """vLLM's per-prompt `mm_processor_kwargs` process that prompt's images as the
+    engine's option would, and name them apart in the prefix cache."""
+    small = {"max_pixels": 28 * 28 * 4}
+    text, _ = CASES[0]
+    prompt = {"prompt": text, "multi_modal_data": {"image": WIDE}}
+    engine_wide = LLM(qwen25vl, max_model_len=512, mm_processor_kwargs=small)
+    [expected] = engine_wide.generate(prompt, GREEDY, use_tqdm=False)
+    llm = LLM(qwen25vl, max_model_len=512, kvcache_block_size=16)
+    [default] = llm.generate(prompt, GREEDY, use_tqdm=False)
+    [own] = llm.generate({**prompt, "mm_processor_kwargs": small}, GREEDY)
+    assert own.prompt_token_ids == expected.prompt_token_ids
+    assert tokens([own]) == tokens([expected])
+    assert len(own.prompt_token_ids) < len(default.prompt_token_ids)
+    before_image = own.prompt_token_ids.index(llm.images.image_token_id)
+    assert own.num_cached_tokens == before_image // 16 * 16
+    # chat's, as vLLM's LLM.chat takes them
+    messages = [{"role": "user", "content": [{"type": "image_pil", "image_pil": WIDE}]}]
+    [chat_small] = llm.chat(messages, GREEDY, mm_processor_kwargs=small)
+    [chat_default] = engine_wide.chat(messages, GREEDY)
+    assert chat_small.prompt_token_ids == chat_default.prompt_token_ids
+
+
 def test_data_parallel_replicas_take_images(qwen25vl):
     """Each replica reads and checks its own prompts' images: the tokens of one
     engine, a bad image refused by name, and the replicas go on."""
@@ -260,6 +283,9 @@ def test_data_parallel_replicas_take_images(qwen25vl):
         llm.generate([prompts_of(CASES[:1])[0], bad], GREEDY, use_tqdm=False)
     again = llm.generate(prompts_of(CASES[:2]), GREEDY, use_tqdm=False)
     assert tokens(again) == tokens(outputs[:2])
+    messages = [{"role": "user", "content": [{"type": "image_pil", "image_pil": TALL}]}]
+    single = LLM(qwen25vl, max_model_len=512)
+    assert tokens(llm.chat(messages, GREEDY)) == tokens(single.chat(messages, GREEDY))
     llm.close()
 
 
@@ -353,6 +379,14 @@ def test_chat_takes_image_url_and_image_pil_parts(qwen25vl, tmp_path):
         (
             {"prompt": IMAGE, "multi_modal_data": {"image": np.zeros((8, 8, 3))}},
             "must hold uint8 pixels",
+        ),
+        (
+            {
+                "prompt": IMAGE,
+                "multi_modal_data": {"image": WIDE},
+                "mm_processor_kwargs": {"max_pixelz": 10},
+            },
+            "cannot take image 0 with mm_processor_kwargs=.*max_pixelz",
         ),
         (
             {"prompt": IMAGE, "multi_modal_data": {"image": np.zeros((8, 8, 5), "u1")}},

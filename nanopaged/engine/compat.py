@@ -12,6 +12,7 @@ from collections.abc import Iterable, Iterator
 import torch
 
 from nanopaged import chat
+from nanopaged.checkpoint import is_multimodal
 from nanopaged.engine.arg_utils import EngineArgs
 from nanopaged.inputs import Prompt
 from nanopaged.sampling_params import SamplingParams
@@ -43,11 +44,13 @@ class VLLMEngineAPI:
         chat_template_kwargs: dict | None = None,
         chat_template_content_format: str = "auto",
         lora_request=None,
+        mm_processor_kwargs: dict | None = None,
     ) -> list:
         """`generate` for one conversation (a list of messages, see `chat.render`) or a
         list of them, each rendered by the chat template, as vLLM's `LLM.chat`; each
         output's `prompt` is the rendered text. Content parts render as a string ("auto"
-        and "string" formats)."""
+        and "string" formats); image parts go to a vision-language model, processed
+        with `mm_processor_kwargs` over the engine's."""
         if chat_template_content_format not in ("auto", "string"):
             raise ValueError(
                 f"chat_template_content_format={chat_template_content_format!r} is "
@@ -68,11 +71,12 @@ class VLLMEngineAPI:
                 continue_final_message,
                 tools,
                 chat_template_kwargs,
-                takes_images=getattr(self, "images", None) is not None,
+                takes_images=is_multimodal(self.inputs.config.hf_config),
             )
             prompt = {"prompt": text, "prompt_token_ids": token_ids}
             if images:
                 prompt["multi_modal_data"] = {"image": images}
+                prompt["mm_processor_kwargs"] = mm_processor_kwargs
             prompts.append(prompt)
         return self.generate(
             prompts, sampling_params, use_tqdm, lora_request=lora_request

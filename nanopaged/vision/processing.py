@@ -142,11 +142,21 @@ class ImageProcessor:
         return [load_image(i, self.allowed, self.allow_remote) for i in images]
 
     def process(self, prompt: dict, images: list) -> ImagePrompt:
-        """`prompt` (a text, or token ids) with its placeholders expanded for
-        `images`. Token ids that hold each image's tokens already, as an output's
-        `prompt_token_ids` do, stay as they are."""
-        keys = [image_key(image, self.kwargs) for image in images]
-        inputs = [self._pixels(i, *pair) for i, pair in enumerate(zip(keys, images))]
+        """`prompt` (a text, or token ids, and its own `mm_processor_kwargs` over the
+        engine's) with its placeholders expanded for `images`. Token ids that hold each
+        image's tokens already, as an output's `prompt_token_ids` do, stay as they
+        are."""
+        kwargs = prompt.get("mm_processor_kwargs") or {}
+        if not isinstance(kwargs, dict):
+            raise ValueError(
+                f"mm_processor_kwargs must be a dict, got {type(kwargs).__name__}"
+            )
+        processing = {**self.kwargs, **kwargs}
+        keys = [image_key(image, processing) for image in images]
+        inputs = [
+            self._pixels(i, key, image, kwargs)
+            for i, (key, image) in enumerate(zip(keys, images))
+        ]
         sizes = [self.family.num_tokens(i) for i in inputs]
         text, token_ids = prompt.get("prompt"), prompt.get("prompt_token_ids")
         placeholder = self.family.placeholder
@@ -188,17 +198,19 @@ class ImageProcessor:
             expanded["prompt"] = text
         return ImagePrompt(expanded, items)
 
-    def _pixels(self, index: int, key: int, image) -> dict:
-        """The processor's inputs for one image (a ValueError if it fails), kept for
-        the requests that bring it again while they are among the latest few."""
+    def _pixels(self, index: int, key: int, image, kwargs: dict) -> dict:
+        """The processor's inputs for one image, with a prompt's own `kwargs` (a
+        ValueError if it fails), kept for the requests that bring it again while they
+        are among the latest few."""
         found = self.processed.pop(key, None)
         if found is None:
             try:
-                found = dict(self.processor(images=[image], return_tensors="pt"))
+                inputs = self.processor(images=[image], return_tensors="pt", **kwargs)
+                found = dict(inputs)
             except Exception as error:
                 raise ValueError(
                     f"the image processor cannot take image {index} with "
-                    f"mm_processor_kwargs={self.kwargs}: {error}"
+                    f"mm_processor_kwargs={ {**self.kwargs, **kwargs} }: {error}"
                 ) from None
         self.processed[key] = found
         while len(self.processed) > PROCESSED_KEPT:
