@@ -16,6 +16,8 @@ import json
 
 from transformers import PreTrainedTokenizerBase
 
+IMAGE_PARTS = ("image_url", "image_pil")  # a part's type, and the key of its image
+
 
 def check_text(text: str, what: str) -> None:
     """A ValueError naming `what` when `text` cannot be encoded (a lone UTF-16
@@ -92,7 +94,9 @@ def _message(i: int, message, images: list | None) -> dict:
         )
     message = dict(message)
     content = message.get("content")
-    pictured = isinstance(content, list) and any(map(_image_of, content))
+    pictured = isinstance(content, list) and any(
+        isinstance(part, dict) and part.get("type") in IMAGE_PARTS for part in content
+    )
     if pictured and images is not None:
         message["content"] = [_part(i, part, images) for part in content]
     elif isinstance(content, list):
@@ -112,23 +116,14 @@ def _message(i: int, message, images: list | None) -> dict:
     return message
 
 
-def _image_of(part):
-    """The image a content part holds (a URL, a {"url": ...}, a PIL image), or
-    None."""
-    if not isinstance(part, dict):
-        return None
-    return (
-        part.get("image_url")
-        if part.get("type") == "image_url"
-        else (part.get("image_pil") if part.get("type") == "image_pil" else None)
-    )
-
-
 def _part(i: int, part, images: list) -> dict:
-    """A part of a message with images, as templates take them."""
-    image = _image_of(part)
-    if image is not None:
-        images.append(image)
+    """A part of a message with images, as templates take them; an image part's image
+    (a URL, a {"url": ...}, a PIL image) appended to `images`."""
+    kind = part.get("type") if isinstance(part, dict) else None
+    if kind in IMAGE_PARTS:
+        if part.get(kind) is None:
+            raise ValueError(f"message {i} has an {kind} part without its {kind!r}")
+        images.append(part[kind])
         return {"type": "image"}
     return {"type": "text", "text": _text_part(i, part, images=True)}
 

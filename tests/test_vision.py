@@ -354,6 +354,8 @@ def test_chat_takes_image_url_and_image_pil_parts(qwen25vl, tmp_path):
     assert output.outputs[0].token_ids == hf_greedy(
         qwen25vl, text, ("wide", "tall", "wide")
     )
+    with pytest.raises(ValueError, match="an image_url part without its 'image_url'"):
+        llm.chat([{"role": "user", "content": [{"type": "image_url"}]}], GREEDY)
 
 
 @pytest.mark.parametrize(
@@ -461,12 +463,16 @@ def test_penalties_count_the_prompts_text_beside_its_images(qwen25vl):
     assert len(output.outputs[0].token_ids) == 12
 
 
-def test_the_server_takes_images_in_chat_completions(qwen25vl):
-    """Base64 data URLs in image_url parts; a remote URL is a 400 that says why; the
+@pytest.mark.parametrize("replicas", ["1", "2"])
+def test_the_server_takes_images_in_chat_completions(qwen25vl, replicas):
+    """Base64 data URLs in image_url parts, with the request's mm_processor_kwargs too,
+    on one engine or data-parallel replicas; a remote URL is a 400 that says why; the
     model's card lists its modalities."""
     from test_server import Server
 
-    server = Server(qwen25vl, "--max-model-len", "512")
+    server = Server(
+        qwen25vl, "--max-model-len", "512", "--data-parallel-size", replicas
+    )
     try:
         card = server.client.models.list().data[0]
         assert card.modalities == ["text", "image"]
@@ -485,6 +491,19 @@ def test_the_server_takes_images_in_chat_completions(qwen25vl):
         [expected] = offline.chat(
             [{"role": "user", "content": parts}], GREEDY, use_tqdm=False
         )
+        assert answer.choices[0].message.content == expected.outputs[0].text
+        small = {"max_pixels": 28 * 28 * 4}
+        answer = server.client.chat.completions.create(
+            model="tiny",
+            messages=[{"role": "user", "content": parts}],
+            max_tokens=12,
+            temperature=0,
+            extra_body={"ignore_eos": True, "mm_processor_kwargs": small},
+        )
+        [expected] = offline.chat(
+            [{"role": "user", "content": parts}], GREEDY, mm_processor_kwargs=small
+        )
+        assert answer.usage.prompt_tokens == len(expected.prompt_token_ids)
         assert answer.choices[0].message.content == expected.outputs[0].text
         remote = [{"type": "image_url", "image_url": {"url": "https://x.test/a.png"}}]
         with pytest.raises(Exception) as refused:

@@ -11,6 +11,7 @@ is the only field taken and unused.
 from dataclasses import dataclass
 
 from nanopaged import chat
+from nanopaged.checkpoint import is_multimodal
 from nanopaged.sampling_params import SamplingParams, StructuredOutputsParams
 from nanopaged.serving import tool_calls
 
@@ -72,6 +73,7 @@ CHAT_FIELDS = COMMON_FIELDS | {
     "chat_template_kwargs",
     "add_generation_prompt",
     "continue_final_message",
+    "mm_processor_kwargs",
 }
 # fields taken only at the value that changes nothing, and why others are refused
 ONLY_DEFAULT = {"suffix": ((None, ""), "suffix (fill-in-the-middle) is not supported")}
@@ -242,7 +244,7 @@ def chat_prompt(body: dict, llm) -> list[dict]:
             f"tools must be a list of {{'type': 'function', 'function': {{'name', "
             f"'parameters'}}}} objects, got {tools!r}"
         )
-    images_of = getattr(llm, "images", None)  # a vision-language model's
+    images_of = getattr(llm, "images", None)  # a vision-language model's reader
     text, token_ids, images = chat.render(
         llm.tokenizer,
         messages,
@@ -251,13 +253,16 @@ def chat_prompt(body: dict, llm) -> list[dict]:
         _flag(body, "continue_final_message", False),
         tools,
         kwargs,
-        takes_images=images_of is not None,
+        takes_images=is_multimodal(llm.inputs.config.hf_config),
     )
     if body.get("add_special_tokens"):
         token_ids = llm.tokenizer.encode(text, add_special_tokens=True)
     prompt = {"prompt": text, "prompt_token_ids": token_ids}
-    if images:  # read here, off the engine's thread
-        prompt["multi_modal_data"] = {"image": images_of.images_of({"image": images})}
+    if images:  # read here, off the engine's thread (by data-parallel replicas, there)
+        if images_of is not None:
+            images = images_of.images_of({"image": images})
+        prompt["multi_modal_data"] = {"image": images}
+        prompt["mm_processor_kwargs"] = body.get("mm_processor_kwargs")
     return [prompt]
 
 

@@ -28,6 +28,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from nanopaged import LLM, chat, envs
+from nanopaged.checkpoint import is_multimodal
 from nanopaged.engine.arg_utils import EngineArgs
 from nanopaged.engine.compat import EnginePaused
 from nanopaged.engine.data_parallel import ReplicaDied, sum_stats
@@ -235,6 +236,8 @@ def create_app(
 
     app = FastAPI(title="nanopaged", lifespan=lifespan)
     app.state.engine = engine
+    pooling = getattr(llm, "runner_type", "generate") == "pooling"
+    images = is_multimodal(llm.config.hf_config) and not pooling
     model_card = {
         "id": model_name,
         "object": "model",
@@ -244,10 +247,9 @@ def create_app(
         "parent": None,
         "max_model_len": llm.config.max_model_len,
         # what a request may bring: text, and images for a vision-language model
-        "modalities": ["text", "image"] if getattr(llm, "images", None) else ["text"],
+        "modalities": ["text", "image"] if images else ["text"],
     }
     models = ServedModels(engine, model_card, lora_modules)
-    pooling = getattr(llm, "runner_type", "generate") == "pooling"
     if pooling:
         from nanopaged.serving.pooling_api import add_pooling_routes
 
