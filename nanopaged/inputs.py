@@ -8,6 +8,7 @@ import threading
 from typing import TypedDict
 
 import numpy as np
+import xxhash
 from transformers import PreTrainedTokenizerBase
 
 from nanopaged.chat import check_text
@@ -24,11 +25,20 @@ from nanopaged.sampling.logits_processors import SamplingAdjustments
 from nanopaged.sampling_params import SamplingParams
 
 
-class TextPrompt(TypedDict):
+class PromptOptions(TypedDict, total=False):
+    """What a prompt dict may bring besides its text or token ids, as vLLM's: its images
+    (a vision-language model's), their processing, and its `cache_salt`."""
+
+    multi_modal_data: dict
+    mm_processor_kwargs: dict
+    cache_salt: str
+
+
+class TextPrompt(PromptOptions):
     prompt: str
 
 
-class TokensPrompt(TypedDict):
+class TokensPrompt(PromptOptions):
     prompt_token_ids: list[int]
 
 
@@ -112,6 +122,7 @@ class InputProcessor:
                 f"sampling_params must be SamplingParams, got {type(params).__name__}"
             )
         params.validate()
+        salt = salted(prompt)
         text, token_ids = self.tokenize(prompt)
         token_ids = token_ids[-(params.truncate_prompt_tokens or len(token_ids)) :]
         self._check_fits(token_ids, params)
@@ -142,6 +153,7 @@ class InputProcessor:
             seq.logits_processors = processors
             seq.seed = seed
             seq.prompt_logits = params.prompt_logprobs is not None and i == 0
+            seq.cache_salt = salt
             seqs.append(seq)
         return Request(
             request_id, text, token_ids, params, seqs, self.tokenizer, matchers
@@ -204,11 +216,12 @@ class InputProcessor:
                     "this engine takes no images: multi_modal_data needs a "
                     "vision-language model, generating (runner='generate')"
                 )
-            if not prompt or not set(prompt) <= {"prompt", "prompt_token_ids"}:
+            keys = set(prompt) - {"cache_salt"}
+            if not keys or not keys <= {"prompt", "prompt_token_ids"}:
                 raise ValueError(
                     f"a prompt dict takes the key 'prompt' (a text) or "
-                    f"'prompt_token_ids', as vLLM's TextPrompt and TokensPrompt; "
-                    f"got keys {sorted(prompt)}"
+                    f"'prompt_token_ids', and 'cache_salt', as vLLM's TextPrompt and "
+                    f"TokensPrompt; got keys {sorted(prompt)}"
                 )
             text, token_ids = prompt.get("prompt"), prompt.get("prompt_token_ids")
             if "prompt" in prompt and not isinstance(text, str):
@@ -248,6 +261,17 @@ class InputProcessor:
                 + (": the tokenizer does not match the model" if text else "")
             )
         return text, token_ids
+
+
+def salted(prompt: Prompt) -> int | None:
+    """The start of the hash chain of a prompt's blocks from its `cache_salt` (vLLM's:
+    prompts with other salts, or none, share no cached block), or None."""
+    salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+    if salt is None:
+        return None
+    if not isinstance(salt, str) or not salt:
+        raise ValueError(f"cache_salt must be a non-empty string, got {salt!r}")
+    return xxhash.xxh64(f"cache_salt {salt}".encode()).intdigest()
 
 
 def as_batch(prompts, sampling_params) -> tuple[list, list]:

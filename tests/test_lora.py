@@ -142,6 +142,43 @@ def test_base_and_two_adapters_in_one_batch_give_peft_merged_tokens(arch, adapte
     assert [o.num_cached_tokens for o in again] == [32, 32, 32]
 
 
+def test_a_cache_salt_and_an_adapter_both_name_the_blocks(adapters):
+    """A prompt's cache_salt folds into its adapter's: the same prompt under the same
+    adapter and salt hits the cache, under another salt or none, or another adapter,
+    it does not; every sample of a request has the one salt; the tokens are peft's."""
+    base, requests = adapters("qwen3")
+    llm = LLM(
+        base,
+        enable_lora=True,
+        max_lora_rank=8,
+        kvcache_block_size=16,
+        max_model_len=256,
+    )
+    prompt = random_prompts([40], seed=13)[0]
+    cases = [
+        (requests[0], "x"),
+        (requests[0], "x"),
+        (requests[0], None),
+        (requests[0], "y"),
+        (None, "x"),
+        (requests[1], "x"),
+    ]
+    cached = []
+    for lora, salt in cases:
+        extra = {} if salt is None else {"cache_salt": salt}
+        [output] = llm.generate(
+            {"prompt_token_ids": prompt, **extra}, GREEDY, lora_request=lora
+        )
+        assert token_ids([output]) == peft_greedy(base, [lora], [prompt])
+        cached.append(output.num_cached_tokens)
+    assert cached == [0, 32, 0, 0, 0, 0]
+    two = SamplingParams(temperature=0, max_tokens=4, n=2)
+    request = llm.make_request(
+        {"prompt_token_ids": prompt, "cache_salt": "x"}, two, lora_request=requests[0]
+    )
+    assert len({seq.cache_salt for seq in request.seqs}) == 1
+
+
 def test_preemption_chunked_prefill_and_n_samples(adapters):
     base, requests = adapters("qwen3")
     prompts, loras = mixed_batch(requests, random_prompts([60, 33, 45], seed=12))

@@ -192,6 +192,19 @@ def test_no_value_of_any_field_is_a_500(server, path):
     )
 
 
+def test_a_cache_salt_keeps_a_tenants_blocks_its_own(server):
+    """vLLM's `cache_salt` field: the same prompt under another salt is not served
+    cached blocks, under the same salt it is."""
+    prompt = list(range(3, 60))  # whole blocks of any size up to 57 tokens
+    cached = []
+    for salt in ("tenant a", "tenant a", "tenant b", "tenant b"):
+        body = post(
+            server, "/v1/completions", prompt=prompt, max_tokens=1, cache_salt=salt
+        ).json()
+        cached.append(body["usage"]["prompt_tokens_details"]["cached_tokens"])
+    assert cached[0] == cached[2] == 0 and cached[1] == cached[3] > 0
+
+
 def test_openai_penalties_and_logit_bias_through_the_client(server, llm):
     [offline] = llm.generate(
         [PROMPT],

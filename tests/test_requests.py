@@ -292,9 +292,12 @@ def test_eos_stops_with_no_stop_reason(llm):
 # ---- n samples of one prompt ----
 
 
-def test_n_samples_share_the_prompt_full_blocks_and_compute_them_once(qwen3_path):
+@pytest.mark.parametrize("salt", [None, "a tenant's"])
+def test_n_samples_share_the_prompt_full_blocks_and_compute_them_once(qwen3_path, salt):
     llm = LLM(qwen3_path, max_model_len=512, kvcache_block_size=16)
     prompt = random_prompts([100], seed=51)[0]  # 6 full blocks and 4 tokens
+    if salt is not None:  # each sample under the request's salt
+        prompt = {"prompt_token_ids": prompt, "cache_salt": salt}
     params = SamplingParams(
         n=8, temperature=1.0, max_tokens=20, ignore_eos=True, seed=7
     )
@@ -327,6 +330,26 @@ def test_n_samples_share_the_prompt_full_blocks_and_compute_them_once(qwen3_path
     assert (
         llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
     )
+
+
+def test_a_cache_salt_shares_cached_blocks_only_with_its_own_salt(
+    qwen3_path, hf_greedy
+):
+    """vLLM's `cache_salt`: prompts share cached blocks only under the same salt (or
+    none); the tokens are the same whatever the salt."""
+    llm = LLM(qwen3_path, max_model_len=128, kvcache_block_size=16)
+    prompt = random_prompts([40], seed=31)[0]
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    cached = []
+    for salt in (None, None, "alice", "alice", "bob", None):
+        extra = {} if salt is None else {"cache_salt": salt}
+        [output] = llm.generate({"prompt_token_ids": prompt, **extra}, greedy)
+        assert output.outputs[0].token_ids == hf_greedy(qwen3_path, [prompt], 6)[0]
+        cached.append(output.num_cached_tokens)
+    assert cached == [0, 32, 0, 32, 0, 32]
+    for bad in ("", 7):
+        with pytest.raises(ValueError, match="cache_salt must be a non-empty string"):
+            llm.generate({"prompt": "hi", "cache_salt": bad}, greedy)
 
 
 def test_greedy_samples_equal_transformers_even_under_preemption(qwen3_path, hf_greedy):

@@ -164,6 +164,10 @@ def test_the_same_image_is_served_from_the_prefix_cache_and_another_is_not(qwen)
     assert other[0].num_cached_tokens == before_image // 16 * 16
     assert tokens(again) == tokens(first) == [hf_greedy(qwen, text, ("wide",))]
     assert tokens(other) == [hf_greedy(qwen, text, ("tall",))]
+    # the same text and image under a cache_salt: nothing shared
+    salted = {"prompt": text, "multi_modal_data": {"image": WIDE}, "cache_salt": "s"}
+    [salted] = llm.generate(salted, GREEDY)
+    assert salted.num_cached_tokens == 0 and tokens([salted]) == tokens(first)
 
 
 def test_decode_steps_run_on_one_position_and_replay_their_graphs(qwen):

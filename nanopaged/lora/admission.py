@@ -23,6 +23,14 @@ def cache_salt(request: LoRARequest, generation: int = 0) -> int:
     ).intdigest()
 
 
+def folded(salt: int, own: int | None) -> int:
+    """The salt of a sequence with an adapter's `salt` and its prompt's own
+    `cache_salt` (`own`, None: none)."""
+    if own is None:
+        return salt
+    return xxhash.xxh64(repr((salt, own)).encode()).intdigest()
+
+
 class LoRAAdmission:
     """The LoRA part of an engine's requests (see the module's docstring)."""
 
@@ -67,10 +75,9 @@ class LoRAAdmission:
         self.add(lora_request)
         request.lora_request = lora_request
         key = adapter_key(lora_request)
+        salt = cache_salt(lora_request, self.extension.generations.get(key, 0))
         for seq in request.seqs:
-            seq.cache_salt = cache_salt(
-                lora_request, self.extension.generations.get(key, 0)
-            )
+            seq.cache_salt = folded(salt, seq.cache_salt)
             self.extension.adapters[seq] = lora_request
 
     def admits(self, request: Request, engine: LLMEngineCore) -> bool:

@@ -22,7 +22,7 @@ from nanopaged.core.config import Config
 from nanopaged.core.sequence import SamplingOptions, Sequence, cdiv
 from nanopaged.core.step import SamplerOutput, ScheduledStep
 from nanopaged.engine.llm import LLM
-from nanopaged.inputs import Prompt, as_batch
+from nanopaged.inputs import Prompt, as_batch, salted
 from nanopaged.models.pooling import FAMILIES
 from nanopaged.outputs import RequestMetrics
 from nanopaged.pooling.params import (
@@ -161,9 +161,13 @@ class PoolingLLM(LLM):
         if lora_request is not None:
             raise ValueError("runner='pooling' does not run LoRA adapters")
         params = self._checked(params)
+        salt = salted(prompt)
         token_ids = self._tokenize(prompt, params.task != "classify")
         token_ids = token_ids[-(params.truncate_prompt_tokens or len(token_ids)) :]
-        return self._request(token_ids, params, request_id)
+        request = self._request(token_ids, params, request_id)
+        if request.seqs[0].cache_salt is None:  # else it shares no block anyway
+            request.seqs[0].cache_salt = salt
+        return request
 
     def _tokenize(self, prompt: Prompt, with_prompt: bool) -> list[int]:
         """The token ids of an input; a text as Sentence Transformers renders it:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from nanopaged import chat
 from nanopaged.checkpoint import is_multimodal
+from nanopaged.inputs import salted
 from nanopaged.sampling_params import SamplingParams, StructuredOutputsParams
 from nanopaged.serving import tool_calls
 
@@ -58,6 +59,7 @@ COMMON_FIELDS = {
     "structured_outputs",
     "guided_decoding_backend",
     "guided_whitespace_pattern",
+    "cache_salt",
     *GUIDED_FIELDS,
     *SAMPLING_FIELDS,
 }
@@ -108,6 +110,11 @@ def parse_request(body: dict, chat_request: bool, llm) -> ParsedRequest:
         if body.get(name) not in allowed:
             raise ValueError(f"{name}: {reason}, got {body[name]!r}")
     prompts = chat_prompt(body, llm) if chat_request else completion_prompts(body, llm)
+    if (
+        body.get("cache_salt") is not None
+    ):  # vLLM's: no cached block shared across salts
+        prompts = [dict(prompt, cache_salt=body["cache_salt"]) for prompt in prompts]
+        salted(prompts[0])  # checked now: a 400 if bad
     tools = tool_calls.choice(body) if chat_request else ("none", None)
     params, echo_only = sampling_params(body, chat_request, llm)
     params.structured_outputs = structured_output(body, tools)

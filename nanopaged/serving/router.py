@@ -5,7 +5,8 @@ from collections import OrderedDict
 
 from nanopaged.core.block_manager import hash_block
 from nanopaged.engine.data_parallel import DataParallelLLM
-from nanopaged.lora.admission import cache_salt
+from nanopaged.inputs import salted
+from nanopaged.lora.admission import cache_salt, folded
 
 MAX_REMEMBERED_BLOCKS = 100_000  # per replica
 
@@ -49,7 +50,9 @@ class Router:
         self.routed = [{"prefix": 0, "least_busy": 0} for _ in loops]
 
     def submit(self, request_id: str, prompt: dict, params, outbox, lora_request=None):
-        salt = None if lora_request is None else cache_salt(lora_request)
+        salt = salted(prompt)  # as the engine chains this prompt's blocks
+        if lora_request is not None:
+            salt = folded(cache_salt(lora_request), salt)
         hashes = prefix_hashes(prompt["prompt_token_ids"], self.block_size, salt)
         index, reason = self.choose(hashes)
         prefixes = self.prefixes[index]

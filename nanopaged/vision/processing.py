@@ -196,6 +196,8 @@ class ImageProcessor:
         expanded = {"prompt_token_ids": token_ids}
         if text is not None:
             expanded["prompt"] = text
+        if "cache_salt" in prompt:
+            expanded["cache_salt"] = prompt["cache_salt"]
         return ImagePrompt(expanded, items)
 
     def _pixels(self, index: int, key: int, image, kwargs: dict) -> dict:
