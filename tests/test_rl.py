@@ -113,6 +113,9 @@ def test_new_weights_give_transformers_tokens_of_the_new_weights(
 
 
 def test_two_tensor_parallel_ranks_take_their_shards(qwen3_path, new_path, hf_greedy):
+    [full] = LLM(qwen3_path, max_model_len=256, enforce_eager=True).apply_model(
+        lambda model: model
+    )
     with LLM(
         qwen3_path, max_model_len=256, tensor_parallel_size=2, enable_sleep_mode=True
     ) as llm:
@@ -121,12 +124,19 @@ def test_two_tensor_parallel_ranks_take_their_shards(qwen3_path, new_path, hf_gr
         expected = hf_greedy(new_path, PROMPTS, 16)
         assert [o.outputs[0].token_ids for o in generate(llm)] == expected
         assert llm.collective_rpc(rank_of) == [0, 1]
+        # vLLM's apply_model: each rank's model, with its half of the heads
+        assert llm.apply_model(heads_of) == [heads_of(full) // 2] * 2
         llm.sleep(level=1)  # every rank sleeps
         assert llm.collective_rpc(asleep_of) == [{"kv_cache"}, {"kv_cache"}]
         llm.wake_up()
         assert [o.outputs[0].token_ids for o in generate(llm)] == expected
         with pytest.raises(ValueError, match="travels pickled"):
             llm.collective_rpc(lambda worker: worker.rank)
+
+
+def heads_of(model) -> int:
+    """The query heads of the first layer of `model` (a rank's)."""
+    return model.model.layers[0].self_attn.num_heads
 
 
 def asleep_of(worker) -> set[str]:

@@ -197,6 +197,11 @@ def test_an_image_sent_again_is_processed_once_while_among_the_latest(
     monkeypatch.setattr(processing, "PROCESSED_KEPT", 1)
     llm.generate(prompts_of([CASES[2], CASES[0]]), GREEDY, use_tqdm=False)
     assert len(calls) == 4  # small pushed wide out
+    # vLLM's reset_mm_cache: nothing processed or encoded kept; wide processed again
+    llm.reset_mm_cache()
+    assert not llm.images.processed and not llm.vision.cache
+    again = llm.generate(prompts_of(CASES[:1]), GREEDY, use_tqdm=False)
+    assert len(calls) == 5 and tokens(again) == [hf_greedy(qwen25vl, *CASES[0])]
 
 
 @pytest.mark.parametrize("family", ["qwen2.5-vl", "qwen3-vl"])

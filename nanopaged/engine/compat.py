@@ -18,6 +18,11 @@ from nanopaged.inputs import Prompt
 from nanopaged.sampling_params import SamplingParams
 
 
+def applied(worker, func):
+    """`func` of a rank's model (`apply_model`, through `collective_rpc`)."""
+    return func(worker.module)
+
+
 class EnginePaused(RuntimeError):
     """Generation refused while the engine sleeps or its weights change (see
     `rl/control.py`): until `wake_up` or `finish_weight_update`."""
@@ -139,6 +144,13 @@ class VLLMEngineAPI:
                 use_tqdm,
             )
         ]
+
+    def apply_model(self, func) -> list:
+        """vLLM's: `func(model)` on every rank's model (an `nn.Module`; on a CPU its
+        packed projections keep their weights in their methods), the results in rank
+        order; a function sent to another process travels pickled (define it at a
+        module's top level)."""
+        return self.collective_rpc(applied, args=(func,))
 
     def has_unfinished_requests(self) -> bool:
         return not self.is_finished()

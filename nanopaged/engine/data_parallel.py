@@ -226,6 +226,9 @@ class DataParallelLLM(VLLMEngineAPI):
         """Forgets every replica's cached prefixes; False where requests run."""
         return all([replica.call("reset_prefix_cache") for replica in self.live()])
 
+    def reset_mm_cache(self) -> None:
+        self._on_every_replica("reset_mm_cache")
+
     def add_lora(self, lora_request) -> bool:
         """Reads and checks the adapter on every replica (LoRA adapters:
         `LLM.add_lora`)."""

@@ -388,6 +388,14 @@ class LLM(VLLMEngineAPI, TrainingAPI):
         run."""
         return self.engine.block_manager.reset_prefix_cache()
 
+    def reset_mm_cache(self) -> None:
+        """vLLM's: forgets the images processed and encoded so far (a vision-language
+        model's caches; nothing otherwise)."""
+        self._check_idle("reset_mm_cache")
+        if self.images is not None:
+            self.images.processed.clear()
+            self.vision.cache.clear()
+
     # ---- whole batches ----
 
     def generate(
