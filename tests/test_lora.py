@@ -145,7 +145,8 @@ def test_base_and_two_adapters_in_one_batch_give_peft_merged_tokens(arch, adapte
 def test_a_cache_salt_and_an_adapter_both_name_the_blocks(adapters):
     """A prompt's cache_salt folds into its adapter's: the same prompt under the same
     adapter and salt hits the cache, under another salt or none, or another adapter,
-    it does not; every sample of a request has the one salt; the tokens are peft's."""
+    it does not; every sample of a request has the one salt; the tokens are peft's,
+    and beam search's under the adapter too."""
     base, requests = adapters("qwen3")
     llm = LLM(
         base,
@@ -172,6 +173,14 @@ def test_a_cache_salt_and_an_adapter_both_name_the_blocks(adapters):
         assert token_ids([output]) == peft_greedy(base, [lora], [prompt])
         cached.append(output.num_cached_tokens)
     assert cached == [0, 32, 0, 0, 0, 0]
+    # beam search carries the adapter with every beam: one beam is its greedy tokens
+    from nanopaged.sampling_params import BeamSearchParams
+
+    params = BeamSearchParams(1, GREEDY.max_tokens, ignore_eos=GREEDY.ignore_eos)
+    [beams] = llm.beam_search([prompt], params, lora_request=requests[1])
+    assert [beams.sequences[0].tokens[len(prompt) :]] == peft_greedy(
+        base, [requests[1]], [prompt]
+    )
     two = SamplingParams(temperature=0, max_tokens=4, n=2)
     request = llm.make_request(
         {"prompt_token_ids": prompt, "cache_salt": "x"}, two, lora_request=requests[0]
