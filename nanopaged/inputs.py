@@ -274,6 +274,19 @@ def salted(prompt: Prompt) -> int | None:
     return xxhash.xxh64(f"cache_salt {salt}".encode()).intdigest()
 
 
+def check_priority(priority) -> None:
+    """vLLM's `priority` of a request (a number, or a list of one per prompt): only 0,
+    as requests are served in the order they came (vLLM's "fcfs" policy, which refuses
+    any other)."""
+    for value in priority if isinstance(priority, (list, tuple)) else [priority]:
+        if value not in (None, 0):
+            raise ValueError(
+                f"priority {value!r} needs priority scheduling, which nanopaged does "
+                f"not have: requests are served in the order they came "
+                f"(scheduling_policy='fcfs'), each at priority 0"
+            )
+
+
 def as_batch(prompts, sampling_params) -> tuple[list, list]:
     """`generate`'s arguments as a list of prompts and a list of as many sampling
     params."""

@@ -255,6 +255,7 @@ def test_max_model_len_defaults_to_the_models(qwen3_path, tmp_path):
         dict(enable_chunked_prefill=False),
         dict(tokenizer="SAME"),
         dict(block_size=16),
+        dict(scheduling_policy="fcfs"),
     ],
 )
 def test_options_vllm_scripts_pass_are_taken(qwen3_path, hf_greedy, options):
@@ -267,6 +268,24 @@ def test_options_vllm_scripts_pass_are_taken(qwen3_path, hf_greedy, options):
     assert [o.outputs[0].token_ids for o in outputs] == hf_greedy(
         qwen3_path, prompts, 8
     )
+
+
+def test_priority_is_first_come_first_served_as_vllms_default_policy(qwen3_path):
+    """vLLM's fcfs policy takes priority 0 and refuses any other, and nanopaged has no
+    other policy."""
+    with pytest.raises(ValueError, match="scheduling_policy='priority' is not"):
+        LLM(qwen3_path, scheduling_policy="priority")
+    llm = LLM(qwen3_path, max_model_len=128)
+    params = SamplingParams(max_tokens=2)
+    assert len(llm.generate(PROMPTS[:2], params, priority=[0, 0])) == 2
+    with pytest.raises(ValueError, match="priority 1 needs priority scheduling"):
+        llm.generate(PROMPTS[:2], params, priority=[0, 1])
+    with pytest.raises(ValueError, match="priority -3 needs priority scheduling"):
+        llm.add_request(PROMPTS[0], params, priority=-3)
+    assert not llm.requests
+    llm.add_request(PROMPTS[0], params, priority=0)
+    while llm.has_unfinished_requests():
+        llm.step()
 
 
 def test_without_chunked_prefill_a_prompt_runs_whole(qwen3_path):

@@ -217,6 +217,12 @@ OPTIONS = {
         "auto or safetensors: the checkpoint's *.safetensors files "
         "(not .bin, gguf, ...)",
     ),
+    "scheduling_policy": (
+        str,
+        "fcfs",
+        "fcfs: requests in the order they came (vLLM's priority policy is not "
+        "here; a request's priority must be 0)",
+    ),
     # vLLM options that only tune what nanopaged does not have: checked, then ignored
     "trust_remote_code": (
         bool,
@@ -267,7 +273,11 @@ POSITIVE = (
     "num_kvcache_blocks",
 )
 # vLLM's options whose other values nanopaged does not do: what it does
-FORMATS = {"config_format": ("auto", "hf"), "load_format": ("auto", "safetensors")}
+FORMATS = {
+    "config_format": ("auto", "hf"),
+    "load_format": ("auto", "safetensors"),
+    "scheduling_policy": ("fcfs",),
+}
 ALIASES = {"block_size": "kvcache_block_size"}
 SURFACE = (
     "tokenizer",
@@ -433,9 +443,9 @@ def check_batch_invariance(backend: str) -> None:
 def _normalize(options: dict) -> dict:
     """`LLM(**options)` with vLLM's aliases renamed and its mere hints dropped."""
     for name, values in FORMATS.items():
-        if options.get(name, "auto") not in values:
+        if options.get(name, values[0]) not in values:
             raise ValueError(
-                f"{name}={options[name]!r} is not supported: nanopaged reads "
+                f"{name}={options[name]!r} is not supported: nanopaged takes "
                 f"{OPTIONS[name][2].partition(': ')[2]} ({' or '.join(values)})"
             )
     options = {

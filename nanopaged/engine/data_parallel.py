@@ -22,7 +22,7 @@ from nanopaged.checkpoint import resolve_model
 from nanopaged.engine.arg_utils import make_config, split_options
 from nanopaged.engine.compat import VLLMEngineAPI
 from nanopaged.engine.training import Driver, field_of
-from nanopaged.inputs import InputProcessor, as_batch, per_prompt
+from nanopaged.inputs import InputProcessor, as_batch, check_priority, per_prompt
 from nanopaged.outputs import EngineStats, RequestMetrics, RequestOutput
 from nanopaged.parallel.tensor import (
     ParallelConfig,
@@ -334,12 +334,18 @@ class DataParallelLLM(VLLMEngineAPI):
         return live
 
     def generate(
-        self, prompts, sampling_params=None, use_tqdm: bool = True, lora_request=None
+        self,
+        prompts,
+        sampling_params=None,
+        use_tqdm: bool = True,
+        lora_request=None,
+        priority=None,
     ) -> list:
         """Every request checked here first (one with images by its replica, which
         reads them); the i-th live replica runs prompts i, i + N, i + 2N, ...; the
         outputs come back in the prompts' order."""
         self._check_idle("generate")
+        check_priority(priority)
         prompts, sampling_params = as_batch(prompts, sampling_params)
         for prompt, params in zip(prompts, sampling_params):
             if not (isinstance(prompt, dict) and "multi_modal_data" in prompt):
@@ -373,10 +379,12 @@ class DataParallelLLM(VLLMEngineAPI):
         sampling_params=None,
         request_id: str | None = None,
         lora_request=None,
+        priority: int = 0,
     ) -> str:
         """Queues a request on the least busy live replica. It is known here before the
         replica has it, so that an interrupt or a failure in between can withdraw it."""
         self._check_open()
+        check_priority(priority)
         # vLLM's order
         if not isinstance(sampling_params, (SamplingParams, type(None))):
             request_id, prompt, sampling_params = prompt, sampling_params, request_id

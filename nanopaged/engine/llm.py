@@ -26,7 +26,13 @@ from nanopaged.core.step import SamplerOutput, ScheduledStep
 from nanopaged.engine.arg_utils import make_config, split_options
 from nanopaged.engine.compat import VLLMEngineAPI
 from nanopaged.engine.training import TrainingAPI, transfer_backend
-from nanopaged.inputs import InputProcessor, Prompt, as_batch, per_prompt
+from nanopaged.inputs import (
+    InputProcessor,
+    Prompt,
+    as_batch,
+    check_priority,
+    per_prompt,
+)
 from nanopaged.outputs import EngineStats, Request, RequestOutput, token_logprobs
 from nanopaged.parallel.tensor import ParallelConfig
 from nanopaged.sampling_params import SamplingParams
@@ -123,12 +129,14 @@ class LLM(VLLMEngineAPI, TrainingAPI):
         sampling_params: SamplingParams | None = None,
         request_id: str | None = None,
         lora_request=None,
+        priority: int = 0,
     ) -> str:
         """Queues one request (after checking it); returns its id. vLLM's order of
         arguments, `add_request(request_id, prompt, params)`, works too. `lora_request`:
         a LoRARequest (the engine made with `enable_lora`), or None for the base
-        model."""
+        model; `priority` 0 (see `inputs.check_priority`)."""
         self._check_open()
+        check_priority(priority)
         # vLLM's order
         if not isinstance(sampling_params, (*self.params_types, type(None))):
             request_id, prompt, sampling_params = prompt, sampling_params, request_id
@@ -404,11 +412,13 @@ class LLM(VLLMEngineAPI, TrainingAPI):
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = True,
         lora_request=None,
+        priority: list[int] | None = None,
     ) -> list[RequestOutput]:
         """Generates the completions of every prompt; returns one output per prompt, in
         order. `lora_request`: one LoRARequest for every prompt, or a list of one (or
-        None) each."""
+        None) each; `priority` 0s (see `inputs.check_priority`)."""
         self._check_idle("generate")
+        check_priority(priority)
         prompts, sampling_params = as_batch(prompts, sampling_params)
         adapters = per_prompt(lora_request, len(prompts))
         requests = [

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from nanopaged import chat
 from nanopaged.checkpoint import is_multimodal
-from nanopaged.inputs import salted
+from nanopaged.inputs import check_priority, salted
 from nanopaged.sampling_params import SamplingParams, StructuredOutputsParams
 from nanopaged.serving import tool_calls
 
@@ -60,6 +60,7 @@ COMMON_FIELDS = {
     "guided_decoding_backend",
     "guided_whitespace_pattern",
     "cache_salt",
+    "priority",
     *GUIDED_FIELDS,
     *SAMPLING_FIELDS,
 }
@@ -106,6 +107,7 @@ def parse_request(body: dict, chat_request: bool, llm) -> ParsedRequest:
             f"{unknown[0]} is not supported by this server (nanopaged); the fields "
             f"it takes are {', '.join(sorted(known))}"
         )
+    check_priority(body.get("priority"))
     for name, (allowed, reason) in ONLY_DEFAULT.items():
         if body.get(name) not in allowed:
             raise ValueError(f"{name}: {reason}, got {body[name]!r}")
