@@ -17,8 +17,8 @@ A beam's score is its cumulative logprob divided by its length to the power
 transformers, whose beam search keeps the same beams: `tests/test_beam_search.py`).
 Each round sends every beam whole, and the prefix cache serves all but its last block:
 the cost is a prefill of at most a block per beam per token. The logprobs are the
-model's own, before temperature; `temperature` only changes which token each request
-samples, and a sampled token outside the top `2 * beam_width` is a candidate too.
+model's own, before temperature: `temperature` changes which token each round's request
+samples (a candidate too, if outside the top `2 * beam_width`), never a score.
 
 As vLLM's offline beam search: a sequence's `tokens` hold the prompt's and the
 generated, and its `text` decodes them all.

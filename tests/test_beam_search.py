@@ -3,6 +3,7 @@ on the same weights, their cumulative logprobs its forward's; EOS, `length_penal
 `max_model_len` as the module says, checked against a plain search written here on
 transformers' logprobs; images carried by every beam; bad input refused."""
 
+import dataclasses
 import json
 import os
 import shutil
@@ -68,11 +69,16 @@ def test_beams_are_transformers_beam_search(qwen3_path, hf_model, width, penalty
                 beam.tokens[len(prompt) + i] in c for i, c in enumerate(beam.logprobs)
             )
             assert beam.text == llm.get_tokenizer().decode(beam.tokens)
-    # one prompt at a time, as concurrency_limit=1 asks: the same beams
-    alone = llm.beam_search(PROMPTS, params, concurrency_limit=1)
-    assert [[b.tokens for b in o.sequences] for o in alone] == [
-        [b.tokens for b in o.sequences] for o in outputs
-    ]
+    # one prompt at a time, as concurrency_limit=1 asks: the same beams; and at a
+    # temperature, which changes what each round samples, not the scores
+    hot = dataclasses.replace(params, temperature=1.5)
+    for other in (
+        llm.beam_search(PROMPTS, params, concurrency_limit=1),
+        llm.beam_search(PROMPTS, hot),
+    ):
+        assert [[(b.tokens, b.cum_logprob) for b in o.sequences] for o in other] == [
+            [(b.tokens, b.cum_logprob) for b in o.sequences] for o in outputs
+        ]
 
 
 def reference_search(model, prompt, width, max_tokens, eos, penalty, limit):
