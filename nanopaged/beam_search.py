@@ -24,9 +24,9 @@ As vLLM's offline beam search: a sequence's `tokens` hold the prompt's and the
 generated, and its `text` decodes them all.
 """
 
+import dataclasses
 from dataclasses import dataclass, field
 
-from nanopaged.inputs import as_batch, per_prompt
 from nanopaged.outputs import Logprob
 from nanopaged.sampling_params import BeamSearchParams, SamplingParams
 
@@ -35,7 +35,8 @@ from nanopaged.sampling_params import BeamSearchParams, SamplingParams
 class BeamSearchSequence:
     """One beam: the prompt's tokens and the generated ones, each generated token's
     logprobs (the candidates it was chosen among), their sum, and once returned its
-    text and why it ended ("stop" at EOS, "length" otherwise)."""
+    text and why it ended ("stop" at EOS, "length" otherwise); what its prompt brought
+    besides its tokens goes with it to every round."""
 
     tokens: list[int]
     logprobs: list[dict[int, Logprob]] = field(default_factory=list)
@@ -46,6 +47,11 @@ class BeamSearchSequence:
     stop_reason: int | str | None = None
     multi_modal_data: dict | None = None
     mm_processor_kwargs: dict | None = None
+    cache_salt: str | None = None
+
+
+# what a beam's prompt brings to every round besides its tokens
+PROMPT_OPTIONS = ("multi_modal_data", "mm_processor_kwargs", "cache_salt")
 
 
 @dataclass
@@ -68,18 +74,16 @@ def beam_search(
     llm,
     prompts: list,
     params: BeamSearchParams,
-    lora_request=None,
+    adapters: list,
     use_tqdm: bool = False,
 ) -> list[BeamSearchOutput]:
     """The `params.beam_width` best sequences of each prompt of `prompts` (texts, token
-    ids or vLLM's prompt dicts, images among them), found by `llm` (an `LLM` or its
-    data-parallel replicas)."""
+    ids or vLLM's prompt dicts, images among them), each under its LoRA adapter of
+    `adapters` (or None), found by `llm` (an `LLM` or its data-parallel replicas)."""
     if not isinstance(params, BeamSearchParams):
         raise ValueError(
             f"params must be a BeamSearchParams, got {type(params).__name__}"
         )
-    prompts, _ = as_batch(prompts, None)
-    adapters = per_prompt(lora_request, len(prompts))
     eos = frozenset() if params.ignore_eos else llm.inputs.eos_token_ids
     limit = llm.inputs.config.max_model_len
     one_token = SamplingParams(
@@ -92,11 +96,13 @@ def beam_search(
     first = llm.generate(prompts, one_token, use_tqdm=use_tqdm, lora_request=adapters)
     searches = []
     for prompt, adapter, output in zip(prompts, adapters, first):
-        start = BeamSearchSequence(list(output.prompt_token_ids), lora_request=adapter)
-        if isinstance(prompt, dict):
-            start.multi_modal_data = prompt.get("multi_modal_data")
-            start.mm_processor_kwargs = prompt.get("mm_processor_kwargs")
-        searches.append(Search(start, params, eos))
+        options = prompt if isinstance(prompt, dict) else {}
+        start = BeamSearchSequence(
+            list(output.prompt_token_ids),
+            lora_request=adapter,
+            **{key: options.get(key) for key in PROMPT_OPTIONS},
+        )
+        searches.append(Search(params, eos))
         searches[-1].extend([start], [output], limit)
     for _ in range(params.max_tokens - 1):
         beams = [beam for search in searches for beam in search.beams]
@@ -123,19 +129,19 @@ def beam_search(
 
 
 def token_prompt(beam: BeamSearchSequence) -> dict:
-    """A beam as the prompt of its next round: its tokens, and its prompt's images."""
+    """A beam as the prompt of its next round: its tokens, and what its prompt brought
+    (images, their processing, a cache salt)."""
     prompt = {"prompt_token_ids": beam.tokens}
-    if beam.multi_modal_data is not None:
-        prompt["multi_modal_data"] = beam.multi_modal_data
-    if beam.mm_processor_kwargs is not None:
-        prompt["mm_processor_kwargs"] = beam.mm_processor_kwargs
+    for key in PROMPT_OPTIONS:
+        if getattr(beam, key) is not None:
+            prompt[key] = getattr(beam, key)
     return prompt
 
 
 class Search:
     """One prompt's search: its live `beams` and its `complete` ones."""
 
-    def __init__(self, start: BeamSearchSequence, params: BeamSearchParams, eos):
+    def __init__(self, params: BeamSearchParams, eos: frozenset):
         self.beams: list[BeamSearchSequence] = []
         self.complete: list[BeamSearchSequence] = []
         self.width, self.eos = params.beam_width, eos
@@ -150,13 +156,11 @@ class Search:
                 continue
             logprobs = output.outputs[0].logprobs[0]
             for token, logprob in logprobs.items():
-                new = BeamSearchSequence(
-                    beam.tokens + [token],
-                    beam.logprobs + [logprobs],
-                    beam.lora_request,
-                    beam.cum_logprob + logprob.logprob,
-                    multi_modal_data=beam.multi_modal_data,
-                    mm_processor_kwargs=beam.mm_processor_kwargs,
+                new = dataclasses.replace(
+                    beam,
+                    tokens=beam.tokens + [token],
+                    logprobs=beam.logprobs + [logprobs],
+                    cum_logprob=beam.cum_logprob + logprob.logprob,
                 )
                 if token in self.eos:
                     new.finish_reason, new.stop_reason = "stop", token

@@ -200,6 +200,19 @@ def test_images_ride_with_every_beam(tmp_path):
     )
 
 
+def test_a_cache_salt_goes_with_every_round(qwen3_path):
+    """The beams' blocks are cached under the prompt's salt, round after round: a
+    beam's tokens again hit them under that salt, and not without it."""
+    llm = LLM(qwen3_path, max_model_len=256, kvcache_block_size=16)
+    prompt = {"prompt_token_ids": PROMPTS[1] * 4, "cache_salt": "a tenant"}  # 28
+    [output] = llm.beam_search([prompt], BeamSearchParams(2, 8, ignore_eos=True))
+    tokens = output.sequences[0].tokens  # 36: two full blocks computed in the rounds
+    one = SamplingParams(max_tokens=1)
+    [plain] = llm.generate({"prompt_token_ids": tokens}, one)
+    [salted] = llm.generate({"prompt_token_ids": tokens, "cache_salt": "a tenant"}, one)
+    assert plain.num_cached_tokens == 0 and salted.num_cached_tokens == 32
+
+
 @pytest.mark.parametrize(
     "fields,message",
     [

@@ -130,7 +130,7 @@ class VLLMEngineAPI:
 
         prompts, _ = as_batch(prompts, None)
         adapters = per_prompt(lora_request, len(prompts))
-        size = concurrency_limit or max(len(prompts), 1)
+        size = max(len(prompts), 1) if concurrency_limit is None else concurrency_limit
         if not isinstance(size, int) or size < 1:
             raise ValueError(f"concurrency_limit must be >= 1, got {size!r}")
         return [

@@ -348,9 +348,9 @@ class DataParallelLLM(VLLMEngineAPI):
         check_priority(priority)
         prompts, sampling_params = as_batch(prompts, sampling_params)
         for prompt, params in zip(prompts, sampling_params):
+            # a prompt with images is read and checked by its replica alone
             if not (isinstance(prompt, dict) and "multi_modal_data" in prompt):
                 self.inputs.make_request(prompt, params, None, ())
-            # a prompt with images is read and checked by its replica alone
         adapters = per_prompt(lora_request, len(prompts))
         live = self.live()
         count = len(live)
