@@ -112,9 +112,8 @@ def parse_request(body: dict, chat_request: bool, llm) -> ParsedRequest:
         if body.get(name) not in allowed:
             raise ValueError(f"{name}: {reason}, got {body[name]!r}")
     prompts = chat_prompt(body, llm) if chat_request else completion_prompts(body, llm)
-    if (
-        body.get("cache_salt") is not None
-    ):  # vLLM's: no cached block shared across salts
+    # vLLM's cache_salt: no cached block shared with another salt's prompts
+    if body.get("cache_salt") is not None:
         prompts = [dict(prompt, cache_salt=body["cache_salt"]) for prompt in prompts]
         salted(prompts[0])  # checked now: a 400 if bad
     tools = tool_calls.choice(body) if chat_request else ("none", None)

@@ -1,8 +1,7 @@
 """An image as a request brings it: a PIL image, a numpy array or torch tensor of uint8
 pixels, a data URL, or a local file (only under `allowed_local_media_path`, as vLLM's);
-read into a PIL image, and named by its
-content (`image_key`): the same pixels under the same processing are the same image
-wherever they come from.
+read into a PIL image, and named by its content (`image_key`): the same pixels under the
+same processing are the same image wherever they come from.
 """
 
 import base64
@@ -75,7 +74,7 @@ def _from_array(pixels):
     import numpy as np
     from PIL import Image
 
-    array = np.asarray(pixels.cpu() if hasattr(pixels, "cpu") else pixels)
+    array = np.asarray(pixels.detach().cpu() if hasattr(pixels, "detach") else pixels)
     if array.dtype != np.uint8:
         raise ValueError(
             f"an image array must hold uint8 pixels (0-255), got {array.dtype}: "
