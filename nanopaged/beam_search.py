@@ -1,5 +1,6 @@
 """vLLM's beam search, `LLM.beam_search(prompts, BeamSearchParams(...))`, above the
-engine: it speaks to `LLM.generate` alone.
+engine: it speaks to `LLM.generate` alone (the server's, `serving/beam_api.py`, to its
+engine loop).
 
 Each prompt keeps `beam_width` beams, sequences of tokens scored by their cumulative
 log-probability. One round is one `generate` call that asks every live beam of every
@@ -70,6 +71,79 @@ def score(
     return beam.cum_logprob / length**length_penalty
 
 
+class BeamSearch:
+    """The search of a batch of prompts, round by round, apart from what runs the
+    rounds: `next_round()` gives the prompts (and their adapters) to run for one token
+    each with `sampling`, `take(outputs)` takes their outputs in that order, and
+    `results(decode)` gives each prompt's best once `next_round()` is None. `LLM`'s
+    driver is `beam_search` below; the server's runs the rounds on its engine loop."""
+
+    def __init__(
+        self,
+        prompts: list,
+        params: BeamSearchParams,
+        adapters: list,
+        eos_token_ids: frozenset,
+        max_model_len: int,
+    ):
+        if not isinstance(params, BeamSearchParams):
+            raise ValueError(
+                f"params must be a BeamSearchParams, got {type(params).__name__}"
+            )
+        self.prompts, self.adapters, self.limit = prompts, adapters, max_model_len
+        self.rounds_left, self.started = params.max_tokens, False
+        eos = frozenset() if params.ignore_eos else eos_token_ids
+        self.searches = [Search(params, eos) for _ in prompts]
+        self.sampling = SamplingParams(
+            max_tokens=1,
+            temperature=params.temperature,
+            logprobs=2 * params.beam_width,
+            ignore_eos=True,
+            detokenize=False,
+        )
+
+    def next_round(self) -> tuple[list, list] | None:
+        """The prompts of the next round and their adapters (the first round: the
+        prompts as given; then every live beam), or None: the search is over."""
+        if not self.started:
+            return self.prompts, self.adapters
+        beams = [beam for search in self.searches for beam in search.beams]
+        if not self.rounds_left or not beams:
+            return None
+        return [token_prompt(beam) for beam in beams], [b.lora_request for b in beams]
+
+    def take(self, outputs: list) -> None:
+        """The outputs of the round `next_round` gave, in its order."""
+        self.rounds_left -= 1
+        if not self.started:
+            self.started = True
+            for prompt, adapter, output, search in zip(
+                self.prompts, self.adapters, outputs, self.searches
+            ):
+                options = prompt if isinstance(prompt, dict) else {}
+                start = BeamSearchSequence(
+                    list(output.prompt_token_ids),
+                    lora_request=adapter,
+                    **{key: options.get(key) for key in PROMPT_OPTIONS},
+                )
+                search.extend([start], [output], self.limit)
+            return
+        for search in self.searches:
+            count = len(search.beams)
+            search.extend(search.beams, outputs[:count], self.limit)
+            outputs = outputs[count:]
+
+    def results(self, decode) -> list[BeamSearchOutput]:
+        """Each prompt's best sequences, their text by `decode` (a tokenizer's)."""
+        results = []
+        for search in self.searches:
+            best = search.best()
+            for beam in best:
+                beam.text = decode(beam.tokens)
+            results.append(BeamSearchOutput(best))
+        return results
+
+
 def beam_search(
     llm,
     prompts: list,
@@ -80,52 +154,25 @@ def beam_search(
     """The `params.beam_width` best sequences of each prompt of `prompts` (texts, token
     ids or vLLM's prompt dicts, images among them), each under its LoRA adapter of
     `adapters` (or None), found by `llm` (an `LLM` or its data-parallel replicas)."""
-    if not isinstance(params, BeamSearchParams):
-        raise ValueError(
-            f"params must be a BeamSearchParams, got {type(params).__name__}"
-        )
-    eos = frozenset() if params.ignore_eos else llm.inputs.eos_token_ids
-    limit = llm.inputs.config.max_model_len
-    one_token = SamplingParams(
-        max_tokens=1,
-        temperature=params.temperature,
-        logprobs=2 * params.beam_width,
-        ignore_eos=True,
-        detokenize=False,
+    search = BeamSearch(
+        prompts,
+        params,
+        adapters,
+        llm.inputs.eos_token_ids,
+        llm.inputs.config.max_model_len,
     )
-    first = llm.generate(prompts, one_token, use_tqdm=use_tqdm, lora_request=adapters)
-    searches = []
-    for prompt, adapter, output in zip(prompts, adapters, first):
-        options = prompt if isinstance(prompt, dict) else {}
-        start = BeamSearchSequence(
-            list(output.prompt_token_ids),
-            lora_request=adapter,
-            **{key: options.get(key) for key in PROMPT_OPTIONS},
+    while (batch := search.next_round()) is not None:
+        round_prompts, round_adapters = batch
+        shown = use_tqdm and round_prompts is prompts  # the first round's bar alone
+        search.take(
+            llm.generate(
+                round_prompts,
+                search.sampling,
+                use_tqdm=shown,
+                lora_request=round_adapters,
+            )
         )
-        searches.append(Search(params, eos))
-        searches[-1].extend([start], [output], limit)
-    for _ in range(params.max_tokens - 1):
-        beams = [beam for search in searches for beam in search.beams]
-        if not beams:
-            break
-        outputs = llm.generate(
-            [token_prompt(beam) for beam in beams],
-            one_token,
-            use_tqdm=False,
-            lora_request=[beam.lora_request for beam in beams],
-        )
-        for search in searches:
-            count = len(search.beams)
-            search.extend(search.beams, outputs[:count], limit)
-            outputs = outputs[count:]
-    tokenizer = llm.get_tokenizer()
-    results = []
-    for search in searches:
-        best = search.best()
-        for beam in best:
-            beam.text = tokenizer.decode(beam.tokens)
-        results.append(BeamSearchOutput(best))
-    return results
+    return search.results(llm.get_tokenizer().decode)
 
 
 def token_prompt(beam: BeamSearchSequence) -> dict:

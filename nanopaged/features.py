@@ -45,8 +45,9 @@ imported only then, each a file or folder a forker may delete with its option:
 - the step trace (`trace/`): the runner `LLMEngineCore` is handed (`TracedRunner`, its
   `launch`); after each step, the `BlockManager`'s and `Scheduler`'s state, read.
 - tensor parallelism (`parallel/tensor.py`): a `ModelRunner` subclass on every rank.
-- beam search (`beam_search.py`, `LLM.beam_search` in `engine/compat.py`):
-  `LLM.generate` alone, a token and its logprobs per beam per round.
+- beam search (`beam_search.py`, `LLM.beam_search` in `engine/compat.py`,
+  `serving/beam_api.py`): `LLM.generate` alone (on the server, its engine loop's
+  requests), a token and its logprobs per beam per round.
 - data parallelism (`engine/data_parallel.py`) and the OpenAI server (`serving/`):
   `LLM`; the server's router, `block_manager.hash_block` (chained as the prefix cache
   does).

@@ -239,3 +239,55 @@ def test_bad_input_is_refused_and_the_engine_goes_on(qwen3_path):
     assert llm.beam_search([], BeamSearchParams(2, 4)) == []
     [output] = llm.beam_search([PROMPTS[1]], BeamSearchParams(2, 4, ignore_eos=True))
     assert len(output.sequences) == 2 and llm.is_finished()
+
+
+def test_the_server_searches_beams_as_llm_beam_search_does(qwen3_path):
+    """vLLM's `use_beam_search` on completions (two prompts) and chat: the `n` best
+    beams of `LLM.beam_search`, best first, their text the generated tokens'."""
+    from test_server import OPTIONS, Server
+
+    server = Server(qwen3_path, *OPTIONS)
+    llm = LLM(qwen3_path, max_model_len=512, kvcache_block_size=16)
+    tokenizer = llm.get_tokenizer()
+    params = BeamSearchParams(3, 6, ignore_eos=True, length_penalty=0.5)
+    try:
+        texts = ["Paged attention", "A block table"]
+        answer = server.client.completions.create(
+            model="tiny",
+            prompt=texts,
+            n=3,
+            max_tokens=6,
+            extra_body={
+                "use_beam_search": True,
+                "ignore_eos": True,
+                "length_penalty": 0.5,
+            },
+        )
+        expected = [
+            tokenizer.decode(beam.tokens[len(tokenizer.encode(text)) :])
+            for text, output in zip(texts, llm.beam_search(texts, params))
+            for beam in output.sequences
+        ]
+        assert [c.text for c in answer.choices] == expected
+        assert [c.index for c in answer.choices] == list(range(6))
+        assert answer.usage.completion_tokens == 36
+        messages = [{"role": "user", "content": "Hi!"}]
+        chat = server.client.chat.completions.create(
+            model="tiny",
+            messages=messages,
+            n=2,
+            max_tokens=5,
+            extra_body={"use_beam_search": True, "ignore_eos": True},
+        )
+        prompt = tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True
+        )
+        ids = tokenizer.encode(prompt, add_special_tokens=False)
+        [output] = llm.beam_search(
+            [{"prompt_token_ids": ids}], BeamSearchParams(2, 5, ignore_eos=True)
+        )
+        assert [c.message.content for c in chat.choices] == [
+            tokenizer.decode(beam.tokens[len(ids) :]) for beam in output.sequences
+        ]
+    finally:
+        server.stop()

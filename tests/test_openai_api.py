@@ -327,9 +327,25 @@ def test_continue_final_message_and_no_generation_prompt(server, llm):
         ),
         (
             "/v1/completions",
-            {"prompt": "hi", "use_beam_search": True},
-            "use_beam_search",
-            "use_beam_search is not supported by this server",
+            {"prompt": "hi", "use_beam_search": True, "top_p": 0.5},
+            None,
+            "use_beam_search does not take top_p",
+        ),
+        (
+            "/v1/chat/completions",
+            {
+                "messages": [{"role": "user", "content": "hi"}],
+                "use_beam_search": True,
+                "stream": True,
+            },
+            None,
+            "use_beam_search does not take stream",
+        ),
+        (
+            "/v1/completions",
+            {"prompt": "hi", "length_penalty": 0.5},
+            None,
+            "length_penalty is beam search's: it needs use_beam_search",
         ),
         (
             "/v1/chat/completions",

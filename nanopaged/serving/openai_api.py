@@ -13,7 +13,11 @@ from dataclasses import dataclass
 from nanopaged import chat
 from nanopaged.checkpoint import is_multimodal
 from nanopaged.inputs import check_priority, salted
-from nanopaged.sampling_params import SamplingParams, StructuredOutputsParams
+from nanopaged.sampling_params import (
+    BeamSearchParams,
+    SamplingParams,
+    StructuredOutputsParams,
+)
 from nanopaged.serving import tool_calls
 
 SAMPLING_FIELDS = {  # request field -> SamplingParams field
@@ -61,6 +65,8 @@ COMMON_FIELDS = {
     "guided_whitespace_pattern",
     "cache_salt",
     "priority",
+    "use_beam_search",
+    "length_penalty",
     *GUIDED_FIELDS,
     *SAMPLING_FIELDS,
 }
@@ -77,6 +83,29 @@ CHAT_FIELDS = COMMON_FIELDS | {
     "add_generation_prompt",
     "continue_final_message",
     "mm_processor_kwargs",
+}
+# what vLLM's beam search (use_beam_search) takes of a request; it refuses the others
+BEAM_FIELDS = {
+    "model",
+    "prompt",
+    "messages",
+    "n",
+    "max_tokens",
+    "max_completion_tokens",
+    "temperature",
+    "ignore_eos",
+    "length_penalty",
+    "include_stop_str_in_output",
+    "use_beam_search",
+    "add_special_tokens",
+    "chat_template",
+    "chat_template_kwargs",
+    "add_generation_prompt",
+    "continue_final_message",
+    "mm_processor_kwargs",
+    "cache_salt",
+    "priority",
+    "user",
 }
 # fields taken only at the value that changes nothing, and why others are refused
 ONLY_DEFAULT = {"suffix": ((None, ""), "suffix (fill-in-the-middle) is not supported")}
@@ -95,6 +124,7 @@ class ParsedRequest:
         False  # max_tokens 0 with echo: the prompt back, nothing generated
     )
     tool_choice: tuple[str, str | None] = ("none", None)  # see tool_calls.choice
+    beam: BeamSearchParams | None = None  # use_beam_search: serving/beam_api.py
 
 
 def parse_request(body: dict, chat_request: bool, llm) -> ParsedRequest:
@@ -123,6 +153,11 @@ def parse_request(body: dict, chat_request: bool, llm) -> ParsedRequest:
         llm.grammars().grammar(params.structured_outputs)  # checked now: a 400 if bad
     longest = max(len(p["prompt_token_ids"]) for p in prompts)
     check_context_length(longest, params, llm.config.max_model_len)
+    if body.get("use_beam_search"):
+        beam = beam_params(body, params, llm.config.max_model_len - longest)
+        return ParsedRequest(prompts, params, False, False, beam=beam)
+    if body.get("length_penalty") is not None:
+        raise ValueError("length_penalty is beam search's: it needs use_beam_search")
     if body.get("stream") and (params.best_of or params.n) > params.n:
         raise ValueError("best_of cannot be streamed")
     return ParsedRequest(
@@ -133,6 +168,25 @@ def parse_request(body: dict, chat_request: bool, llm) -> ParsedRequest:
         bool(body.get("echo")),
         echo_only,
         tools,
+    )
+
+
+def beam_params(body: dict, params: SamplingParams, room: int) -> BeamSearchParams:
+    """vLLM's beam search for a request: `n` beams of `max_tokens` (else as many as
+    the context has `room` for); a field it does not take is refused by name."""
+    for name, value in body.items():
+        if name not in BEAM_FIELDS and value not in (None, False):
+            raise ValueError(
+                f"use_beam_search does not take {name} (beam search keeps the beams "
+                f"the model's logprobs rank highest)"
+            )
+    return BeamSearchParams(
+        beam_width=params.n,
+        max_tokens=params.max_tokens or room,
+        ignore_eos=params.ignore_eos,
+        temperature=body.get("temperature") or 0.0,
+        length_penalty=body.get("length_penalty", 1.0),
+        include_stop_str_in_output=params.include_stop_str_in_output,
     )
 
 

@@ -12,6 +12,7 @@ import uuid
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
+from nanopaged.engine.compat import EnginePaused
 from nanopaged.outputs import CompletionOutput, Logprob, RequestOutput
 from nanopaged.serving import tool_calls
 from nanopaged.serving.openai_api import ParsedRequest
@@ -61,6 +62,52 @@ class Response:
         self.engine.num_waiting += len(self.index)
         self.num_admitted = len(self.index)
         return True
+
+    async def start(self) -> JSONResponse | None:
+        """Hands the request to the engine; the error response if it cannot."""
+        if not self.admit():
+            return error_response(
+                503,
+                f"more than {self.engine.max_waiting} requests are waiting; "
+                f"retry later",
+            )
+        try:
+            await self.submit()
+        except ValueError as error:
+            return bad_request(error)
+        except EnginePaused as error:  # asleep, or mid-update: later
+            return error_response(503, str(error))
+        except Exception as error:
+            return error_response(
+                500, f"the engine could not take the request: {error}"
+            )
+        return None
+
+    async def answer(self) -> dict | JSONResponse:
+        """The whole answer of a request `start` handed on, or an error response."""
+        failed = await self.collect()
+        if failed is not None:
+            return failed
+        choices = [
+            self._chat_choice(i, c) if self.chat else self._completion_choice(i, o, c)
+            for o in self.latest.values()
+            for i, c in self._choices(o)
+        ]
+        return self.envelope(
+            sorted(choices, key=lambda c: c["index"]), usage=self._usage()
+        )
+
+    async def collect(self) -> JSONResponse | None:
+        """Waits for every output (the last of each request in `latest`); the error
+        response if one fails or the server ends them."""
+        try:
+            async for _ in self.outputs():
+                pass
+        except EndedByServer as error:
+            return error_response(503, str(error))
+        except RuntimeError as error:
+            return error_response(500, str(error))
+        return None
 
     async def submit(self) -> None:
         """Hands every prompt to the engine; on a failure, withdraws them all."""
@@ -123,7 +170,7 @@ class Response:
             (self.index[output.request_id] * n + c.index, c) for c in output.outputs
         ]
 
-    def _envelope(self, choices: list, chunk: bool = False, **extra) -> dict:
+    def envelope(self, choices: list, chunk: bool = False, **extra) -> dict:
         kind = (
             ("chat.completion.chunk" if chunk else "chat.completion")
             if self.chat
@@ -150,18 +197,6 @@ class Response:
             "total_tokens": prompt_tokens + completion_tokens,
             "prompt_tokens_details": {"cached_tokens": cached_tokens},
         }
-
-    async def whole(self) -> dict:
-        async for _ in self.outputs():
-            pass
-        choices = [
-            self._chat_choice(i, c) if self.chat else self._completion_choice(i, o, c)
-            for o in self.latest.values()
-            for i, c in self._choices(o)
-        ]
-        return self._envelope(
-            sorted(choices, key=lambda c: c["index"]), usage=self._usage()
-        )
 
     def _completion_choice(
         self, index: int, output: RequestOutput, completion: CompletionOutput
@@ -240,7 +275,7 @@ class Response:
                         ]
                     sent[index] = (len(c.text), len(c.token_ids))
                     for choice in choices:
-                        chunk = self._envelope([choice], chunk=True)
+                        chunk = self.envelope([choice], chunk=True)
                         yield f"data: {json.dumps(chunk)}\n\n"
         except RuntimeError as error:
             body = {
@@ -255,7 +290,7 @@ class Response:
         else:
             if self.parsed.include_usage:
                 usage = self._usage()
-                chunk = self._envelope([], chunk=True, usage=usage)
+                chunk = self.envelope([], chunk=True, usage=usage)
                 yield f"data: {json.dumps(chunk)}\n\n"
         yield "data: [DONE]\n\n"
 

@@ -30,7 +30,6 @@ from starlette.exceptions import HTTPException
 from nanopaged import LLM, chat, envs
 from nanopaged.checkpoint import is_multimodal
 from nanopaged.engine.arg_utils import EngineArgs
-from nanopaged.engine.compat import EnginePaused
 from nanopaged.engine.data_parallel import ReplicaDied, sum_stats
 from nanopaged.lora.request import LoRARequest
 from nanopaged.outputs import EngineStats
@@ -372,28 +371,18 @@ def create_app(
 
 
 async def respond(response: Response):
-    if not response.admit():
-        return error_response(
-            503,
-            f"more than {response.engine.max_waiting} requests are "
-            f"waiting; retry later",
-        )
-    try:
-        await response.submit()
-    except ValueError as error:
-        return bad_request(error)
-    except EnginePaused as error:  # asleep, or mid-update: later
-        return error_response(503, str(error))
-    except Exception as error:
-        return error_response(500, f"the engine could not take the request: {error}")
+    """The response to one request: a stream of events, or the whole answer (a dict),
+    or an error response."""
+    if response.parsed.beam is not None:
+        from nanopaged.serving import beam_api
+
+        return await beam_api.respond(response)
+    refused = await response.start()
+    if refused is not None:
+        return refused
     if response.parsed.stream:
         return StreamingResponse(response.events(), media_type="text/event-stream")
-    try:
-        return await response.whole()
-    except EndedByServer as error:
-        return error_response(503, str(error))
-    except RuntimeError as error:
-        return error_response(500, str(error))
+    return await response.answer()
 
 
 def tokenize_body(llm: LLM, body: dict) -> dict:
