@@ -72,27 +72,22 @@ def score(
 
 
 class BeamSearch:
-    """The search of a batch of prompts, round by round, apart from what runs the
-    rounds: `next_round()` gives the prompts (and their adapters) to run for one token
-    each with `sampling`, `take(outputs)` takes their outputs in that order, and
+    """The search of a batch of prompts on `llm` (an `LLM` or its replicas: their EOS
+    ids and `max_model_len`), round by round, apart from what runs the rounds:
+    `next_round()` gives the prompts (and their adapters) to run for one token each
+    with `sampling`, `take(outputs)` takes their outputs in that order, and
     `results(decode)` gives each prompt's best once `next_round()` is None. `LLM`'s
     driver is `beam_search` below; the server's runs the rounds on its engine loop."""
 
-    def __init__(
-        self,
-        prompts: list,
-        params: BeamSearchParams,
-        adapters: list,
-        eos_token_ids: frozenset,
-        max_model_len: int,
-    ):
+    def __init__(self, llm, prompts: list, params: BeamSearchParams, adapters: list):
         if not isinstance(params, BeamSearchParams):
             raise ValueError(
                 f"params must be a BeamSearchParams, got {type(params).__name__}"
             )
-        self.prompts, self.adapters, self.limit = prompts, adapters, max_model_len
+        self.prompts, self.adapters = prompts, adapters
+        self.limit = llm.inputs.config.max_model_len
         self.rounds_left, self.started = params.max_tokens, False
-        eos = frozenset() if params.ignore_eos else eos_token_ids
+        eos = frozenset() if params.ignore_eos else llm.inputs.eos_token_ids
         self.searches = [Search(params, eos) for _ in prompts]
         self.sampling = SamplingParams(
             max_tokens=1,
@@ -154,13 +149,7 @@ def beam_search(
     """The `params.beam_width` best sequences of each prompt of `prompts` (texts, token
     ids or vLLM's prompt dicts, images among them), each under its LoRA adapter of
     `adapters` (or None), found by `llm` (an `LLM` or its data-parallel replicas)."""
-    search = BeamSearch(
-        prompts,
-        params,
-        adapters,
-        llm.inputs.eos_token_ids,
-        llm.inputs.config.max_model_len,
-    )
+    search = BeamSearch(llm, prompts, params, adapters)
     while (batch := search.next_round()) is not None:
         round_prompts, round_adapters = batch
         shown = use_tqdm and round_prompts is prompts  # the first round's bar alone

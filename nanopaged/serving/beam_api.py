@@ -8,20 +8,14 @@ from fastapi.responses import JSONResponse
 
 from nanopaged.beam_search import BeamSearch, BeamSearchSequence
 from nanopaged.serving.openai_api import ParsedRequest
-from nanopaged.serving.openai_responses import Response, error_response
+from nanopaged.serving.openai_responses import Response
 
 
 async def respond(response: Response) -> dict | JSONResponse:
     """The answer to `response`'s request, whose `parsed.beam` holds its beam search."""
     llm, parsed = response.engine.llm, response.parsed
     adapters = [response.lora_request] * len(parsed.prompts)
-    search = BeamSearch(
-        parsed.prompts,
-        parsed.beam,
-        adapters,
-        llm.inputs.eos_token_ids,
-        llm.config.max_model_len,
-    )
+    search = BeamSearch(llm, parsed.prompts, parsed.beam, adapters)
     while (batch := search.next_round()) is not None:
         round_ = Response(
             response.request,
@@ -31,14 +25,10 @@ async def respond(response: Response) -> dict | JSONResponse:
             response.model_name,
             response.lora_request,
         )
-        failed = await round_.start()
-        if failed is None:
-            failed = await round_.collect()
-        if failed is not None:
-            return failed
-        if round_.client_gone:
-            return error_response(499, "the client went away")
-        search.take([round_.latest[request_id] for request_id in round_.index])
+        outputs = await round_.run()
+        if isinstance(outputs, JSONResponse):
+            return outputs
+        search.take(outputs)
     prompt_lengths = [len(p["prompt_token_ids"]) for p in parsed.prompts]
     choices, completion_tokens = [], 0
     for results, length in zip(search.results(llm.tokenizer.decode), prompt_lengths):
@@ -67,10 +57,12 @@ def text_of(beam: BeamSearchSequence, generated: list[int], decode, parsed) -> s
 
 
 def choice(index: int, beam: BeamSearchSequence, text: str, chat: bool) -> dict:
-    answer = {"message": {"role": "assistant", "content": text}} if chat else {}
+    answer = (
+        {"message": {"role": "assistant", "content": text}} if chat else {"text": text}
+    )
     return {
         "index": index,
-        **(answer or {"text": text}),
+        **answer,
         "logprobs": None,
         "finish_reason": beam.finish_reason,
         "stop_reason": beam.stop_reason,

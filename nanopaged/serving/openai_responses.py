@@ -97,6 +97,18 @@ class Response:
             sorted(choices, key=lambda c: c["index"]), usage=self._usage()
         )
 
+    async def run(self) -> list[RequestOutput] | JSONResponse:
+        """Starts the request and waits for it: each prompt's last output, in order;
+        or the error response (a 499 if the client went away)."""
+        failed = await self.start()
+        if failed is None:
+            failed = await self.collect()
+        if failed is not None:
+            return failed
+        if self.client_gone:  # its requests are aborted; nobody reads an answer
+            return error_response(499, "the client closed the request")
+        return [self.latest[request_id] for request_id in self.index]
+
     async def collect(self) -> JSONResponse | None:
         """Waits for every output (the last of each request in `latest`); the error
         response if one fails or the server ends them."""

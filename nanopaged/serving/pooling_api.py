@@ -12,14 +12,11 @@ from dataclasses import dataclass
 import numpy as np
 from fastapi import FastAPI, Request
 
-from nanopaged.engine.compat import EnginePaused
 from nanopaged.pooling.params import PoolingParams
 from nanopaged.pooling.pooling_llm import paired
 from nanopaged.serving.openai_responses import (
-    EndedByServer,
     Response,
     bad_request,
-    error_response,
     read_body,
 )
 
@@ -92,27 +89,7 @@ def params_of(body: dict, task: str) -> PoolingParams:
 
 async def run(request: Request, engine, batch: PoolingBatch, model: str):
     """The outputs of every input, in order; or the error response."""
-    response = Response(request, engine, batch, False, model)
-    if not response.admit():
-        return error_response(
-            503, f"more than {engine.max_waiting} requests are waiting; retry later"
-        )
-    try:
-        await response.submit()
-    except ValueError as error:
-        return bad_request(error)
-    except EnginePaused as error:  # asleep, or mid-update: later
-        return error_response(503, str(error))
-    try:
-        async for _ in response.outputs():
-            pass
-    except EndedByServer as error:
-        return error_response(503, str(error))
-    except RuntimeError as error:
-        return error_response(500, str(error))
-    if response.client_gone:  # its requests are aborted; nobody reads an answer
-        return error_response(499, "the client closed the request")
-    return [response.latest[request_id] for request_id in response.index]
+    return await Response(request, engine, batch, False, model).run()
 
 
 def usage(outputs) -> dict:
